@@ -1,1 +1,37 @@
+"""Config contract: dataclasses, YAML loading and validation (no torch.distributed here)."""
 
+from .load import ConfigError, apply_overrides, build_config, read_yaml
+from .schema import (
+    LANGUAGE,
+    DataConfig,
+    EncoderConfig,
+    LanguageConfig,
+    MimoConfig,
+    ModelConfig,
+    ParallelConfig,
+    ProjectorConfig,
+    TrainingConfig,
+)
+from .validate import placement, validate
+
+
+def load_config(source, overrides=(), world_size=None) -> MimoConfig:
+    """Load a YAML path (or a raw dict), apply `a.b=value` overrides, validate.
+
+    Raises ConfigError listing every problem; `world_size` (if given) is also
+    checked against the rank ranges.
+    """
+    raw = read_yaml(source) if isinstance(source, str) else dict(source)
+    raw = apply_overrides(raw, list(overrides))
+    cfg, problems = build_config(raw)
+    problems += validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+__all__ = [
+    "ConfigError", "DataConfig", "EncoderConfig", "LANGUAGE", "LanguageConfig", "MimoConfig",
+    "ModelConfig", "ParallelConfig", "ProjectorConfig", "TrainingConfig", "load_config",
+    "placement", "validate",
+]

@@ -1,0 +1,181 @@
+"""YAML -> dataclasses, collecting every problem instead of stopping at the first.
+
+Errors are `(dotted.path, reason)` pairs so the CLI can print one line per
+problem and users can fix a whole file in one go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Dict, List, Tuple, Union
+
+import yaml
+
+from .schema import MimoConfig
+
+Problem = Tuple[str, str]
+# Returned by the converters for a value that could not be converted, so that
+# a legitimate None (an optional field) is not mistaken for a failure.
+_INVALID = object()
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found; str() gives the CLI's lines."""
+
+    def __init__(self, problems: List[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"error: {p}: {r}" for p, r in self.problems))
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _type_name(args[0])
+    if origin in (list, List):
+        return "a list of " + _type_name(typing.get_args(tp)[0]) + "s"
+    if origin in (dict, Dict):
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _convert(tp, value: Any, path: str, problems: List[Problem]):
+    """Convert one YAML value to `tp`; record a problem and return _INVALID on mismatch."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path, problems)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            problems.append((path, f"must be {_type_name(tp)}, got {value!r}"))
+            return _INVALID
+        _, vtype = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                problems.append((f"{path}.{k}", "keys must be strings"))
+                return _INVALID
+            out[k] = _convert(vtype, v, f"{path}.{k}", problems)
+        return _INVALID if any(v is _INVALID for v in out.values()) else out
+    if origin in (list, List):
+        if not isinstance(value, list):
+            problems.append((path, f"must be {_type_name(tp)}, got {value!r}"))
+            return _INVALID
+        (etype,) = typing.get_args(tp)
+        out = [_convert(etype, v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return _INVALID if any(v is _INVALID for v in out) else out
+    # bool is a subclass of int in Python; `tp: 2` must not be True and `frozen: 1` not a bool.
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+        elif isinstance(value, str):
+            # YAML 1.1 reads `1e-4` (no dot) as a string; accept it as a number.
+            try:
+                value, ok = float(value), True
+            except ValueError:
+                ok = False
+    elif tp is str:
+        ok = isinstance(value, str)
+    else:  # pragma: no cover - schema uses only the types above
+        ok = True
+    if not ok:
+        problems.append((path, f"must be {_type_name(tp)}, got {value!r}"))
+        return _INVALID
+    return value
+
+
+def _build(cls, data: Any, path: str, problems: List[Problem]):
+    if not isinstance(data, dict):
+        problems.append((path or "<root>", f"must be a mapping, got {data!r}"))
+        return _INVALID
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            problems.append((_join(path, key), f"unknown key (valid keys: {', '.join(sorted(fields))})"))
+    kwargs = {}
+    missing = False
+    for name, f in fields.items():
+        sub = _join(path, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], sub, problems)
+            if kwargs[name] is _INVALID:
+                missing = True
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            problems.append((sub, "required field is missing"))
+            missing = True
+    if missing:
+        return _INVALID
+    # A field given explicitly as null falls back to its default.
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or fields[k].default is None}
+    return cls(**kwargs)
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a raw config dict."""
+    problems: List[Problem] = []
+    for item in overrides:
+        if "=" not in item:
+            problems.append((item, "override must look like dotted.path=value"))
+            continue
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                problems.append((key, f"cannot set a key under non-mapping {p!r}"))
+                break
+        else:
+            node[parts[-1]] = yaml.safe_load(text)
+    if problems:
+        raise ConfigError(problems)
+    return raw
+
+
+def read_yaml(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError([("<file>", f"no such file: {path}")])
+    except yaml.YAMLError as exc:
+        raise ConfigError([("<file>", f"invalid YAML: {str(exc).splitlines()[0]}")])
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([("<root>", "the config must be a mapping")])
+    return raw
+
+
+def build_config(raw: Dict[str, Any]) -> Tuple[MimoConfig, List[Problem]]:
+    """Dataclasses from a raw dict, plus the problems found on the way.
+
+    Raises ConfigError when the dataclasses cannot be built at all (a wrong
+    type, a missing field); unknown keys are only reported, so that semantic
+    validation can still run and the user sees every problem at once.
+    """
+    problems: List[Problem] = []
+    raw = dict(raw)
+    raw.setdefault("data", {})
+    raw.setdefault("parallelism", {})
+    cfg = _build(MimoConfig, raw, "", problems)
+    if cfg is _INVALID:
+        raise ConfigError(problems)
+    return cfg, problems

@@ -1,0 +1,141 @@
+"""Dataclasses mirroring the YAML contract in DESIGN.md.
+
+Every field has the YAML name. Defaults live here and nowhere else, so the
+loader, the validator and the docs agree on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+LANGUAGE = "language"
+ENCODER_KINDS = ("vision", "audio")
+PROJECTOR_KINDS = ("mlp", "linear")
+ATTENTION_KINDS = ("sdpa", "bitfield")
+OPTIMIZERS = ("adam", "sgd")
+PRECISIONS = ("fp32", "bf16")
+DATA_KINDS = ("mock",)
+
+
+@dataclass
+class ProjectorConfig:
+    kind: str = "mlp"
+    frozen: bool = False
+
+
+@dataclass
+class LanguageConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    max_sequence_length: int
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    frozen: bool = False
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+
+@dataclass
+class EncoderConfig:
+    kind: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None
+    frozen: bool = False
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    attention: str = "sdpa"
+    # vision
+    image_size: Optional[int] = None
+    patch_size: Optional[int] = None
+    num_channels: int = 3
+    # audio
+    num_mel_bins: int = 16
+    clip_frames: int = 64
+    frames_per_token: int = 4
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def tokens_per_item(self) -> int:
+        """Modality tokens one image / one clip turns into."""
+        if self.kind == "vision":
+            return (self.image_size // self.patch_size) ** 2
+        return self.clip_frames // self.frames_per_token
+
+
+@dataclass
+class ModelConfig:
+    language: LanguageConfig
+    encoders: Dict[str, EncoderConfig] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    rank_offset: int = 0
+    stage_layers: Optional[List[int]] = None
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp * self.ep
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+
+@dataclass
+class DataConfig:
+    kind: str = "mock"
+    seq_length: int = 128
+    seed: int = 0
+    max_images_per_sample: int = 2
+    max_audio_per_sample: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    global_batch_size: int
+    micro_batch_size: int = 1
+    train_iters: int = 10
+    optimizer: str = "adam"
+    lr: float = 1.0e-3
+    seed: int = 1234
+    precision: str = "fp32"
+    weight_decay: float = 0.0
+    clip_grad: float = 0.0
+    log_interval: int = 1
+    timeout_minutes: float = 10.0
+
+
+@dataclass
+class MimoConfig:
+    model: ModelConfig
+    parallelism: Dict[str, ParallelConfig]
+    data: DataConfig
+    training: TrainingConfig
+
+    @property
+    def modules(self) -> List[str]:
+        """Module names in a fixed order: encoders (config order), then the LLM."""
+        return list(self.model.encoders) + [LANGUAGE]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: the end of the furthest rank range."""
+        return max(p.rank_offset + p.size for p in self.parallelism.values())

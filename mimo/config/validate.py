@@ -1,0 +1,215 @@
+"""Semantic checks on a loaded config. Pure Python: runs before any process group.
+
+Each rule appends `(dotted.path, reason)`; nothing stops at the first problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from .load import Problem
+from .schema import (
+    ATTENTION_KINDS,
+    DATA_KINDS,
+    ENCODER_KINDS,
+    LANGUAGE,
+    OPTIMIZERS,
+    PRECISIONS,
+    PROJECTOR_KINDS,
+    EncoderConfig,
+    LanguageConfig,
+    MimoConfig,
+    ParallelConfig,
+)
+
+
+def placement(a: ParallelConfig, b: ParallelConfig) -> str:
+    """`colocated` (same ranks), `non-colocated` (disjoint) or `overlap` (invalid)."""
+    ra, rb = set(a.ranks), set(b.ranks)
+    if ra == rb:
+        return "colocated"
+    if ra.isdisjoint(rb):
+        return "non-colocated"
+    return "overlap"
+
+
+def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]:
+    problems: List[Problem] = []
+    add = lambda path, reason: problems.append((path, reason))  # noqa: E731
+
+    _positive_ints(cfg, add)
+    lang = cfg.model.language
+    _check_choice(lang.attention, ATTENTION_KINDS, "model.language.attention", add)
+    _check_heads(lang, "model.language", add)
+    if isinstance(lang.num_query_groups, int) and lang.num_query_groups > 0 and lang.num_attention_heads % lang.num_query_groups:
+        add("model.language.num_query_groups", f"must divide num_attention_heads ({lang.num_attention_heads})")
+    if cfg.data.seq_length > lang.max_sequence_length:
+        add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
+
+    for name, enc in cfg.model.encoders.items():
+        path = f"model.encoders.{name}"
+        if name == LANGUAGE:
+            add(path, f"'{LANGUAGE}' is reserved for the LLM; rename the encoder")
+        _check_encoder(enc, path, add)
+        if enc.kind in ENCODER_KINDS and _tokens_ok(enc) and enc.tokens_per_item >= cfg.data.seq_length:
+            add(path, f"one item is {enc.tokens_per_item} tokens, which does not fit in data.seq_length ({cfg.data.seq_length})")
+
+    _check_choice(cfg.data.kind, DATA_KINDS, "data.kind", add)
+    tr = cfg.training
+    _check_choice(tr.optimizer, OPTIMIZERS, "training.optimizer", add)
+    _check_choice(tr.precision, PRECISIONS, "training.precision", add)
+    if not tr.lr > 0:
+        add("training.lr", f"must be > 0, got {tr.lr}")
+    if tr.weight_decay < 0:
+        add("training.weight_decay", "must be >= 0")
+    if tr.clip_grad < 0:
+        add("training.clip_grad", "must be >= 0 (0 disables clipping)")
+    if not tr.timeout_minutes > 0:
+        add("training.timeout_minutes", "must be > 0")
+
+    _check_parallelism(cfg, world_size, add)
+    return problems
+
+
+def _positive_ints(cfg: MimoConfig, add) -> None:
+    """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
+    non_negative = {"rank_offset", "seed"}
+    sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
+    sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
+    sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
+    for path, obj in sections:
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                continue
+            if f.name in non_negative or f.name.startswith("max_") and f.name.endswith("_per_sample"):
+                if v < 0:
+                    add(f"{path}.{f.name}", f"must be >= 0, got {v}")
+            elif v < 1:
+                add(f"{path}.{f.name}", f"must be a positive integer, got {v}")
+
+
+def _check_choice(value, choices, path, add) -> None:
+    if value not in choices:
+        add(path, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_heads(m, path: str, add) -> None:
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        add(f"{path}.hidden_size", f"must be divisible by num_attention_heads ({m.num_attention_heads})")
+
+
+def _tokens_ok(enc: EncoderConfig) -> bool:
+    if enc.kind == "vision":
+        return bool(enc.image_size and enc.patch_size and enc.image_size % enc.patch_size == 0)
+    return enc.frames_per_token > 0 and enc.clip_frames % enc.frames_per_token == 0
+
+
+def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
+    _check_choice(enc.kind, ENCODER_KINDS, f"{path}.kind", add)
+    _check_choice(enc.projector.kind, PROJECTOR_KINDS, f"{path}.projector.kind", add)
+    _check_choice(enc.attention, ATTENTION_KINDS, f"{path}.attention", add)
+    _check_heads(enc, path, add)
+    if enc.kind == "vision":
+        for f in ("image_size", "patch_size"):
+            if getattr(enc, f) is None:
+                add(f"{path}.{f}", "required for a vision encoder")
+        if enc.image_size and enc.patch_size and enc.image_size > 0 and enc.patch_size > 0:
+            if enc.image_size % enc.patch_size:
+                add(f"{path}.image_size", f"must be divisible by patch_size ({enc.patch_size})")
+    elif enc.kind == "audio":
+        if enc.frames_per_token > 0 and enc.clip_frames % enc.frames_per_token:
+            add(f"{path}.clip_frames", f"must be divisible by frames_per_token ({enc.frames_per_token})")
+
+
+def _module(cfg: MimoConfig, name: str):
+    return cfg.model.language if name == LANGUAGE else cfg.model.encoders[name]
+
+
+def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
+    modules = cfg.modules
+    for name in cfg.parallelism:
+        if name not in modules:
+            add(f"parallelism.{name}", f"no such module (modules: {', '.join(modules)})")
+    missing = [m for m in modules if m not in cfg.parallelism]
+    for m in missing:
+        add(f"parallelism.{m}", "missing: every module needs a parallelism entry")
+    if missing or any(p.size < 1 for p in cfg.parallelism.values()):
+        return
+
+    for name in modules:
+        par, mod, path = cfg.parallelism[name], _module(cfg, name), f"parallelism.{name}"
+        _check_module_layout(name, par, mod, path, add)
+
+    # Rank ranges: identical (colocated) or disjoint (non-colocated), inside the world.
+    for i, a in enumerate(modules):
+        for b in modules[i + 1:]:
+            if placement(cfg.parallelism[a], cfg.parallelism[b]) == "overlap":
+                pa, pb = cfg.parallelism[a], cfg.parallelism[b]
+                add(f"parallelism.{b}", f"ranks [{pb.ranks.start}, {pb.ranks.stop}) partially overlap "
+                    f"parallelism.{a} ranks [{pa.ranks.start}, {pa.ranks.stop}); they must be identical or disjoint")
+    if world_size is not None:
+        used = set()
+        for name in modules:
+            p = cfg.parallelism[name]
+            used.update(p.ranks)
+            if p.ranks.stop > world_size:
+                add(f"parallelism.{name}", f"needs ranks [{p.ranks.start}, {p.ranks.stop}) but the world size is {world_size}")
+        idle = sorted(set(range(world_size)) - used)
+        if idle:
+            add("parallelism", f"ranks {_ranges(idle)} of world size {world_size} belong to no module")
+
+    _check_batch(cfg, add)
+
+
+def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None:
+    if par.tp > 0:
+        dims = [("num_attention_heads", mod.num_attention_heads), ("hidden_size", mod.hidden_size),
+                ("ffn_hidden_size", mod.ffn_hidden_size)]
+        if isinstance(mod, LanguageConfig):
+            dims.insert(1, ("num_query_groups", mod.num_query_groups))
+        for field, value in dims:
+            if isinstance(value, int) and value % par.tp:
+                add(f"{path}.tp", f"must divide {field} ({value})")
+    if par.pp > mod.num_layers:
+        add(f"{path}.pp", f"must be <= num_layers ({mod.num_layers})")
+    if name != LANGUAGE and par.cp != 1:
+        add(f"{path}.cp", "encoders run with cp = 1 (context parallelism is for the LLM)")
+    if par.ep != 1:
+        add(f"{path}.ep", "must be 1: mimo builds no mixture-of-experts layers")
+    if par.stage_layers is not None:
+        sl = par.stage_layers
+        if len(sl) != par.pp:
+            add(f"{path}.stage_layers", f"needs one entry per pipeline stage (pp = {par.pp}), got {len(sl)}")
+        if any(not isinstance(x, int) or x < 1 for x in sl):
+            add(f"{path}.stage_layers", "every stage needs at least one layer")
+        elif sum(sl) != mod.num_layers:
+            add(f"{path}.stage_layers", f"must sum to num_layers ({mod.num_layers}), got {sum(sl)}")
+
+
+def _check_batch(cfg: MimoConfig, add) -> None:
+    tr, pl = cfg.training, cfg.parallelism[LANGUAGE]
+    g, m, dl = tr.global_batch_size, tr.micro_batch_size, pl.dp
+    if g % (m * dl):
+        add("training.global_batch_size", f"must be divisible by micro_batch_size * language dp ({m} * {dl} = {m * dl})")
+    for name in cfg.model.encoders:
+        pe, path = cfg.parallelism[name], f"parallelism.{name}.dp"
+        de = pe.dp
+        if de % dl and dl % de:
+            add(path, f"encoder dp ({de}) and language dp ({dl}) must divide one another")
+            continue
+        if placement(pe, pl) == "colocated":
+            if g % de:
+                add(path, f"colocated encoder dp ({de}) must divide training.global_batch_size ({g})")
+        elif de > dl and (m * dl) % de:
+            add(path, f"fan-in needs micro_batch_size * language dp ({m * dl}) divisible by encoder dp ({de})")
+
+
+def _ranges(xs: List[int]) -> str:
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

@@ -1,0 +1,55 @@
+"""Device and backend selection. The only place in mimo that asks about CUDA."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process computes and how it talks to the others."""
+
+    device: torch.device
+    backend: str  # "nccl" | "gloo"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def select_runtime(preference: str = "auto") -> Runtime:
+    """`auto`: NCCL + this process's GPU when CUDA is usable, else gloo + CPU."""
+    if preference not in DEVICE_CHOICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {preference!r}")
+    use_cuda = preference == "cuda" or (preference == "auto" and cuda_available())
+    if use_cuda and not cuda_available():
+        raise RuntimeError("--device cuda was requested but CUDA is not available on this machine")
+    if not use_cuda:
+        return Runtime(torch.device("cpu"), "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+    torch.cuda.set_device(local_rank)
+    return Runtime(torch.device("cuda", local_rank), "nccl")
+
+
+def synchronize(runtime: Runtime) -> None:
+    """Wait for queued device work, so step timings measure the work itself."""
+    if runtime.is_cuda:
+        torch.cuda.synchronize(runtime.device)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the host RNG and, where present, every GPU's RNG."""
+    torch.manual_seed(seed)
+    if cuda_available():
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,48 @@
+"""Process-group start-up and shutdown, with timeouts so a dead rank never hangs the rest."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mcore_random
+
+from . import megatron_cpu
+from .device import Runtime
+
+
+def init_distributed(runtime: Runtime, timeout_minutes: float = 10.0) -> None:
+    """Join the job launched by torchrun / srun (env:// rendezvous)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"environment variables {', '.join(missing)} are not set: launch with torchrun "
+            "(e.g. `torchrun --nproc-per-node 2 examples/pretrain_mimo.py ...`) or srun")
+    kwargs = dict(backend=runtime.backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    if runtime.is_cuda:
+        kwargs["device_id"] = runtime.device
+    dist.init_process_group(**kwargs)
+
+
+def setup_megatron(runtime: Runtime, seed: int) -> None:
+    """Prepare megatron-core's process-global state for mimo-built process groups.
+
+    mimo never calls ``initialize_model_parallel`` (each module has its own
+    groups), so the RNG tracker and the global memory buffer it would create
+    are created here.
+    """
+    if not runtime.is_cuda:
+        megatron_cpu.adapt_for_cpu(seed)
+        return
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    mcore_random.get_cuda_rng_tracker().add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    megatron_cpu.restore()

@@ -1,0 +1,92 @@
+"""Run a function on N local CPU ranks (gloo): the multi-rank harness for tests and tools.
+
+Each rank is a spawned process with RANK/WORLD_SIZE set as torchrun would.
+Results come back in rank order; if any rank raises, every rank is stopped
+and the first failure is re-raised with its rank and traceback, so a broken
+rank never leaves the others waiting on a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results, timeout_minutes):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Keep each rank single-threaded: N ranks share the machine's cores.
+    import torch
+
+    torch.set_num_threads(1)
+    from .device import select_runtime
+    from .distributed import init_distributed, setup_megatron, shutdown
+
+    try:
+        runtime = select_runtime("cpu")
+        init_distributed(runtime, timeout_minutes)
+        setup_megatron(runtime, seed=0)
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException as exc:  # report everything, including assertion failures
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            shutdown()
+        except Exception:
+            pass
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> List[Any]:
+    """Call `fn(*args)` on `world_size` gloo ranks; return each rank's result, rank order.
+
+    `fn` must be importable (module-level) so spawned processes can find it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s / 60.0),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, failure = {}, None
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                failure = f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(out))}" + (
+                    f" (ranks {dead} exited without reporting)" if dead else "")
+                break
+            if status == "error":
+                failure = f"rank {rank} failed: {value}"
+                break
+            out[rank] = value
+    finally:
+        if failure:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failure:
+        raise RankFailed(failure)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,91 @@
+"""Per-module process groups over each module's own rank range.
+
+Every rank builds every module's grid, in config order, with the same group
+enumeration, because creating a process group is a collective over the whole
+world: a rank that skipped a module it does not belong to would deadlock the
+others. Groups are created with megatron-core's HyperCommGrid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch.distributed as dist
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from .layout import DIMS, Layout
+
+# The groups megatron-core's modules read from a ProcessGroupCollection,
+# keyed by the collection's attribute name.
+GROUP_DIMS = {
+    "tp": ["tp"],
+    "cp": ["cp"],
+    "dp": ["dp"],
+    "pp": ["pp"],
+    "ep": ["ep"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
+    "mp": ["tp", "pp"],
+}
+
+
+@dataclass
+class ModuleGrid:
+    """One module's grid; `groups` holds this rank's groups (empty if not a member)."""
+
+    name: str
+    layout: Layout
+    rank: int
+    groups: Dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    hyper_grid: Optional[HyperCommGrid] = None
+
+    @property
+    def is_member(self) -> bool:
+        return self.layout.contains(self.rank)
+
+    @property
+    def coords(self) -> Dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.layout.pp - 1
+
+    def pg_collection(self) -> ProcessGroupCollection:
+        """The groups megatron-core modules of this module are built with."""
+        if not self.is_member:
+            raise RuntimeError(f"rank {self.rank} holds no part of module {self.name!r}")
+        pgs = ProcessGroupCollection()
+        for key, group in self.groups.items():
+            setattr(pgs, key, group)
+        # Embedding groups tie input and output embeddings across the first and
+        # last pipeline stages; mimo does not tie them, so they span just this rank's stage.
+        pgs.embd = self.groups["pp"] if self.layout.pp == 1 else None
+        pgs.pos_embd = self.groups["pp"] if self.layout.pp == 1 else None
+        # No mixture-of-experts: expert groups degenerate to the dense ones.
+        pgs.expt_tp = self.groups["tp"]
+        pgs.tp_ep = self.groups["tp"]
+        pgs.expt_dp = self.groups["dp"]
+        return pgs
+
+
+def build_module_grid(name: str, layout: Layout, backend: Optional[str] = None) -> ModuleGrid:
+    """Collective: every rank must call this for every module, in the same order."""
+    hyper = HyperCommGrid(layout.shape, list(DIMS), rank_offset=layout.rank_offset, backend=backend)
+    grid = ModuleGrid(name=name, layout=layout, rank=dist.get_rank(), hyper_grid=hyper)
+    for key, dims in GROUP_DIMS.items():
+        expected = sorted(sorted(g) for g in layout.groups(dims))
+        got = sorted(sorted(g) for g in hyper.get_rank_enum(dims))
+        if expected != got:  # our coordinate math and megatron's grid must agree
+            raise RuntimeError(f"{name}: group enumeration for {dims} differs from HyperCommGrid's")
+        pg = hyper.create_pg(dims)
+        if pg is not None and grid.is_member:
+            grid.groups[key] = pg
+    return grid

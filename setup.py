@@ -1,0 +1,29 @@
+"""mimo: heterogeneous-parallel multimodal LLM training as a megatron-core plugin."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mimo",
+    version="0.1.0",
+    description="Heterogeneous-parallel multimodal LLM training on megatron-core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mimo", "mimo.*"]),
+    install_requires=[
+        # 2.13.0 matches both the CPU build (2.13.0+cpu) and the CUDA build;
+        # scripts/setup.sh picks the CPU build where there is no GPU.
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        # The Triton release torch 2.13.0's CUDA build pins.
+        "triton==3.7.1",
+        "pyyaml==6.0.3",
+        "numpy>=1.26,<3",
+        # megatron-core's HyperCommGrid needs einops but does not declare it.
+        "einops==0.8.1",
+    ],
+    extras_require={
+        "test": ["pytest==9.0.3"],
+        "gpu": ["transformer-engine[pytorch]==2.20.2"],
+    },
+)

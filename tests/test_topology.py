@@ -1,0 +1,83 @@
+"""Topology: coordinate math, and the real process groups each rank ends up in."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mimo.config import load_config
+from mimo.runtime import run_on_ranks
+from mimo.topology import GROUP_DIMS, Layout, build_topology
+
+
+def test_layout_coords_round_trip_and_tp_fastest():
+    lay = Layout(tp=2, cp=1, dp=3, pp=2, rank_offset=4)
+    assert list(lay.ranks) == list(range(4, 16))
+    for r in lay.ranks:
+        assert lay.rank(**lay.coords(r)) == r
+    assert lay.coords(5) == dict(tp=1, cp=0, ep=0, dp=0, pp=0)
+    assert lay.coords(6) == dict(tp=0, cp=0, ep=0, dp=1, pp=0)
+    assert lay.coords(10) == dict(tp=0, cp=0, ep=0, dp=0, pp=1)
+    with pytest.raises(ValueError):
+        lay.coords(3)
+
+
+def test_layout_groups_partition_the_range():
+    lay = Layout(tp=2, cp=2, dp=2, pp=2)
+    for dims in GROUP_DIMS.values():
+        groups = lay.groups(dims)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(lay.ranks)
+        size = 1
+        for d in dims:
+            size *= getattr(lay, d)
+        assert all(len(g) == size for g in groups)
+        # Members of a group agree on every coordinate outside `dims`.
+        for g in groups:
+            others = {tuple(v for k, v in lay.coords(r).items() if k not in dims) for r in g}
+            assert len(others) == 1
+
+
+def _cfg(language, images):
+    return {
+        "model": {
+            "language": dict(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=64,
+                             max_sequence_length=32),
+            "encoders": {"images": dict(kind="vision", num_layers=1, hidden_size=8, num_attention_heads=2,
+                                        image_size=8, patch_size=4)},
+        },
+        "parallelism": {"language": language, "images": images},
+        "data": {"seq_length": 32},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2},
+    }
+
+
+def _membership(raw):
+    cfg = load_config(raw)
+    topo = build_topology(cfg)
+    out = {"roles": topo.roles, "edges": [(e.src, e.dst, e.placement) for e in topo.edges], "groups": {}}
+    for name in topo.roles:
+        grid = topo.grid(name)
+        for key, pg in grid.groups.items():
+            # Ask the real group who is in it: all-gather global ranks over it.
+            ranks = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(pg))]
+            dist.all_gather(ranks, torch.tensor([dist.get_rank()]), group=pg)
+            out["groups"][(name, key)] = sorted(int(t) for t in ranks)
+    return out
+
+
+@pytest.mark.parametrize("language,images,placement", [
+    (dict(tp=2, dp=2), dict(tp=2, dp=2), "colocated"),
+    (dict(tp=2, dp=1), dict(tp=1, dp=2, rank_offset=2), "non-colocated"),
+])
+def test_real_groups_match_layout(language, images, placement):
+    raw = _cfg(language, images)
+    cfg = load_config(raw)
+    results = run_on_ranks(_membership, cfg.world_size, raw)
+    for rank, res in enumerate(results):
+        assert res["edges"] == [("images", "language", placement)]
+        for name in ("language", "images"):
+            lay = Layout.from_config(cfg.parallelism[name])
+            assert (name in res["roles"]) == lay.contains(rank)
+            if lay.contains(rank):
+                for key, dims in GROUP_DIMS.items():
+                    assert res["groups"][(name, key)] == sorted(lay.group_of(rank, dims)), (rank, name, key)
