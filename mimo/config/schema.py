@@ -136,6 +136,12 @@ class MimoConfig:
         return list(self.model.encoders) + [LANGUAGE]
 
     @property
+    def placeholder_ids(self) -> Dict[str, int]:
+        """Each encoder's placeholder token: the top ids of the LLM vocabulary, in config order."""
+        v = self.model.language.vocab_size
+        return {name: v - 1 - i for i, name in enumerate(self.model.encoders)}
+
+    @property
     def world_size(self) -> int:
         """Ranks the layout needs: the end of the furthest rank range."""
         return max(p.rank_offset + p.size for p in self.parallelism.values())

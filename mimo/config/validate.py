@@ -55,6 +55,10 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         if enc.kind in ENCODER_KINDS and _tokens_ok(enc) and enc.tokens_per_item >= cfg.data.seq_length:
             add(path, f"one item is {enc.tokens_per_item} tokens, which does not fit in data.seq_length ({cfg.data.seq_length})")
 
+    trainable = not lang.frozen or any(not e.frozen or not e.projector.frozen for e in cfg.model.encoders.values())
+    if not trainable:
+        add("model", "every module is frozen: nothing would be trained")
+
     _check_choice(cfg.data.kind, DATA_KINDS, "data.kind", add)
     tr = cfg.training
     _check_choice(tr.optimizer, OPTIMIZERS, "training.optimizer", add)

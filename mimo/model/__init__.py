@@ -1,1 +1,15 @@
+"""Encoders, projectors, embedding assembly and the GPT LLM, from megatron-core parts."""
 
+from .assembly import assemble_embeddings
+from .multimodal import (
+    EncoderWithProjector,
+    MultimodalModel,
+    build_encoder,
+    build_llm,
+    encode,
+    llm_loss,
+    set_frozen,
+)
+
+__all__ = ["EncoderWithProjector", "MultimodalModel", "assemble_embeddings", "build_encoder", "build_llm",
+           "encode", "llm_loss", "set_frozen"]

@@ -1,0 +1,112 @@
+"""The multimodal model: encoders -> projectors -> embedding assembly -> GPT LLM.
+
+Model definition only: each part is built with the process groups it is
+handed (its module's ProcessGroupCollection); which ranks hold which part is
+decided by mimo.topology and the training loop, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from mimo.config import LANGUAGE, MimoConfig
+from mimo.topology import Layout
+
+from .assembly import assemble_embeddings
+from .encoders import AudioEncoder, VisionEncoder
+from .projector import build_projector, project
+from .specs import llm_layer_spec
+from .transformer_config import transformer_config
+
+
+class EncoderWithProjector(torch.nn.Module):
+    """One modality path: items -> encoder -> projector -> packed LLM-width tokens."""
+
+    def __init__(self, encoder: torch.nn.Module, projector: torch.nn.Module):
+        super().__init__()
+        self.encoder, self.projector = encoder, projector
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        return project(self.projector, self.encoder(items))
+
+
+def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> EncoderWithProjector:
+    enc = cfg.model.encoders[name]
+    precision = cfg.training.precision
+    ecfg = transformer_config(enc, layout, precision)
+    if enc.kind == "vision":
+        encoder = VisionEncoder(ecfg, enc.image_size, enc.patch_size, enc.num_channels, enc.attention, pg_collection)
+    else:
+        encoder = AudioEncoder(ecfg, enc.clip_frames, enc.frames_per_token, enc.num_mel_bins, enc.attention,
+                               pg_collection)
+    # The projector lives with its encoder (same ranks, same TP group) but
+    # speaks the LLM's width.
+    lcfg = transformer_config(cfg.model.language, layout, precision)
+    projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp)
+    module = EncoderWithProjector(encoder, projector)
+    module.to(ecfg.params_dtype)
+    set_frozen(module.encoder, enc.frozen)
+    set_frozen(module.projector, enc.projector.frozen)
+    return module
+
+
+def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
+    lang = cfg.model.language
+    config = transformer_config(lang, layout, cfg.training.precision)
+    model = GPTModel(config=config, transformer_layer_spec=llm_layer_spec(lang.attention),
+                     vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
+                     pre_process=True, post_process=True, parallel_output=True,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     pg_collection=pg_collection)
+    set_frozen(model, lang.frozen)
+    return model
+
+
+def set_frozen(module: torch.nn.Module, frozen: bool) -> None:
+    """Frozen parameters never get gradients, so they also get no optimizer state."""
+    for p in module.parameters():
+        p.requires_grad_(not frozen)
+
+
+class MultimodalModel(torch.nn.Module):
+    """All modules on one rank (the colocated, same-layout case)."""
+
+    def __init__(self, cfg: MimoConfig, encoders: Dict[str, EncoderWithProjector], llm: GPTModel):
+        super().__init__()
+        self.encoders = torch.nn.ModuleDict(encoders)
+        self.llm = llm
+        self.placeholders = cfg.placeholder_ids
+
+    def forward(self, batch: Dict[str, torch.Tensor], modality_tokens: Optional[Dict[str, torch.Tensor]] = None):
+        """Per-token losses [b, s] (unmasked) for one microbatch.
+
+        `modality_tokens` may carry precomputed encoder outputs (a schedule
+        that ran the encoders elsewhere); otherwise the encoders run here.
+        """
+        if modality_tokens is None:
+            modality_tokens = {name: encode(self.encoders[name], batch.get(name)) for name in self.encoders}
+        return llm_loss(self.llm, batch, {self.placeholders[n]: t for n, t in modality_tokens.items()})
+
+
+def encode(path: EncoderWithProjector, items: Optional[torch.Tensor]) -> torch.Tensor:
+    """Packed tokens for a microbatch's items; an empty [0, h] tensor when it has none."""
+    hidden = path.projector.config.hidden_size
+    if items is None or items.shape[0] == 0:
+        # No items: skip the encoder (identically on all TP ranks of the shard,
+        # since they see the same data), its parameters get no gradient this microbatch.
+        return torch.zeros(0, hidden, dtype=path.projector.config.params_dtype)
+    trainable = any(p.requires_grad for p in path.parameters())
+    with torch.set_grad_enabled(torch.is_grad_enabled() and trainable):
+        return path(items)
+
+
+def llm_loss(llm: GPTModel, batch: Dict[str, torch.Tensor], tokens_by_id: Dict[int, torch.Tensor]) -> torch.Tensor:
+    input_ids = batch["input_ids"]
+    text = llm.embedding(input_ids=input_ids, position_ids=batch["position_ids"])  # [s, b, h]
+    fused = assemble_embeddings(text.transpose(0, 1), input_ids,
+                                {i: t.to(text.device) for i, t in tokens_by_id.items()})
+    return llm(input_ids=input_ids, position_ids=batch["position_ids"], attention_mask=batch.get("attention_mask"),
+               decoder_input=fused.transpose(0, 1).contiguous(), labels=batch["labels"])

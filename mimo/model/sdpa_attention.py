@@ -1,0 +1,49 @@
+"""Core attention on torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's DotProductAttention (same constructor and forward signature).
+
+    Causal for the LLM (mask type `causal`), bidirectional for encoders
+    (`no_mask`). GQA is expanded here because megatron hands over K/V with
+    query-group heads.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("SDPACoreAttention has no context parallelism; use attention: bitfield")
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # megatron: [s, b, heads, d] -> SDPA: [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        causal = mask_type == AttnMaskType.causal
+        mask = None
+        if attention_mask is not None and not causal:
+            mask = ~attention_mask  # megatron masks mark *disallowed* positions with True
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             dropout_p=self.dropout if self.training else 0.0,
+                                             scale=self.softmax_scale)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -1,0 +1,60 @@
+"""Transformer layer specs built from megatron-core's local (non-TE) modules."""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .sdpa_attention import SDPACoreAttention
+
+
+def core_attention_class(kind: str):
+    if kind == "sdpa":
+        return SDPACoreAttention
+    if kind == "bitfield":
+        from mimo.attention.core_attention import BitfieldCoreAttention
+
+        return BitfieldCoreAttention
+    raise ValueError(f"unknown attention kind {kind!r} (sdpa | bitfield)")
+
+
+def mlp_spec() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear))
+
+
+def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
+    """Pre-norm transformer layer with bidirectional self-attention (modality encoders)."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.no_mask},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=core_attention_class(attention),
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=mlp_spec(),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def llm_layer_spec(attention: str = "sdpa") -> ModuleSpec:
+    """megatron's local GPT layer with the core attention swapped for ours."""
+    spec = get_gpt_layer_local_spec(normalization="LayerNorm")
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(attention)
+    return spec

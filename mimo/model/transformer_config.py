@@ -1,0 +1,56 @@
+"""megatron-core TransformerConfig for one module under its own layout."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mimo.topology import Layout
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: int = None) -> TransformerConfig:
+    """The megatron config of one module.
+
+    Always CPU initialisation: megatron then draws each TP-split weight from
+    the full master weight, so the initial model is the same whatever the
+    tensor-parallel size (the precondition for layout-independent parity).
+    Dropout is off so runs are deterministic and comparable.
+    """
+    dtype = dtype_of(precision)
+    return TransformerConfig(
+        num_layers=num_layers if num_layers is not None else module_cfg.num_layers,
+        hidden_size=module_cfg.hidden_size,
+        num_attention_heads=module_cfg.num_attention_heads,
+        num_query_groups=getattr(module_cfg, "num_query_groups", None) or module_cfg.num_attention_heads,
+        ffn_hidden_size=module_cfg.ffn_hidden_size,
+        tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        normalization="LayerNorm",
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        # The fused kernels are CUDA-only; the unfused paths run everywhere.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # "native" is the cross-entropy that takes the module's own TP group
+        # instead of megatron's global parallel state.
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="native",
+    )

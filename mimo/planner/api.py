@@ -1,0 +1,85 @@
+"""One call from a (possibly parallelism-less) config to ranked layouts and a
+complete config for the best one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from mimo.planner.cost_model import Calibration, Workload
+from mimo.planner.emit import build_config
+from mimo.planner.hardware import get_gpu
+from mimo.planner.profiling import ProfileResult, Sample, mean_items, stable_profiling_batch
+from mimo.planner.search import Candidate, Planner, SearchSettings
+from mimo.planner.spec import ModelSpec, max_sequence_length, read_model
+
+DEFAULT_GLOBAL_BATCH = 64
+
+
+@dataclass
+class PlanResult:
+    candidates: list[Candidate]
+    config: dict[str, Any]
+    spec: ModelSpec
+    settings: SearchSettings
+    planner: Planner
+    profile: ProfileResult | None = None
+
+
+def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    try:
+        with open(config) as fh:
+            raw = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ValueError(f"cannot read {config}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{config}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config}: expected a mapping at top level")
+    return raw
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path}: expected a positive integer, got {value!r}")
+    return value
+
+
+def make_plan(config: str | os.PathLike | Mapping[str, Any], gpus: int, gpu: str = "h100",
+              samples: Sequence[Sample] | None = None, global_batch: int | None = None,
+              micro_batch: int | None = None, calibration: Calibration | None = None,
+              frozen_aware: bool = True) -> PlanResult:
+    raw = load_raw(config)
+    spec = read_model(raw.get("model"))
+    hw = get_gpu(gpu)
+    gpus = _positive_int(gpus, "gpus")
+    data = raw.get("data") or {}
+    training = raw.get("training") or {}
+    seq = data.get("seq_length", max_sequence_length(raw.get("model")))
+    if seq is None:
+        raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
+    seq = _positive_int(seq, "data.seq_length")
+    g = _positive_int(global_batch or training.get("global_batch_size", DEFAULT_GLOBAL_BATCH),
+                      "training.global_batch_size")
+    m = _positive_int(micro_batch or training.get("micro_batch_size", 1), "training.micro_batch_size")
+    if g % m:
+        raise ValueError("training.global_batch_size: not divisible by micro_batch_size")
+    precision = training.get("precision", "fp32" if hw.name == "cpu" else "bf16")
+    optimizer = training.get("optimizer", "adam")
+    profile = None
+    items = {}
+    if samples:
+        settings0 = SearchSettings(gpus, g, m, Workload(seq), precision, optimizer)
+        profile = stable_profiling_batch(samples, spec, Planner(spec, hw, settings0, calibration).cm, gpus)
+        items = mean_items(samples, spec)
+    settings = SearchSettings(gpus, g, m, Workload(seq, items), precision, optimizer, frozen_aware)
+    planner = Planner(spec, hw, settings, calibration)
+    cands = planner.search()
+    order = [mod.name for mod in spec.modules]
+    cfg = build_config(raw, cands[0], order, seq, g, m, precision)
+    return PlanResult(cands, cfg, spec, settings, planner, profile)

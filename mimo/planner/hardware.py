@@ -1,0 +1,56 @@
+"""Per-accelerator constants used by the analytical cost model.
+
+Figures are public datasheet numbers (dense bf16, no sparsity) with a
+conservative achievable fraction; calibration (see ``cost_model``) corrects
+the remaining gap against measured layer timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    peak_flops: float          # dense bf16 FLOP/s
+    efficiency: float          # achievable fraction of peak for large GEMMs
+    memory_bandwidth: float    # HBM bytes/s
+    intra_node_bandwidth: float  # per-GPU bytes/s inside a node (NVLink)
+    inter_node_bandwidth: float  # per-GPU bytes/s across nodes (IB/RoCE)
+    memory_bytes: float        # usable device memory
+    gpus_per_node: int = 8
+    reserved_bytes: float = 0.0  # context, allocator slack, workspaces
+
+    @property
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    def link_bandwidth(self, span_gpus: int) -> float:
+        """Bandwidth of a collective/p2p whose participants span ``span_gpus``
+        consecutive ranks: once it leaves a node the slow link dominates."""
+        if span_gpus <= self.gpus_per_node:
+            return self.intra_node_bandwidth
+        return self.inter_node_bandwidth
+
+
+GPUS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("h100", 989e12, 0.45, 3.35e12, 450e9, 50e9, 80 * GIB,
+                    reserved_bytes=3 * GIB),
+    "h200": GpuSpec("h200", 989e12, 0.45, 4.8e12, 450e9, 50e9, 141 * GIB,
+                    reserved_bytes=3 * GIB),
+    "a100": GpuSpec("a100", 312e12, 0.5, 2.0e12, 300e9, 25e9, 80 * GIB,
+                    reserved_bytes=3 * GIB),
+    # CPU "ranks" for tests and gloo runs: slow and uniform so that figures
+    # stay easy to reason about; memory is host RAM shared by the ranks.
+    "cpu": GpuSpec("cpu", 2e11, 0.5, 5e10, 1e10, 1e9, 64 * GIB),
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    key = name.strip().lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown gpu type {name!r} (known: {', '.join(sorted(GPUS))})")
+    return GPUS[key]

@@ -1,0 +1,146 @@
+"""The planner's own, deliberately small reading of a model config.
+
+It accepts a plain dict (parsed YAML) or an object with the same attribute
+names (``mimo.config`` dataclasses), applies DESIGN.md defaults and checks
+only what the cost model needs, raising ``ValueError`` with a dotted path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    name: str
+    kind: str                  # language | vision | audio
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    frozen: bool
+    vocab_size: int = 0                # language only
+    tokens_per_item: int = 0           # encoders: tokens one image / clip becomes
+    input_features: int = 0            # encoders: features per token entering the embed
+    projector_kind: str | None = None  # encoders: mlp | linear | None
+    projector_frozen: bool = False
+
+    @property
+    def is_language(self) -> bool:
+        return self.kind == "language"
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    language: ModuleSpec
+    encoders: tuple[ModuleSpec, ...] = field(default_factory=tuple)
+
+    @property
+    def modules(self) -> tuple[ModuleSpec, ...]:
+        return (self.language,) + self.encoders
+
+    def module(self, name: str) -> ModuleSpec:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _int(obj: Any, key: str, path: str, default: Any = None, minimum: int = 1) -> int:
+    value = _get(obj, key, default)
+    if value is None:
+        raise ValueError(f"{path}.{key}: required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{path}.{key}: must be >= {minimum}")
+    return value
+
+
+def _bool(obj: Any, key: str, path: str, default: bool = False) -> bool:
+    value = _get(obj, key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{path}.{key}: expected true/false, got {value!r}")
+    return value
+
+
+def _transformer(obj: Any, path: str) -> dict:
+    hidden = _int(obj, "hidden_size", path)
+    heads = _int(obj, "num_attention_heads", path)
+    groups = _int(obj, "num_query_groups", path, default=heads)
+    if hidden % heads:
+        raise ValueError(f"{path}.hidden_size: not divisible by num_attention_heads")
+    if heads % groups:
+        raise ValueError(f"{path}.num_query_groups: must divide num_attention_heads")
+    return dict(
+        num_layers=_int(obj, "num_layers", path),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        ffn_hidden_size=_int(obj, "ffn_hidden_size", path, default=4 * hidden),
+        frozen=_bool(obj, "frozen", path),
+    )
+
+
+def _encoder(name: str, obj: Any) -> ModuleSpec:
+    path = f"model.encoders.{name}"
+    if name == "language":
+        raise ValueError(f"{path}: 'language' is reserved for the LLM")
+    kind = _get(obj, "kind")
+    common = _transformer(obj, path)
+    if kind == "vision":
+        image, patch = _int(obj, "image_size", path), _int(obj, "patch_size", path)
+        if image % patch:
+            raise ValueError(f"{path}.image_size: not divisible by patch_size")
+        tokens, features = (image // patch) ** 2, 3 * patch * patch
+    elif kind == "audio":
+        mel = _int(obj, "num_mel_bins", path, default=16)
+        frames = _int(obj, "clip_frames", path, default=64)
+        per_token = _int(obj, "frames_per_token", path, default=4)
+        if frames % per_token:
+            raise ValueError(f"{path}.clip_frames: not divisible by frames_per_token")
+        tokens, features = frames // per_token, mel * per_token
+    else:
+        raise ValueError(f"{path}.kind: expected vision or audio, got {kind!r}")
+    proj = _get(obj, "projector")
+    proj_kind = _get(proj, "kind", "mlp") if proj is not None else "mlp"
+    if proj_kind not in ("mlp", "linear"):
+        raise ValueError(f"{path}.projector.kind: expected mlp or linear, got {proj_kind!r}")
+    proj_frozen = _bool(proj, "frozen", f"{path}.projector") if proj is not None else False
+    return ModuleSpec(name=name, kind=kind, tokens_per_item=tokens, input_features=features,
+                      projector_kind=proj_kind, projector_frozen=proj_frozen, **common)
+
+
+def read_model(model: Any) -> ModelSpec:
+    if model is None:
+        raise ValueError("model: required")
+    lang_obj = _get(model, "language")
+    if lang_obj is None:
+        raise ValueError("model.language: required")
+    lang = ModuleSpec(name="language", kind="language",
+                      vocab_size=_int(lang_obj, "vocab_size", "model.language"),
+                      **_transformer(lang_obj, "model.language"))
+    encoders_obj = _get(model, "encoders") or {}
+    if isinstance(encoders_obj, Mapping):
+        items = list(encoders_obj.items())
+    else:
+        raise ValueError("model.encoders: expected a mapping of name -> encoder")
+    return ModelSpec(lang, tuple(_encoder(str(n), o) for n, o in items))
+
+
+def max_sequence_length(model: Any) -> int | None:
+    return _get(_get(model, "language"), "max_sequence_length")

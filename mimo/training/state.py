@@ -1,0 +1,34 @@
+"""Full (unsharded) parameters and gradients, for parity checks and checkpoints."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+
+def unshard(t: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tensor:
+    """Re-assemble a tensor-parallel shard along its partition dim (megatron's param attributes)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_group is None or dist.get_world_size(tp_group) == 1:
+        return t.detach().clone()
+    if getattr(param, "partition_stride", 1) != 1:
+        raise NotImplementedError("strided tensor-parallel partitions are not re-assembled")
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], grads: bool = False,
+               only_trainable: bool = False) -> Dict[str, torch.Tensor]:
+    """`module.param` -> full tensor (or its gradient), on every TP rank of the module."""
+    out = {}
+    for module, m in parts.items():
+        for name, p in m.named_parameters():
+            if only_trainable and not p.requires_grad:
+                continue
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            out[f"{module}.{name}"] = unshard(t, p, tp_groups[module]).cpu()
+    return out
