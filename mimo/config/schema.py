@@ -35,6 +35,8 @@ class LanguageConfig:
     ffn_hidden_size: Optional[int] = None
     frozen: bool = False
     attention: str = "sdpa"
+    # attention: bitfield only: encoders whose tokens text may attend to (default: all).
+    text_sees: Optional[List[str]] = None
 
     def __post_init__(self):
         if self.num_query_groups is None:

@@ -44,6 +44,11 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     _check_heads(lang, "model.language", add)
     if isinstance(lang.num_query_groups, int) and lang.num_query_groups > 0 and lang.num_attention_heads % lang.num_query_groups:
         add("model.language.num_query_groups", f"must divide num_attention_heads ({lang.num_attention_heads})")
+    for i, name in enumerate(lang.text_sees or []):
+        if name not in cfg.model.encoders:
+            add(f"model.language.text_sees[{i}]", f"no such encoder {name!r}")
+    if lang.text_sees is not None and lang.attention != "bitfield":
+        add("model.language.text_sees", "only takes effect with model.language.attention: bitfield")
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
 
@@ -195,6 +200,8 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
 def _check_batch(cfg: MimoConfig, add) -> None:
     tr, pl = cfg.training, cfg.parallelism[LANGUAGE]
     g, m, dl = tr.global_batch_size, tr.micro_batch_size, pl.dp
+    if min(g, m) < 1:
+        return  # already reported as non-positive; the arithmetic below would divide by zero
     if g % (m * dl):
         add("training.global_batch_size", f"must be divisible by micro_batch_size * language dp ({m} * {dl} = {m * dl})")
     for name in cfg.model.encoders:

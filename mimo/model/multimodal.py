@@ -12,7 +12,9 @@ from typing import Dict, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from mimo.attention import BitfieldMask, build_bitfield_mask
 from mimo.config import LANGUAGE, MimoConfig
+from mimo.data import PAD_ID
 from mimo.topology import Layout
 
 from .assembly import assemble_embeddings
@@ -79,6 +81,18 @@ class MultimodalModel(torch.nn.Module):
         self.encoders = torch.nn.ModuleDict(encoders)
         self.llm = llm
         self.placeholders = cfg.placeholder_ids
+        lang = cfg.model.language
+        self.bitfield = lang.attention == "bitfield"
+        # Modality index m (bit 1 << m) of each placeholder token, in config order.
+        self.modality_index = {self.placeholders[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
+        sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
+        self.text_sees = {self.modality_index[self.placeholders[n]] for n in sees}
+
+    def attention_mask(self, input_ids: torch.Tensor):
+        """The LLM's attention mask: a bitfield mask, or None (plain causal) for sdpa."""
+        if not self.bitfield:
+            return None
+        return BitfieldMask(build_bitfield_mask(input_ids, self.modality_index, self.text_sees, pad_id=PAD_ID))
 
     def forward(self, batch: Dict[str, torch.Tensor], modality_tokens: Optional[Dict[str, torch.Tensor]] = None):
         """Per-token losses [b, s] (unmasked) for one microbatch.
@@ -88,6 +102,8 @@ class MultimodalModel(torch.nn.Module):
         """
         if modality_tokens is None:
             modality_tokens = {name: encode(self.encoders[name], batch.get(name)) for name in self.encoders}
+        if self.bitfield and "attention_mask" not in batch:
+            batch = {**batch, "attention_mask": self.attention_mask(batch["input_ids"])}
         return llm_loss(self.llm, batch, {self.placeholders[n]: t for n, t in modality_tokens.items()})
 
 

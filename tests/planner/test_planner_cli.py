@@ -9,7 +9,7 @@ import yaml
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY = os.path.join(ROOT, "tests", "planner", "tiny_mllm.yaml")
-LLAVA = os.path.join(ROOT, "examples", "configs", "plan_llava_like.yaml")
+LLAVA = os.path.join(ROOT, "examples", "planner", "llava_like.yaml")
 
 
 def _plan(*args):

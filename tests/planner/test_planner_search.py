@@ -7,7 +7,7 @@ from mimo.planner.api import load_raw
 
 HERE = os.path.dirname(__file__)
 TINY = os.path.join(HERE, "tiny_mllm.yaml")
-LLAVA = os.path.join(HERE, "..", "..", "examples", "configs", "plan_llava_like.yaml")
+LLAVA = os.path.join(HERE, "..", "..", "examples", "planner", "llava_like.yaml")
 
 
 def _check(result, world):

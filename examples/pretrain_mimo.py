@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""Train a multimodal LLM with mimo.
+
+    torchrun --nproc-per-node 2 examples/pretrain_mimo.py --config examples/configs/cpu_demo.yaml
+    python examples/pretrain_mimo.py --config CONFIG.yaml        # single process, if the layout needs 1 rank
+
+Rank 0 prints one line per step: step, loss, tokens/s, step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+# Allow running from a source checkout without installing.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.runtime import DEVICE_CHOICES  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config (see README: Config reference)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="auto: CUDA + NCCL when available, else CPU + gloo")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a config field, e.g. --set training.lr=1e-4 (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if "WORLD_SIZE" not in os.environ:  # plain `python`: a one-rank job
+        from mimo.runtime.launch import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    world = int(os.environ["WORLD_SIZE"])
+
+    # Everything about the config is checked before any process group exists.
+    try:
+        cfg = load_config(args.config, args.set, world_size=world)
+        from mimo.training import unsupported_layout
+
+        problems = unsupported_layout(cfg)
+        if problems:
+            raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
+    except ConfigError as exc:
+        if rank == 0:
+            print(str(exc), file=sys.stderr)
+        return 2
+
+    from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
+    from mimo.training import Trainer
+
+    try:
+        runtime = select_runtime(args.device)
+        init_distributed(runtime, cfg.training.timeout_minutes)
+        setup_megatron(runtime, cfg.training.seed)
+        trainer = Trainer(cfg, runtime)
+        if rank == 0:
+            describe(cfg, trainer, runtime)
+        tr = cfg.training
+        for step in range(tr.train_iters):
+            res = trainer.train_step(step)
+            if rank == 0 and (step % tr.log_interval == 0 or step == tr.train_iters - 1):
+                tps = res.tokens / res.step_time_s
+                print(f"step {step + 1}/{tr.train_iters} | loss {res.loss:.4f} | tokens/s {tps:.0f} | "
+                      f"step_time {res.step_time_s * 1e3:.1f} ms | tokens/s/rank {tps / world:.0f} | "
+                      f"grad_norm {res.grad_norm:.3f}", flush=True)
+        shutdown()
+        return 0
+    except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks
+        print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if os.environ.get("MIMO_DEBUG"):
+            traceback.print_exc()
+        # Exit without waiting on collectives the other ranks will never finish.
+        os._exit(1)
+
+
+def describe(cfg, trainer, runtime) -> None:
+    print(f"mimo: {trainer.topo.world_size} ranks on {runtime.device.type} ({runtime.backend})", flush=True)
+    for name, grid in trainer.topo.grids.items():
+        lay = grid.layout
+        n_all = sum(p.numel() for p in trainer.parts[name].parameters())
+        n_train = sum(p.numel() for p in trainer.params[name])
+        print(f"  {name:10s} ranks [{lay.ranks.start}, {lay.ranks.stop}) tp={lay.tp} cp={lay.cp} pp={lay.pp} "
+              f"dp={lay.dp} | params/rank {n_all:,} (trainable {n_train:,})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

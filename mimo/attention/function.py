@@ -1,0 +1,177 @@
+"""bitfield_attention: autograd wrapper around the Triton kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .block_plan import BlockPlan, get_plan
+from .config import KernelConfig
+from .inputs import AttentionInputs, check_inputs
+from .kernel_loader import backend_for, kernels
+from .reference import reference_attention_general
+
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _mask_args(inp: AttentionInputs):
+    has_doc = inp.q_document_ids is not None
+    qd = inp.q_document_ids if has_doc else inp.q_mask
+    kd = inp.k_document_ids if has_doc else inp.k_mask
+    return (inp.q_mask, inp.q_positions, qd, inp.k_mask, inp.k_positions, kd), has_doc
+
+
+def _launch_opts(cfg: KernelConfig, interpret: bool) -> dict:
+    return {} if interpret else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cfg: KernelConfig):
+    b, s_q, hq, d = q.shape
+    s_k, hkv = k.shape[1], k.shape[2]
+    bm, bn, bd = plan.block_m, plan.block_n, _pow2(d)
+    out = torch.zeros_like(q, memory_format=torch.preserve_format)
+    out = _lastdim_contiguous(out)
+    lse = torch.full((b, hq, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+    items = plan.items
+    n_items = items.row.numel()
+    if n_items == 0:
+        return out, lse
+    part_o = torch.empty((max(items.n_slots, 1), hq, bm, bd), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((max(items.n_slots, 1), hq, bm), dtype=torch.float32, device=q.device)
+    masks, has_doc = _mask_args(inp)
+    opts = _launch_opts(cfg, interpret)
+    kern.fwd_kernel[(n_items, hq)](
+        q, k, v, out, lse, part_o, part_lse, *masks,
+        items.row, items.start, items.length, items.slot, plan.rows.idx, plan.rows.full,
+        inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv, d,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **opts,
+    )
+    n_agg = items.agg_row.numel()
+    if n_agg:
+        kern.merge_kernel[(n_agg, hq)](
+            out, lse, part_o, part_lse, items.agg_row, items.agg_slot, items.agg_len,
+            s_q, plan.n_qb, hq, d, *out.stride()[:3], BLOCK_M=bm, BLOCK_D=bd, **opts,
+        )
+    return out, lse
+
+
+def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plan: BlockPlan, cfg, need):
+    b, s_q, hq, d = q.shape
+    s_k, hkv = k.shape[1], k.shape[2]
+    bm, bn, bd = plan.block_m, plan.block_n, _pow2(d)
+    masks, has_doc = _mask_args(inp)
+    opts = _launch_opts(cfg, interpret)
+    common = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **opts)
+    scalars = (inp.softmax_scale, inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv, d)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    dq = dk = dv = None
+    if need[1] or need[2]:
+        dk = _lastdim_contiguous(torch.zeros_like(k, memory_format=torch.preserve_format))
+        dv = _lastdim_contiguous(torch.zeros_like(v, memory_format=torch.preserve_format))
+        cols = plan.cols
+        if cols.nonempty.numel():
+            kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
+                q, k, v, dout, dk, dv, lse, delta, *masks,
+                cols.nonempty, cols.idx, cols.full, cols.cnt, *scalars, *strides,
+                *dk.stride()[:3], *dv.stride()[:3], **common,
+            )
+    if need[0]:
+        dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
+        rows = plan.rows
+        if rows.nonempty.numel():
+            kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
+                q, k, v, dout, dq, lse, delta, *masks,
+                rows.nonempty, rows.idx, rows.full, rows.cnt, *scalars, *strides,
+                *dq.stride()[:3], **common,
+            )
+    return dq, dk, dv
+
+
+class _BitfieldAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, inp, fwd_plan, bwd_plan, cfg, kern, interpret):
+        out, lse = _forward(kern, interpret, q, k, v, inp, fwd_plan, cfg)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.inp, ctx.bwd_plan, ctx.cfg, ctx.kern, ctx.interpret = inp, bwd_plan, cfg, kern, interpret
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        none = (None,) * 6
+        if dout is None and dlse is None:
+            return (None, None, None) + none
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = _lastdim_contiguous(dout)
+        # delta_i = sum_d dO*O; a gradient on lse adds p_ij * dlse_i to dS, i.e. subtracts from delta.
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        delta = delta.contiguous()
+        dq, dk, dv = _backward(ctx.kern, ctx.interpret, q, k, v, out, lse, dout, delta, ctx.inp,
+                               ctx.bwd_plan, ctx.cfg, ctx.needs_input_grad[:3])
+        return (dq, dk, dv) + none
+
+
+def bitfield_attention_general(
+    q, k, v, q_mask, k_mask, q_positions=None, k_positions=None,
+    q_document_ids=None, k_document_ids=None, softmax_scale=None,
+    return_lse: bool = False, kernel_config: Optional[KernelConfig] = None,
+):
+    """Bitfield attention of queries against a possibly different key set.
+
+    q [b, s_q, hq, d]; k, v [b, s_k, hkv, d]; q_mask [b, s_q], k_mask [b, s_k]
+    int64; positions (global, int64 [b, s] or [s], default arange) drive the
+    causal test ``k_pos <= q_pos``; document ids must match when given.
+    Returns out [b, s_q, hq, d], plus lse [b, hq, s_q] (fp32, natural log,
+    -inf for rows with no allowed key; differentiable) with ``return_lse``.
+    """
+    inp = check_inputs(q, k, v, q_mask, k_mask, q_positions, k_positions,
+                       q_document_ids, k_document_ids, softmax_scale)
+    backend = backend_for(q.device)
+    if backend == "reference" or q.numel() == 0 or k.numel() == 0:
+        return reference_attention_general(q, k, v, q_mask, k_mask, q_positions, k_positions,
+                                           q_document_ids, k_document_ids, softmax_scale, return_lse)
+    interpret = backend == "interpret"
+    kern = kernels(interpret)
+    cfg = (kernel_config or KernelConfig()).resolve(q.shape[-1])
+    q, k, v = (_lastdim_contiguous(t) for t in (q, k, v))
+    # Masks as contiguous int64 for the kernels; the cache key uses the caller's own tensors.
+    inp = dataclasses.replace(
+        inp, q=None, k=None, v=None,
+        **{f: getattr(inp, f).contiguous() for f in
+           ("q_mask", "k_mask", "q_positions", "k_positions", "q_document_ids", "k_document_ids")
+           if getattr(inp, f) is not None},
+    )
+    key_tensors = (q_mask, k_mask, q_positions, k_positions, q_document_ids, k_document_ids)
+    fwd_plan = get_plan(inp, key_tensors, cfg.block_m, cfg.block_n, cfg.split_tiles, kern)
+    bwd_plan = None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if (cfg.bwd_block_m, cfg.bwd_block_n) == (cfg.block_m, cfg.block_n):
+            bwd_plan = fwd_plan
+        else:
+            bwd_plan = get_plan(inp, key_tensors, cfg.bwd_block_m, cfg.bwd_block_n, None, kern)
+    out, lse = _BitfieldAttention.apply(q, k, v, inp, fwd_plan, bwd_plan, cfg, kern, interpret)
+    return (out, lse) if return_lse else out
+
+
+def bitfield_attention(q, k, v, mask, document_ids=None, softmax_scale=None,
+                       return_lse: bool = False, kernel_config: Optional[KernelConfig] = None):
+    """Self-attention with one bitfield mask [b, s] for queries and keys (DESIGN.md contract)."""
+    return bitfield_attention_general(
+        q, k, v, mask, mask, q_document_ids=document_ids, k_document_ids=document_ids,
+        softmax_scale=softmax_scale, return_lse=return_lse, kernel_config=kernel_config,
+    )

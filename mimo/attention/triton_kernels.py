@@ -1,0 +1,355 @@
+"""Triton kernels for bitfield attention.
+
+Never import this module directly: ``kernel_loader.kernels(interpret)`` loads a
+private copy of it with Triton's interpreter switched on or off, because
+``@triton.jit`` decides between compiled and interpreted code when the
+decorator runs, not when the kernel is launched.
+
+Layouts: q/k/v/o/do/dq/dk/dv are [b, s, heads, d] with arbitrary strides
+(last dim contiguous); masks, positions and document ids are contiguous
+[b, s] int64; lse and delta are contiguous [b, hq, s_q] fp32. Tiles are
+(BLOCK_M queries) x (BLOCK_N keys); the block plan lists, per query block, its
+non-empty key blocks and whether each is full (no per-element mask needed),
+and the transposed lists for the dK/dV kernel.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST is set under Triton's CPU interpreter, whose tl.dot returns garbage for
+    # bfloat16 operands (triton 3.7); operands are already rounded to their dtype, so
+    # an fp32 product matches what the GPU's bf16 MMA with fp32 accumulation computes.
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _allowed(qm, qp, qd, km, kp, kd, HAS_DOC: tl.constexpr):
+    # qm/qp/qd: [M, 1]; km/kp/kd: [1, N]. The contract of DESIGN.md, bit for bit.
+    q_low = qm & 0x3FFFFFFFFFFFFFFF
+    k_low = km & 0x3FFFFFFFFFFFFFFF
+    causal_ok = (kp <= qp) & ((q_low & k_low) != 0)
+    bidir_ok = (q_low == k_low) & (q_low != 0)
+    ok = tl.where((qm >> 62) != 0, causal_ok, bidir_ok)
+    if HAS_DOC:
+        ok = ok & (qd == kd)
+    return ok
+
+
+@triton.jit
+def classify_kernel(
+    QM, QP, QD, KM, KP, KD, STATUS, s_q, s_k, n_qb, n_kb,
+    HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """STATUS[b, qb, kb] = 0 empty, 1 partial, 2 full (every pair in range and allowed)."""
+    qb = tl.program_id(0)
+    kb = tl.program_id(1)
+    bi = tl.program_id(2).to(tl.int64)
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_in = offs_m < s_q
+    n_in = offs_n < s_k
+    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
+    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
+    km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
+    kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+    if HAS_DOC:
+        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
+        kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+    else:
+        qd = qp
+        kd = kp
+    ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+    ok = ok & m_in[:, None] & n_in[None, :]
+    n_ok = tl.sum(ok.to(tl.int32), axis=1)
+    n_ok = tl.sum(n_ok, axis=0)
+    status = tl.where(n_ok == 0, 0, tl.where(n_ok == BLOCK_M * BLOCK_N, 2, 1))
+    tl.store(STATUS + (bi * n_qb + qb) * n_kb + kb, status.to(tl.int8))
+
+
+@triton.jit
+def fwd_kernel(
+    Q, K, V, O, LSE, PART_O, PART_LSE,
+    QM, QP, QD, KM, KP, KD,
+    ITEM_ROW, ITEM_START, ITEM_LEN, ITEM_SLOT, KV_IDX, KV_FULL,
+    scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One work item = one query block x a run of its non-empty key blocks.
+
+    Items covering a whole row write O and LSE directly; split rows write a
+    normalised partial output and its lse into slot ITEM_SLOT for merge_kernel.
+    """
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(ITEM_ROW + item)
+    start = tl.load(ITEM_START + item)
+    n_tiles = tl.load(ITEM_LEN + item)
+    slot = tl.load(ITEM_SLOT + item)
+    bi = (row // n_qb).to(tl.int64)
+    qb = row % n_qb
+    hk = h // group
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_in = offs_m < s_q
+    d_in = offs_d < head_dim
+    q_ptr = Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :]
+    q = tl.load(q_ptr, mask=m_in[:, None] & d_in[None, :], other=0.0)
+    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
+    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
+    if HAS_DOC:
+        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
+    else:
+        qd = qp
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    list_base = row.to(tl.int64) * n_kb + start
+    for t in range(0, n_tiles):
+        kb = tl.load(KV_IDX + list_base + t)
+        full = tl.load(KV_FULL + list_base + t)
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n < s_k
+        kv_mask = n_in[:, None] & d_in[None, :]
+        k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE, UPCAST)
+        s = s * scale_log2
+        if full == 0:
+            # Partial tile: materialise the mask from the bits (full tiles skip this).
+            km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
+            kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+            if HAS_DOC:
+                kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+            else:
+                kd = kp
+            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+            ok = ok & m_in[:, None] & n_in[None, :]
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that have seen no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if slot < 0:
+        o_ptr = O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
+        tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse, mask=m_in)
+    else:
+        part = slot.to(tl.int64) * hq + h
+        tl.store(PART_O + part * BLOCK_M * BLOCK_D + tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + offs_d[None, :], out)
+        tl.store(PART_LSE + part * BLOCK_M + tl.arange(0, BLOCK_M), lse)
+
+
+@triton.jit
+def merge_kernel(
+    O, LSE, PART_O, PART_LSE, AGG_ROW, AGG_SLOT, AGG_LEN,
+    s_q, n_qb, hq, head_dim, sob, sos, soh,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the partial outputs of one split query block (one program per row and head)."""
+    agg = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(AGG_ROW + agg)
+    first = tl.load(AGG_SLOT + agg)
+    n_parts = tl.load(AGG_LEN + agg)
+    bi = (row // n_qb).to(tl.int64)
+    qb = row % n_qb
+    r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for c in range(0, n_parts):
+        part = (first + c).to(tl.int64) * hq + h
+        lse_max = tl.maximum(lse_max, tl.load(PART_LSE + part * BLOCK_M + r))
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    wsum = tl.zeros([BLOCK_M], tl.float32)
+    for c in range(0, n_parts):
+        part = (first + c).to(tl.int64) * hq + h
+        w = tl.exp(tl.load(PART_LSE + part * BLOCK_M + r) - shift)
+        o = tl.load(PART_O + part * BLOCK_M * BLOCK_D + r[:, None] * BLOCK_D + offs_d[None, :])
+        acc += w[:, None] * o
+        wsum += w
+    has_key = wsum > 0.0
+    w_safe = tl.where(has_key, wsum, 1.0)
+    out = acc / w_safe[:, None]
+    lse = tl.where(has_key, shift + tl.log(w_safe), float("-inf"))
+    offs_m = qb * BLOCK_M + r
+    m_in = offs_m < s_q
+    o_ptr = O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_in[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse, mask=m_in)
+
+
+@triton.jit
+def bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    COLS, Q_IDX, Q_FULL, Q_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
+    sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dK, dV of one key block and one kv head, summed over its query heads and
+    non-empty query blocks inside the program: no atomics, so deterministic."""
+    col = tl.load(COLS + tl.program_id(0))
+    hk = tl.program_id(1)
+    bi = (col // n_kb).to(tl.int64)
+    kb = col % n_kb
+    n_tiles = tl.load(Q_CNT + col)
+
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_in = offs_n < s_k
+    d_in = offs_d < head_dim
+    kv_mask = n_in[:, None] & d_in[None, :]
+    k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
+    kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+    if HAS_DOC:
+        kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+    else:
+        kd = kp
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    list_base = col.to(tl.int64) * n_qb
+    for g in range(0, group):
+        h = hk * group + g
+        for t in range(0, n_tiles):
+            qb = tl.load(Q_IDX + list_base + t)
+            full = tl.load(Q_FULL + list_base + t)
+            offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_in = offs_m < s_q
+            row_mask = m_in[:, None] & d_in[None, :]
+            q = tl.load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :],
+                        mask=row_mask, other=0.0)
+            do = tl.load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :],
+                         mask=row_mask, other=0.0)
+            lse = tl.load(LSE + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
+            # Rows with no allowed key have lse = -inf; every entry of theirs is masked,
+            # so any finite shift keeps p at exactly 0.
+            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+            delta = tl.load(DELTA + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
+            s = _dot(q, tl.trans(k), IEEE, UPCAST)
+            s = s * scale_log2
+            if full == 0:
+                qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
+                qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
+                if HAS_DOC:
+                    qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
+                else:
+                    qd = qp
+                ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+                ok = ok & m_in[:, None] & n_in[None, :]
+                s = tl.where(ok, s, float("-inf"))
+            p = tl.math.exp2(s - lse[:, None])                       # [M, N]
+            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+            dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+    dk = dk * scale
+    tl.store(DK + bi * sdkb + hk * sdkh + offs_n.to(tl.int64)[:, None] * sdks + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + bi * sdvb + hk * sdvh + offs_n.to(tl.int64)[:, None] * sdvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    ROWS, KV_IDX, KV_FULL, KV_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dQ of one query block and one query head over its non-empty key blocks."""
+    row = tl.load(ROWS + tl.program_id(0))
+    h = tl.program_id(1)
+    hk = h // group
+    bi = (row // n_qb).to(tl.int64)
+    qb = row % n_qb
+    n_tiles = tl.load(KV_CNT + row)
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_in = offs_m < s_q
+    d_in = offs_d < head_dim
+    row_mask = m_in[:, None] & d_in[None, :]
+    q = tl.load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :],
+                mask=row_mask, other=0.0)
+    do = tl.load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :],
+                 mask=row_mask, other=0.0)
+    lse = tl.load(LSE + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta = tl.load(DELTA + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
+    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
+    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
+    if HAS_DOC:
+        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
+    else:
+        qd = qp
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    list_base = row.to(tl.int64) * n_kb
+    for t in range(0, n_tiles):
+        kb = tl.load(KV_IDX + list_base + t)
+        full = tl.load(KV_FULL + list_base + t)
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n < s_k
+        kv_mask = n_in[:, None] & d_in[None, :]
+        k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE, UPCAST)
+        dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+        s = s * scale_log2
+        if full == 0:
+            km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
+            kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+            if HAS_DOC:
+                kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+            else:
+                kd = kp
+            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+            ok = ok & m_in[:, None] & n_in[None, :]
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.math.exp2(s - lse[:, None])
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    dq = dq * scale
+    tl.store(DQ + bi * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_mask)

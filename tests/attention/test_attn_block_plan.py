@@ -1,0 +1,106 @@
+"""Tile classification vs brute force, work lists, and the plan cache."""
+
+import pytest
+import torch
+from attn_scenarios import qkv, scenario
+
+from mimo.attention import KernelConfig, bitfield_attention, cache_stats, clear_block_cache, reference_attention
+from mimo.attention.block_plan import EMPTY, FULL, PARTIAL, build_plan
+from mimo.attention.inputs import allowed_matrix, check_inputs
+from mimo.attention.kernel_loader import kernels
+
+
+def brute_force_status(inp, bm, bn):
+    ok = allowed_matrix(inp)
+    b, s_q, s_k = ok.shape
+    n_qb, n_kb = -(-s_q // bm), -(-s_k // bn)
+    padded = torch.zeros(b, n_qb * bm, n_kb * bn, dtype=torch.bool)
+    in_range = torch.zeros_like(padded)
+    padded[:, :s_q, :s_k] = ok
+    in_range[:, :s_q, :s_k] = True
+    tiles = lambda t: t.reshape(b, n_qb, bm, n_kb, bn).sum(dim=(2, 4))  # noqa: E731
+    n_ok = tiles(padded)
+    status = torch.full((b, n_qb, n_kb), PARTIAL, dtype=torch.int8)
+    status[n_ok == 0] = EMPTY
+    status[n_ok == bm * bn] = FULL
+    return status
+
+
+@pytest.mark.parametrize("name,bm,bn", [("packed_documents", 16, 16), ("padding_odd_length", 16, 32),
+                                        ("embedded_image_audio", 32, 16)])
+def test_classification_matches_brute_force(name, bm, bn):
+    mask, docs = scenario(name)
+    x = torch.zeros(*mask.shape, 1, 16)
+    inp = check_inputs(x, x, x, mask, mask, q_document_ids=docs, k_document_ids=docs)
+    plan = build_plan(inp, bm, bn, 2, kernels(interpret=True))
+    expected = brute_force_status(inp, bm, bn)
+    assert torch.equal(plan.status, expected)
+    counts = plan.counts()
+    assert counts == {"empty": int((expected == EMPTY).sum()), "partial": int((expected == PARTIAL).sum()),
+                      "full": int((expected == FULL).sum())}
+    assert counts["empty"] > 0 and counts["partial"] > 0  # the layouts exercise skipping
+
+    # Work lists cover exactly the non-empty tiles, in order; empty tiles are never scheduled.
+    b, n_qb, n_kb = plan.status.shape
+    flat = plan.status.reshape(b * n_qb, n_kb)
+    items = plan.items
+    scheduled = torch.zeros_like(flat, dtype=torch.int32)
+    for row, start, length in zip(items.row.tolist(), items.start.tolist(), items.length.tolist()):
+        assert 1 <= length <= 2
+        for t in range(start, start + length):
+            col = plan.rows.idx[row, t]
+            scheduled[row, col] += 1
+            assert plan.rows.full[row, t] == int(flat[row, col] == FULL)
+    assert torch.equal(scheduled, (flat != EMPTY).to(torch.int32))
+    assert items.n_slots == int(items.slot.ge(0).sum())
+
+
+def test_general_positions_classification():
+    mask, _ = scenario("embedded_image_audio")
+    q_pos = torch.arange(2, 70, 2)
+    x = torch.zeros(2, q_pos.numel(), 1, 16)
+    k = torch.zeros(2, 70, 1, 16)
+    inp = check_inputs(x, k, k, mask[:, q_pos], mask, q_positions=q_pos)
+    plan = build_plan(inp, 16, 16, None, kernels(interpret=True))
+    assert torch.equal(plan.status, brute_force_status(inp, 16, 16))
+    assert plan.items is None
+
+
+def _run(mask, inputs, cfg):
+    return bitfield_attention(*[t.detach() for t in inputs], mask, kernel_config=cfg)
+
+
+def test_cache_hits_and_invalidation(tiny_config):
+    clear_block_cache()
+    mask, _ = scenario("text_blind_to_audio")
+    inputs = qkv(*mask.shape, 2, 2, 16)
+    out1 = _run(mask, inputs, tiny_config)
+    misses = cache_stats()["misses"]
+    _run(mask, inputs, tiny_config)
+    _run(mask.detach(), inputs, tiny_config)  # an alias, as megatron's recomputation passes
+    assert cache_stats()["misses"] == misses
+
+    # In-place change: version counter bumps, plan rebuilt, result follows the new mask.
+    mask[:, 40:] = 0
+    out2 = _run(mask, inputs, tiny_config)
+    assert cache_stats()["misses"] == misses + 1
+    torch.testing.assert_close(out2, reference_attention(*inputs, mask).detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out1, out2)
+
+    # Another microbatch: same shape, new tensor, different content.
+    other = torch.roll(mask, 7, dims=1)
+    out3 = _run(other, inputs, tiny_config)
+    torch.testing.assert_close(out3, reference_attention(*inputs, other).detach(), atol=1e-5, rtol=1e-5)
+
+    # A different length with the same mask values must not reuse a plan either.
+    short = mask[:, :33].clone()
+    out4 = _run(short, [t[:, :33] for t in inputs], tiny_config)
+    torch.testing.assert_close(out4, reference_attention(*[t[:, :33] for t in inputs], short).detach(),
+                               atol=1e-5, rtol=1e-5)
+
+    # Different tile sizes are separate entries.
+    before = cache_stats()["misses"]
+    _run(mask, inputs, KernelConfig(32, 16, 32, 16, split_tiles=0))
+    assert cache_stats()["misses"] > before
+    clear_block_cache()
+    assert cache_stats()["size"] == 0

@@ -1,0 +1,231 @@
+"""Every validation rule: a config breaking exactly that rule gets an error naming the field."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mimo.config import ConfigError, load_config
+from tiny import TINY, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def errors(raw, world_size=None):
+    try:
+        load_config(raw, world_size=world_size)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def with_(raw, path, value):
+    raw = copy.deepcopy(raw)
+    node = raw
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    if value is DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return raw
+
+
+DELETE = object()
+
+
+def test_tiny_is_valid():
+    assert errors(tiny(), world_size=1) == []
+    assert errors(tiny(tp=2, dp=2), world_size=4) == []
+
+
+@pytest.mark.parametrize("path,value,field", [
+    # types
+    ("model.language.num_layers", "two", "model.language.num_layers"),
+    ("model.language.frozen", 1, "model.language.frozen"),
+    ("parallelism.language.tp", True, "parallelism.language.tp"),
+    ("training.lr", "fast", "training.lr"),
+    ("model.encoders.images.projector", "mlp", "model.encoders.images.projector"),
+    # positive integers
+    ("model.language.hidden_size", 0, "model.language.hidden_size"),
+    ("parallelism.images.dp", -1, "parallelism.images.dp"),
+    ("training.micro_batch_size", 0, "training.micro_batch_size"),
+    ("data.seq_length", 0, "data.seq_length"),
+    ("parallelism.language.rank_offset", -2, "parallelism.language.rank_offset"),
+    # unknown keys
+    ("model.language.num_layer", 2, "model.language.num_layer"),
+    ("training.learning_rate", 0.1, "training.learning_rate"),
+    ("parallelism.language.tensor_parallel", 2, "parallelism.language.tensor_parallel"),
+    ("extra", {}, "extra"),
+    # required
+    ("model.language.vocab_size", DELETE, "model.language.vocab_size"),
+    ("training", DELETE, "training"),
+    # choices
+    ("model.encoders.images.kind", "video", "model.encoders.images.kind"),
+    ("model.encoders.audio.projector.kind", "conv", "model.encoders.audio.projector.kind"),
+    ("model.language.attention", "flash", "model.language.attention"),
+    ("training.optimizer", "lion", "training.optimizer"),
+    ("training.precision", "fp8", "training.precision"),
+    ("data.kind", "webdataset", "data.kind"),
+    # shapes
+    ("model.encoders.images.image_size", 10, "model.encoders.images.image_size"),
+    ("model.encoders.images.patch_size", DELETE, "model.encoders.images.patch_size"),
+    ("model.encoders.images.hidden_size", 15, "model.encoders.images.hidden_size"),
+    ("model.language.num_query_groups", 3, "model.language.num_query_groups"),
+    ("model.encoders.audio.clip_frames", 18, "model.encoders.audio.clip_frames"),
+    ("model.language.max_sequence_length", 40, "data.seq_length"),
+    # lr
+    ("training.lr", 0.0, "training.lr"),
+    ("training.lr", -1e-3, "training.lr"),
+    # modules
+    ("parallelism.video", {}, "parallelism.video"),
+    ("parallelism.audio", DELETE, "parallelism.audio"),
+])
+def test_rule_names_the_field(path, value, field):
+    probs = errors(with_(tiny(), path, value))
+    assert field in [p for p, _ in probs], probs
+
+
+@pytest.mark.parametrize("layout,world,field,needle", [
+    # TP divides heads (4), query groups (2), hidden (32), ffn (128)
+    (dict(language=dict(tp=4), images=dict(tp=4), audio=dict(tp=4)), 4, "parallelism.language.tp", "num_query_groups"),
+    (dict(language=dict(tp=3, dp=1), images=dict(tp=3), audio=dict(tp=3)), 3, "parallelism.language.tp",
+     "num_attention_heads"),
+    (dict(language=dict(tp=2), images=dict(tp=4, rank_offset=2), audio=dict(tp=2)), 6, "parallelism.images.tp",
+     "num_attention_heads"),
+    # pp <= num_layers
+    (dict(language=dict(pp=3), images=dict(rank_offset=3), audio=dict(rank_offset=3)), 4, "parallelism.language.pp",
+     "num_layers"),
+    # partial overlap
+    (dict(language=dict(dp=2), images=dict(dp=2, rank_offset=1), audio=dict(dp=2)), 3, "parallelism.language",
+     "partially overlap parallelism.images"),
+    # inside the world size
+    (dict(language=dict(dp=2), images=dict(dp=2, rank_offset=2), audio=dict(dp=2)), 3, "parallelism.images",
+     "world size"),
+    # idle ranks
+    (dict(language=dict(dp=2), images=dict(dp=2), audio=dict(dp=2)), 4, "parallelism", "belong to no module"),
+    # DP sizes divide one another
+    (dict(language=dict(dp=2), images=dict(dp=3, rank_offset=2), audio=dict(dp=2)), 5, "parallelism.images.dp",
+     "divide one another"),
+    # fan-in: m * dL = 2 * 1 not divisible by dE = 4
+    (dict(language=dict(dp=1), images=dict(dp=4, rank_offset=1), audio=dict(dp=1)), 5, "parallelism.images.dp",
+     "fan-in"),
+    # encoders keep cp = 1
+    (dict(language=dict(cp=2), images=dict(cp=2), audio=dict(cp=2)), 2, "parallelism.images.cp", "cp = 1"),
+    # no MoE
+    (dict(language=dict(ep=2), images=dict(ep=2), audio=dict(ep=2)), 2, "parallelism.language.ep", "experts"),
+    # stage_layers
+    (dict(language=dict(pp=2, stage_layers=[1, 2]), images=dict(rank_offset=2), audio=dict(rank_offset=2)), 3,
+     "parallelism.language.stage_layers", "sum"),
+    (dict(language=dict(pp=2, stage_layers=[2]), images=dict(rank_offset=2), audio=dict(rank_offset=2)), 3,
+     "parallelism.language.stage_layers", "one entry per"),
+])
+def test_layout_rules(layout, world, field, needle):
+    raw = copy.deepcopy(TINY)
+    raw["parallelism"] = layout
+    probs = errors(raw, world_size=world)
+    assert any(p == field and needle in r for p, r in probs), probs
+
+
+def test_batch_arithmetic():
+    # G = 8 not divisible by m * dL = 3 * 2
+    raw = with_(tiny(dp=2), "training.micro_batch_size", 3)
+    assert "training.global_batch_size" in [p for p, _ in errors(raw)]
+    # colocated encoder dp must divide G: dp 8 colocated with LLM tp... use G = 4 with dp 8 -> G % 8
+    raw = with_(tiny(dp=8), "training.global_batch_size", 4)
+    raw = with_(raw, "training.micro_batch_size", 1)
+    probs = [p for p, _ in errors(raw)]
+    assert "training.global_batch_size" in probs and "parallelism.images.dp" in probs
+    # fan-out: non-colocated encoder dp 1 feeding LLM dp 2 is fine
+    raw = copy.deepcopy(TINY)
+    raw["parallelism"] = dict(language=dict(dp=2), images=dict(rank_offset=2), audio=dict(rank_offset=3))
+    assert errors(raw, world_size=4) == []
+
+
+def test_all_frozen_is_an_error():
+    raw = tiny()
+    raw["model"]["language"]["frozen"] = True
+    for enc in raw["model"]["encoders"].values():
+        enc["frozen"] = True
+        enc["projector"]["frozen"] = True
+    assert "model" in [p for p, _ in errors(raw)]
+
+
+def test_every_problem_is_reported_at_once():
+    raw = with_(tiny(), "training.lr", 0.0)
+    raw = with_(raw, "model.language.num_layer", 3)
+    raw = with_(raw, "parallelism.language.tp", 3)
+    fields = [p for p, _ in errors(raw)]
+    assert {"training.lr", "model.language.num_layer", "parallelism.language.tp"} <= set(fields)
+
+
+def test_defaults_applied():
+    cfg = load_config(tiny())
+    assert cfg.model.language.ffn_hidden_size == 4 * cfg.model.language.hidden_size
+    assert cfg.model.encoders["audio"].tokens_per_item == 16 // 4
+    assert cfg.parallelism["language"].cp == 1 and cfg.parallelism["language"].rank_offset == 0
+    raw = tiny()
+    del raw["model"]["language"]["num_query_groups"]
+    assert load_config(raw).model.language.num_query_groups == 4
+
+
+def _cli(tmp_path, raw, *args):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return subprocess.run([sys.executable, "-m", "mimo.config", "check", str(path), *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_cli_ok_and_errors(tmp_path):
+    ok = _cli(tmp_path, tiny(dp=2), "--world-size", "2")
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+    bad = _cli(tmp_path, with_(tiny(), "training.lr", 0), "--set", "parallelism.language.tp=3")
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert lines and all(l.startswith("error: ") for l in lines), bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert any(l.startswith("error: training.lr:") for l in lines)
+
+
+def test_cli_bad_yaml_and_missing_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: [unclosed\n")
+    r = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(tmp_path / "nope.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_example_configs_are_valid():
+    folder = os.path.join(ROOT, "examples", "configs")
+    names = sorted(f for f in os.listdir(folder) if f.endswith(".yaml"))
+    assert names
+    for name in names:
+        cfg = load_config(os.path.join(folder, name))
+        load_config(os.path.join(folder, name), world_size=cfg.world_size)
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix
+
+
+def test_no_bad_value_anywhere_causes_a_traceback():
+    """Every leaf replaced by every kind of bad value: ConfigError or success, nothing else."""
+    bad_values = [0, -1, "x", None, [1], {"a": 1}, 1.5, True, 10 ** 6]
+    base = tiny(dp=2)
+    for path in _leaves(base):
+        for value in bad_values:
+            raw = with_(base, path, value)
+            try:
+                load_config(raw, world_size=2)
+            except ConfigError as exc:
+                assert exc.problems and all(isinstance(p, str) and r for p, r in exc.problems)
