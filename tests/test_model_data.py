@@ -1,0 +1,95 @@
+"""Embedding assembly, the mock dataset's determinism, and DP sharding."""
+
+import pytest
+import torch
+
+from mimo.config import load_config
+from mimo.data import PAD_ID, MockMultimodalDataset, collate, shard_indices
+from mimo.model import assemble_embeddings
+from tiny import tiny
+
+
+def test_assembly_places_tokens_row_major_and_routes_gradients():
+    torch.manual_seed(0)
+    b, s, h, img = 3, 10, 4, 9
+    ids = torch.randint(1, 8, (b, s))
+    ids[0, 2:4] = img            # sample 0: one 2-token item
+    ids[2, 0:2] = img            # sample 2: two items, sample 1: none
+    ids[2, 6:8] = img
+    text = torch.randn(b, s, h, requires_grad=True)
+    tokens = torch.randn(6, h, requires_grad=True)
+    out = assemble_embeddings(text, ids, {img: tokens})
+    # Oracle: explicit loop over placeholders in row-major order.
+    expect = text.detach().clone()
+    k = 0
+    for i in range(b):
+        for j in range(s):
+            if ids[i, j] == img:
+                expect[i, j] = tokens[k].detach()
+                k += 1
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    w = torch.randn(b, s, h)
+    (out * w).sum().backward()
+    where = (ids == img).unsqueeze(-1)
+    torch.testing.assert_close(text.grad, torch.where(where, 0.0, w))
+    torch.testing.assert_close(tokens.grad, w[ids == img])
+
+
+def test_assembly_rejects_count_mismatch_and_accepts_no_items():
+    ids = torch.tensor([[1, 5, 5, 2]])
+    text = torch.zeros(1, 4, 3)
+    with pytest.raises(ValueError, match="2 placeholder tokens"):
+        assemble_embeddings(text, ids, {5: torch.zeros(3, 3)})
+    out = assemble_embeddings(text, torch.tensor([[1, 2, 3, 4]]), {5: torch.zeros(0, 3)})
+    assert torch.equal(out, text)
+
+
+def test_samples_are_deterministic_and_well_formed():
+    cfg = load_config(tiny())
+    ds, again = MockMultimodalDataset(cfg), MockMultimodalDataset(cfg)
+    counts = {"images": set(), "audio": set()}
+    for i in range(40):
+        a, b = ds.sample(i), again.sample(i)
+        assert torch.equal(a.input_ids, b.input_ids)
+        assert a.input_ids.shape == (cfg.data.seq_length,)
+        for name, enc in cfg.model.encoders.items():
+            assert torch.equal(a.items[name], b.items[name])
+            n = a.items[name].shape[0]
+            counts[name].add(n)
+            # Each item has a contiguous run of tokens_per_item placeholders.
+            assert int((a.input_ids == cfg.placeholder_ids[name]).sum()) == n * enc.tokens_per_item
+    # 0..k items per sample actually occur, zero included.
+    assert counts["images"] == {0, 1, 2} and counts["audio"] == {0, 1}
+    assert not torch.equal(ds.sample(0).input_ids, ds.sample(1).input_ids)
+    other_seed = tiny()
+    other_seed["data"]["seed"] = 4
+    assert not torch.equal(MockMultimodalDataset(load_config(other_seed)).sample(0).input_ids, ds.sample(0).input_ids)
+
+
+def test_collate_labels_and_loss_mask():
+    cfg = load_config(tiny())
+    ds = MockMultimodalDataset(cfg)
+    samples = [ds.sample(i) for i in range(4)]
+    batch = collate(samples, cfg.placeholder_ids)
+    ids = batch["input_ids"]
+    assert torch.equal(batch["labels"][:, :-1], ids[:, 1:])
+    special = set(cfg.placeholder_ids.values()) | {PAD_ID}
+    for i in range(ids.shape[0]):
+        for t in range(ids.shape[1]):
+            assert bool(batch["loss_mask"][i, t]) == (int(batch["labels"][i, t]) not in special)
+    for name in cfg.model.encoders:
+        assert batch[name].shape[0] == sum(s.items[name].shape[0] for s in samples)
+
+
+@pytest.mark.parametrize("g,m,dp", [(8, 2, 2), (8, 1, 4), (12, 3, 1), (16, 2, 4)])
+def test_dp_shards_partition_the_global_batch(g, m, dp):
+    shards = [shard_indices(g, m, r, dp) for r in range(dp)]
+    flat = sorted(i for sh in shards for mb in sh for i in mb)
+    assert flat == list(range(g))
+    for r, sh in enumerate(shards):
+        assert len(sh) == g // (m * dp) and all(len(mb) == m for mb in sh)
+        # microbatch k of every shard comes from window k, shard r holds its r-th slice
+        for k, mb in enumerate(sh):
+            assert mb == list(range(k * m * dp + r * m, k * m * dp + (r + 1) * m))
+    with pytest.raises(ValueError):
+        shard_indices(g + 1, m, 0, dp)

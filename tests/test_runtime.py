@@ -1,0 +1,55 @@
+"""Runtime: backend selection, megatron CPU adaptations, and the multi-rank harness's failure handling."""
+
+import time
+
+import pytest
+import torch
+
+from mimo.runtime import RankFailed, run_on_ranks, select_runtime
+
+
+def test_select_runtime_cpu():
+    rt = select_runtime("cpu")
+    assert rt.device.type == "cpu" and rt.backend == "gloo"
+    with pytest.raises(ValueError):
+        select_runtime("tpu")
+    if not torch.cuda.is_available():
+        assert select_runtime("auto").backend == "gloo"
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            select_runtime("cuda")
+
+
+def _rng_tracker_forks_cpu_state():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        a = torch.rand(3)
+    after = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        b = torch.rand(3)
+    return torch.equal(before, after), torch.equal(a, b), torch.cuda.current_device()
+
+
+def test_megatron_rng_tracker_on_cpu():
+    untouched, same, device = run_on_ranks(_rng_tracker_forks_cpu_state, 1)[0]
+    assert untouched          # the fork restores the default generator
+    assert not same           # the tracked state advances between forks
+    assert str(device) == "cpu"
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 would wait here forever without the harness
+    return "unreachable"
+
+
+def test_a_failing_rank_fails_the_run_instead_of_hanging():
+    start = time.time()
+    with pytest.raises(RankFailed, match="rank 1 failed: ValueError: boom on purpose"):
+        run_on_ranks(_fail_on_rank_one, 2, timeout_s=120)
+    assert time.time() - start < 100
