@@ -29,8 +29,8 @@ def _train(raw, steps, sabotage=None):
     for s in range(steps):
         losses.append(trainer.train_step(s).loss)
         if s == 0:
-            grads = full_state(trainer.parts, tp_groups, grads=True)
-    params = full_state(trainer.parts, tp_groups)
+            grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
+    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
     frozen = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if not p.requires_grad}
     in_optimizer = {id(p) for o in trainer.optimizers.values() if o is not None
                     for g in o.param_groups for p in g["params"]}

@@ -1,9 +1,11 @@
 """Bitfield attention for multimodal sequences (see docs/attention.md).
 
-``balance.py`` and ``context_parallel.py`` in this package are owned by the
-context-parallel work and are not imported here.
+Context parallelism: ``balance`` (block workloads, rank assignment policies),
+``context_parallel`` (all-gather CP attention, ContextParallelMask, RoPE at
+global positions) and ``cp_permute`` (per-microbatch permutation plumbing).
 """
 
+from .balance import assign_blocks, assign_from_workloads, block_workloads, imbalance, rank_workloads
 from .block_plan import cache_stats, clear_block_cache
 from .config import KernelConfig
 from .function import bitfield_attention, bitfield_attention_general
@@ -18,10 +20,25 @@ from .mask import (
     document_ids_from_eod,
     modality_bit,
 )
+from .context_parallel import (
+    ContextParallelMask,
+    GlobalPositionRotaryEmbedding,
+    as_context_parallel_mask,
+    context_parallel_attention,
+    context_parallel_attention_sbhd,
+    enable_context_parallel_rope,
+    gather_sequence,
+)
+from .cp_permute import permute_to_local, plan_context_parallel, shard_microbatch, slots_from_assignment, unpermute
 from .reference import reference_attention, reference_attention_general
 
 __all__ = [
     "bitfield_attention", "bitfield_attention_general", "reference_attention", "reference_attention_general",
     "TEXT", "CAUSAL", "LOW", "modality_bit", "build_bitfield_mask", "BitfieldMask", "causal_mask",
     "bidirectional_mask", "document_ids_from_eod", "KernelConfig", "clear_block_cache", "cache_stats",
+    "block_workloads", "assign_blocks", "assign_from_workloads", "rank_workloads", "imbalance",
+    "ContextParallelMask", "as_context_parallel_mask", "context_parallel_attention",
+    "context_parallel_attention_sbhd", "gather_sequence", "GlobalPositionRotaryEmbedding",
+    "enable_context_parallel_rope", "plan_context_parallel", "slots_from_assignment", "permute_to_local",
+    "unpermute", "shard_microbatch",
 ]

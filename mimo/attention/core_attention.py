@@ -6,6 +6,11 @@ so the mask can be a ``BitfieldMask`` (or its tensor form, needed when layers
 are recomputed: megatron's checkpoint saves its inputs with
 ``save_for_backward``, which only takes tensors). The mask is per token and
 heads are split across tensor-parallel ranks, so TP needs nothing extra.
+
+With ``config.context_parallel_size > 1`` the mask must be a
+``ContextParallelMask`` (or its packed tensor form) and attention is the
+all-gather context-parallel attention over ``pg_collection.cp``
+(``mimo.attention.context_parallel``); the CP group is orthogonal to TP.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from .config import KernelConfig
+from .context_parallel import as_context_parallel_mask, context_parallel_attention_sbhd
 from .function import bitfield_attention
 from .mask import BitfieldMask, bidirectional_mask, causal_mask
 from .reference import reference_attention
@@ -48,7 +54,9 @@ class BitfieldCoreAttention(MegatronModule):
 
     Extra keyword-only options (bind them with ``bitfield_layer_spec``):
     ``use_reference`` runs the dense PyTorch reference instead of the kernels
-    (for parity tests); ``kernel_config`` overrides tile sizes.
+    (for parity tests); ``kernel_config`` overrides tile sizes;
+    ``cp_head_chunks`` (context parallelism only) splits the K/V all-gather into
+    that many head chunks overlapped with attention.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class BitfieldCoreAttention(MegatronModule):
         *,
         use_reference: bool = False,
         kernel_config: Optional[KernelConfig] = None,
+        cp_head_chunks: int = 1,
     ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -71,17 +80,21 @@ class BitfieldCoreAttention(MegatronModule):
             raise ValueError(
                 f"BitfieldCoreAttention has no attention dropout; set attention_dropout=0 (got {dropout})"
             )
-        if config.context_parallel_size != 1:
-            raise ValueError("BitfieldCoreAttention runs without context parallelism; "
-                             "use mimo.attention.context_parallel for cp > 1")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"BitfieldCoreAttention supports softmax_type='vanilla' only, "
                              f"got {config.softmax_type!r}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError("BitfieldCoreAttention does not support sliding-window attention (window_size)")
+        cp = config.context_parallel_size
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                required_pgs=["tp", "cp"] if cp > 1 else ["tp"])
         self.pg_collection = pg_collection
+        self.cp_group = getattr(pg_collection, "cp", None) if cp > 1 else None
+        if cp > 1 and (self.cp_group is None or self.cp_group.size() != cp):
+            raise ValueError(f"context_parallel_size={cp} needs pg_collection.cp with {cp} ranks")
+        self.cp_size = cp
+        self.cp_head_chunks = cp_head_chunks
         tp = pg_collection.tp.size()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
@@ -127,6 +140,18 @@ class BitfieldCoreAttention(MegatronModule):
             raise ValueError("BitfieldCoreAttention isolates packed documents with "
                              "BitfieldMask.document_ids, not packed_seq_params")
         s, b = query.shape[0], query.shape[1]
+        cp_mask = as_context_parallel_mask(attention_mask)
+        if self.cp_size > 1 and cp_mask is None:
+            raise TypeError("with context parallelism BitfieldCoreAttention needs a ContextParallelMask "
+                            "(see mimo.attention.cp_permute.shard_microbatch) as attention_mask")
+        if cp_mask is not None:
+            if cp_mask.cp_size != self.cp_size:
+                raise ValueError(f"the mask was planned for cp={cp_mask.cp_size}, the model has cp={self.cp_size}")
+            out = context_parallel_attention_sbhd(
+                query, key, value, cp_mask, self.cp_group, softmax_scale=self.softmax_scale,
+                use_reference=self.use_reference, kernel_config=self.kernel_config,
+                head_chunks=self.cp_head_chunks if self.cp_size > 1 else 1)
+            return out.reshape(s, b, -1)
         mask = self._mask(attention_mask, attn_mask_type, b, s, query.device)
         # [s, b, h, d] -> [b, s, h, d] views; the kernels take strides, and the output
         # keeps q's memory layout, so transposing back below is free.
@@ -137,7 +162,8 @@ class BitfieldCoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(s, b, -1)
 
 
-def bitfield_layer_spec(use_reference: bool = False, kernel_config: Optional[KernelConfig] = None, **kwargs):
+def bitfield_layer_spec(use_reference: bool = False, kernel_config: Optional[KernelConfig] = None,
+                        cp_head_chunks: int = 1, **kwargs):
     """megatron's local GPT layer spec with BitfieldCoreAttention as core attention.
 
     ``kwargs`` go to ``get_gpt_layer_local_spec`` (num_experts, qk_layernorm, normalization...).
@@ -149,5 +175,6 @@ def bitfield_layer_spec(use_reference: bool = False, kernel_config: Optional[Ker
     if not hasattr(attention, "linear_qkv"):
         raise ValueError("bitfield_layer_spec supports standard self-attention only (not MLA)")
     attention.core_attention = functools.partial(
-        BitfieldCoreAttention, use_reference=use_reference, kernel_config=kernel_config)
+        BitfieldCoreAttention, use_reference=use_reference, kernel_config=kernel_config,
+        cp_head_chunks=cp_head_chunks)
     return spec

@@ -15,6 +15,7 @@ PROJECTOR_KINDS = ("mlp", "linear")
 ATTENTION_KINDS = ("sdpa", "bitfield")
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
+INIT_MODES = ("reference", "local")
 DATA_KINDS = ("mock",)
 
 
@@ -123,6 +124,10 @@ class TrainingConfig:
     clip_grad: float = 0.0
     log_interval: int = 1
     timeout_minutes: float = 10.0
+    # reference: every rank slices its shard out of the full module built from
+    # the seed (identical weights for every layout; one full copy in host memory
+    # per rank while initialising). local: megatron initialises each shard in place.
+    init: str = "reference"
 
 
 @dataclass

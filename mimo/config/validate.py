@@ -13,6 +13,7 @@ from .schema import (
     ATTENTION_KINDS,
     DATA_KINDS,
     ENCODER_KINDS,
+    INIT_MODES,
     LANGUAGE,
     OPTIMIZERS,
     PRECISIONS,
@@ -68,6 +69,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     tr = cfg.training
     _check_choice(tr.optimizer, OPTIMIZERS, "training.optimizer", add)
     _check_choice(tr.precision, PRECISIONS, "training.precision", add)
+    _check_choice(tr.init, INIT_MODES, "training.init", add)
     if not tr.lr > 0:
         add("training.lr", f"must be > 0, got {tr.lr}")
     if tr.weight_decay < 0:

@@ -9,6 +9,7 @@ rank never leaves the others waiting on a collective.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -42,7 +43,9 @@ def _worker(rank, world_size, port, fn, args, results, timeout_minutes):
         init_distributed(runtime, timeout_minutes)
         setup_megatron(runtime, seed=0)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        # Plain pickle bytes: torch's queue pickler would share tensor storage through
+        # file descriptors that vanish when this process exits before the parent reads.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # report everything, including assertion failures
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -77,7 +80,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0)
             if status == "error":
                 failure = f"rank {rank} failed: {value}"
                 break
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         if failure:
             for p in procs:

@@ -28,6 +28,8 @@ class Topology:
     world_size: int
     grids: Dict[str, ModuleGrid]
     edges: List[Edge]
+    # This rank alone: the "group" of a module part megatron must see as unsharded.
+    self_group: Optional[dist.ProcessGroup] = None
 
     @property
     def roles(self) -> List[str]:
@@ -58,4 +60,5 @@ def build_topology(cfg: MimoConfig, backend: Optional[str] = None) -> Topology:
     grids = {}
     for name in cfg.modules:
         grids[name] = build_module_grid(name, Layout.from_config(cfg.parallelism[name]), backend)
-    return Topology(rank=dist.get_rank(), world_size=world, grids=grids, edges=edges_of(cfg))
+    self_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], backend=backend)
+    return Topology(rank=dist.get_rank(), world_size=world, grids=grids, edges=edges_of(cfg), self_group=self_group)

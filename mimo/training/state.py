@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,15 @@ def unshard(t: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tenso
 
 
 def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], grads: bool = False,
-               only_trainable: bool = False) -> Dict[str, torch.Tensor]:
-    """`module.param` -> full tensor (or its gradient), on every TP rank of the module."""
+               only_trainable: bool = False, layer_offsets: Optional[Dict[str, int]] = None) -> Dict[str, torch.Tensor]:
+    """`module.param` -> full tensor (or its gradient), on every TP rank of the module.
+
+    With pipeline stages, layer indices are made global with `layer_offsets`
+    (module -> index of this stage's first layer); merging the dicts of all
+    stages then gives the whole model.
+    """
+    from mimo.model.reference_init import global_name
+
     out = {}
     for module, m in parts.items():
         for name, p in m.named_parameters():
@@ -30,5 +37,6 @@ def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], 
             t = p.grad if grads else p
             if t is None:
                 continue
-            out[f"{module}.{name}"] = unshard(t, p, tp_groups[module]).cpu()
+            key = global_name(name, (layer_offsets or {}).get(module, 0))
+            out[f"{module}.{key}"] = unshard(t, p, tp_groups[module]).cpu()
     return out

@@ -1,9 +1,13 @@
-"""Training for layouts where every module shares one layout (colocated, PP = 1).
+"""Training for the layouts mimo can run today.
 
-Each rank holds a TP shard of every module for its DP shard of the batch.
-Heterogeneous layouts (per-module rank ranges and shapes) need the boundary
-communicators and schedules of mimo.comm / mimo.schedule and are refused
-here with a clear message.
+* every module on one shared layout with PP = 1 (each rank holds a TP shard
+  of every module for its DP shard of the batch), or
+* a text-only model (no encoders) with any TP x DP x PP, the LLM's stages
+  driven by the 1F1B engine of mimo.schedule.
+
+Per-module layouts (different rank ranges or shapes) need the boundary
+communicators of mimo.comm in the schedule and are refused with a clear
+message until they are wired in.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
-from mimo.model import MultimodalModel, build_encoder, build_llm
+from mimo.model import MultimodalModel, build_encoder, build_llm, llm_loss
+from mimo.model.reference_init import load_shard
+from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import Runtime, synchronize
+from mimo.schedule.one_f_one_b import run_1f1b
+from mimo.schedule.p2p import StagePeers
 from mimo.topology import Topology, build_topology
 
 from .grad_sync import allreduce_gradients, clip_by_global_norm, local_grad_sq_norm, trainable
@@ -35,8 +44,9 @@ def unsupported_layout(cfg: MimoConfig) -> List[str]:
                                                              lang.rank_offset):
             problems.append(f"parallelism.{name}: per-module layouts that differ from parallelism.language "
                             "are not supported by this trainer yet (heterogeneous schedules are pending)")
-    if lang.pp != 1:
-        problems.append("parallelism.language.pp: pipeline parallelism is not supported by this trainer yet")
+    if lang.pp != 1 and cfg.model.encoders:
+        problems.append("parallelism.language.pp: pipeline parallelism with encoders needs the heterogeneous "
+                        "schedules, which are pending (text-only models support any pp)")
     if lang.cp != 1:
         problems.append("parallelism.language.cp: context parallelism is not supported by this trainer yet")
     return problems
@@ -67,18 +77,60 @@ class Trainer:
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
         self.topo: Topology = build_topology(cfg, backend=runtime.backend)
         self.grid = self.topo.grid(LANGUAGE)
-        encoders = {}
+        c = self.grid.coords
+        self.stage, self.num_stages = c["pp"], self.grid.layout.pp
+        lang_par = cfg.parallelism[LANGUAGE]
+        # Global index of this stage's first LLM layer, per module (names in full-state dicts).
+        self.layer_offsets = {LANGUAGE: stage_layer_offset(cfg.model.language.num_layers, lang_par, self.stage)}
+
+        self.parts: Dict[str, torch.nn.Module] = {}
         for name in cfg.model.encoders:
-            torch.manual_seed(module_seed(cfg.training.seed, name))
             g = self.topo.grid(name)
-            encoders[name] = build_encoder(cfg, name, g.layout, g.pg_collection())
-        torch.manual_seed(module_seed(cfg.training.seed, LANGUAGE))
-        llm = build_llm(cfg, self.grid.layout, self.grid.pg_collection())
-        self.model = MultimodalModel(cfg, encoders, llm).to(runtime.device)
-        self.parts: Dict[str, torch.nn.Module] = {**encoders, LANGUAGE: llm}
+            self.parts[name] = self._init(name, lambda pgs, g=g, name=name: build_encoder(cfg, name, g.layout, pgs),
+                                          g.pg_collection())
+            self.layer_offsets[name] = 0
+        if self.num_stages == 1:
+            llm = self._init(LANGUAGE, lambda pgs: build_llm(cfg, self.grid.layout, pgs), self.grid.pg_collection())
+        else:
+            llm = self._init(LANGUAGE, lambda pgs, stage=self.stage: build_llm_stage(
+                cfg, lang_par, self.grid.layout, stage, pgs, self.topo.self_group), self.grid.pg_collection())
+        self.parts[LANGUAGE] = llm
+        for m in self.parts.values():
+            m.to(runtime.device)
+        self.model = MultimodalModel(cfg, {n: self.parts[n] for n in cfg.model.encoders}, llm)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, cfg.training) for name, p in self.params.items()}
         self.dataset = MockMultimodalDataset(cfg)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _init(self, name: str, build, pgs: ProcessGroupCollection) -> torch.nn.Module:
+        """Build this rank's part of a module, initialised as the config's `training.init` says."""
+        seed = module_seed(self.cfg.training.seed, name)
+        torch.manual_seed(seed)
+        part = build(pgs)
+        if self.cfg.training.init == "reference":
+            torch.manual_seed(seed)
+            full = self._reference_module(name)
+            grid = self.topo.grid(name)
+            offset = stage_layer_offset(self.cfg.model.language.num_layers, self.cfg.parallelism[name],
+                                        grid.coords["pp"]) if name == LANGUAGE else 0
+            load_shard(part, full.state_dict(keep_vars=False), offset, grid.coords["tp"], grid.layout.tp)
+        return part
+
+    def _reference_module(self, name: str) -> torch.nn.Module:
+        """The whole module, unsharded, built on this rank alone from the module's seed."""
+        me = self.topo.self_group
+        pgs = ProcessGroupCollection()
+        for key in ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
+                    "expt_tp", "tp_ep", "expt_dp"):
+            setattr(pgs, key, me)
+        layout = self.topo.grid(name).layout.__class__()  # all sizes 1
+        if name == LANGUAGE:
+            return build_llm(self.cfg, layout, pgs)
+        return build_encoder(self.cfg, name, layout, pgs)
+
+    # -- one step -------------------------------------------------------------------------------
 
     def microbatches(self, step: int):
         tr, c = self.cfg.training, self.grid.coords
@@ -87,31 +139,63 @@ class Trainer:
             yield move(collate(samples, self.cfg.placeholder_ids), self.runtime.device, self.dtype)
 
     def forward_backward(self, step: int):
-        """Accumulate this rank's gradients for one global batch; returns (loss sum, loss tokens)."""
+        """Accumulate this rank's gradients for one global batch; returns (loss, loss tokens)."""
         batches = list(self.microbatches(step))
-        dp_group = self.grid.groups["dp_cp"]
         n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
-        dist.all_reduce(n_tokens, group=dp_group)
+        dist.all_reduce(n_tokens, group=self.grid.groups["dp_cp"])
         if n_tokens.item() == 0:
             raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        for b in batches:
-            per_token = self.model(b)
-            # Normalise by the global batch's token count: the DP sum of these
+
+        def loss_of(per_token, b):
+            # Normalised by the global batch's token count: the DP sum of these
             # gradients is then exactly the single-rank per-token mean.
             loss = (per_token.float() * b["loss_mask"]).sum() / n_tokens.float()
-            loss.backward()
+            nonlocal loss_sum
             loss_sum += loss.detach().double()
-        dist.all_reduce(loss_sum, group=dp_group)
-        return float(loss_sum), int(n_tokens.item())
+            return loss
+
+        if self.num_stages == 1:
+            for b in batches:
+                loss_of(self.model(b), b).backward()
+        else:
+            self._pipeline(batches, loss_of)
+        # Only the last stage's TP-rank-0 ranks hold the loss; one world sum gives the global loss.
+        last = self.stage == self.num_stages - 1 and self.grid.coords["tp"] == 0
+        total = loss_sum if last else torch.zeros_like(loss_sum)
+        dist.all_reduce(total)
+        return float(total), int(n_tokens.item())
+
+    def _pipeline(self, batches, loss_of) -> None:
+        llm, lay, c = self.parts[LANGUAGE], self.grid.layout, self.grid.coords
+        b0 = batches[0]
+        shape = (b0["input_ids"].shape[1], b0["input_ids"].shape[0], self.cfg.model.language.hidden_size)
+        neighbour = lambda s: lay.rank(**{**c, "pp": s})  # noqa: E731
+        peers = StagePeers(neighbour(self.stage - 1) if self.stage > 0 else None,
+                           neighbour(self.stage + 1) if self.stage < self.num_stages - 1 else None,
+                           shape, self.dtype, self.runtime.device)
+        last = self.stage == self.num_stages - 1
+
+        def forward_step(mb: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+            b = batches[mb]
+            if x is None:  # first stage
+                out = llm_loss(llm, {**b, "labels": b["labels"] if last else None}, {})
+            else:
+                llm.set_input_tensor(x)
+                out = llm(input_ids=None, position_ids=b["position_ids"], attention_mask=None,
+                          labels=b["labels"] if last else None)
+            return loss_of(out, b) if last else out
+
+        run_1f1b(len(batches), self.stage, self.num_stages, peers, forward_step)
 
     def reduce_gradients(self) -> float:
-        c = self.grid.coords
+        local = torch.zeros((), dtype=torch.float64)
         for name, params in self.params.items():
-            allreduce_gradients(params, self.topo.grid(name).groups["dp_cp"])
-        local = sum(local_grad_sq_norm(p, c["tp"], c["dp"] * self.grid.layout.cp + c["cp"])
-                    for p in self.params.values())
-        return clip_by_global_norm(list(self.params.values()), torch.as_tensor(local), self.cfg.training.clip_grad,
+            g = self.topo.grid(name)
+            allreduce_gradients(params, g.groups["dp_cp"])
+            c = g.coords
+            local += local_grad_sq_norm(params, c["tp"], c["dp"] * g.layout.cp + c["cp"])
+        return clip_by_global_norm(list(self.params.values()), local, self.cfg.training.clip_grad,
                                    self.runtime.device)
 
     def train_step(self, step: int) -> StepResult:

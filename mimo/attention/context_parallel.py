@@ -1,0 +1,399 @@
+"""All-gather context parallelism for bitfield attention (Cornstarch §6.2, Llama-3 style).
+
+Each rank of a context-parallel (CP) group holds some query blocks of the
+sequence (chosen by ``mimo.attention.balance``), concatenated in ascending
+block order and padded to a common local length ``L``. The layout of the
+whole group is one int64 tensor, ``slots`` [cp, L]: ``slots[r, i]`` is the
+global token index held at local position ``i`` of rank ``r``, or -1 for a
+padding slot. Attention then needs:
+
+* queries: this rank's L tokens; their bits/doc ids are the full-sequence ones
+  gathered at ``slots[r]``, their positions are the global token indices;
+* keys/values: all-gathered over the CP group, giving cp*L keys in the
+  flattened ``slots`` order; their bits/positions/doc ids are looked up the
+  same way from the full-sequence mask every rank holds. Padding slots get
+  bits 0, so they attend nothing and are seen by nothing (the contract's
+  padding rule); no un-permutation of K/V is ever needed.
+
+Backward of the all-gather is a reduce-scatter of dK/dV (``reduce_scatter_tensor``;
+falls back to all-reduce + slice on a backend without it).
+
+``ContextParallelMask`` carries bits, document ids and ``slots`` (per
+microbatch, shared by every layer and pipeline stage); ``to_tensor()`` packs it
+into one 1-D int64 tensor so it can go wherever megatron expects tensors
+(activation recomputation, pipeline hand-off).
+
+Overlap: with ``head_chunks > 1`` the K/V all-gathers of all head chunks are
+started asynchronously up front and attention runs chunk by chunk as each
+gather completes, so transfers of later chunks overlap the attention of
+earlier ones (forward only; the backward reduce-scatters are synchronous).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .function import bitfield_attention_general
+from .reference import reference_attention_general
+
+_MAGIC = 0x4D494D4F43500001  # "MIMOCP" + version; first element of the packed tensor form
+_HEADER = 7                  # magic, b, s, cp, L, rank, has_doc
+
+
+class ContextParallelMask:
+    """The attention mask of one CP rank: full-sequence bits + the group's token layout.
+
+    bits: int64 [b, s]; document_ids: optional [b, s]; slots: int64 [cp, L]
+    (global token index per local slot, -1 = padding); cp_rank: this rank.
+    Derived tensors are built once and cached, so every layer sees the same
+    tensor objects (the attention block-plan cache is keyed on them).
+    """
+
+    def __init__(self, bits: torch.Tensor, slots: torch.Tensor, cp_rank: int,
+                 document_ids: Optional[torch.Tensor] = None, validate: bool = True):
+        if not isinstance(bits, torch.Tensor) or bits.dtype != torch.int64 or bits.dim() != 2:
+            raise TypeError("ContextParallelMask.bits must be an int64 tensor [b, s]")
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 2:
+            raise TypeError("ContextParallelMask.slots must be an int64 tensor [cp, L]")
+        if document_ids is not None and tuple(document_ids.shape) != tuple(bits.shape):
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} differs from bits {tuple(bits.shape)}")
+        if not 0 <= int(cp_rank) < slots.shape[0]:
+            raise ValueError(f"cp_rank {cp_rank} out of range for {slots.shape[0]} ranks")
+        if validate:
+            check_slots(slots, bits.shape[1])
+        self.bits = bits
+        self.document_ids = None if document_ids is None else document_ids.to(torch.int64)
+        self.slots = slots.to(bits.device)
+        self.cp_rank = int(cp_rank)
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    # -- shapes ---------------------------------------------------------------------------
+    @property
+    def cp_size(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def local_len(self) -> int:
+        return self.slots.shape[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self.bits.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.bits.shape[0]
+
+    # -- derived tensors ------------------------------------------------------------------
+    def _derived(self):
+        with self._lock:
+            if not self._cache:
+                local = self.slots[self.cp_rank]
+                flat = self.slots.reshape(-1)
+                self._cache.update(
+                    q_positions=local.clamp(min=0), k_positions=flat.clamp(min=0),
+                    q_bits=gather_tokens(self.bits, local, 0), k_bits=gather_tokens(self.bits, flat, 0),
+                    q_document_ids=None if self.document_ids is None else gather_tokens(self.document_ids, local, -1),
+                    k_document_ids=None if self.document_ids is None else gather_tokens(self.document_ids, flat, -1),
+                )
+            return self._cache
+
+    @property
+    def local_slots(self) -> torch.Tensor:
+        return self.slots[self.cp_rank]
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        """Global token index of each local slot (0 for padding), int64 [L]."""
+        return self._derived()["q_positions"]
+
+    def attention_args(self) -> dict:
+        """Keyword arguments of ``bitfield_attention_general`` (masks, positions, document ids)."""
+        d = self._derived()
+        return dict(q_mask=d["q_bits"], k_mask=d["k_bits"], q_positions=d["q_positions"],
+                    k_positions=d["k_positions"], q_document_ids=d["q_document_ids"],
+                    k_document_ids=d["k_document_ids"])
+
+    def for_rank(self, cp_rank: int) -> "ContextParallelMask":
+        return ContextParallelMask(self.bits, self.slots, cp_rank, self.document_ids, validate=False)
+
+    # -- tensor form ------------------------------------------------------------------------
+    def to_tensor(self) -> torch.Tensor:
+        """One 1-D int64 tensor: header, bits, [document ids], slots (see ``from_tensor``)."""
+        b, s = self.bits.shape
+        has_doc = self.document_ids is not None
+        header = torch.tensor([_MAGIC, b, s, self.cp_size,
+                               self.local_len, self.cp_rank, int(has_doc)], dtype=torch.int64,
+                              device=self.bits.device)
+        parts = [header, self.bits.reshape(-1)]
+        if has_doc:
+            parts.append(self.document_ids.reshape(-1))
+        parts.append(self.slots.reshape(-1))
+        return torch.cat(parts)
+
+    @staticmethod
+    def is_tensor_form(t) -> bool:
+        return (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 1
+                and t.numel() >= _HEADER and int(t[0]) == _MAGIC)
+
+    @staticmethod
+    def from_tensor(t: torch.Tensor) -> "ContextParallelMask":
+        if not ContextParallelMask.is_tensor_form(t):
+            raise ValueError("not a packed ContextParallelMask tensor")
+        cached = _unpack_cache_get(t)
+        if cached is not None:
+            return cached
+        _, b, s, cp, L, rank, has_doc = (int(x) for x in t[:_HEADER].tolist())
+        o = _HEADER
+        bits = t[o:o + b * s].reshape(b, s)
+        o += b * s
+        docs = None
+        if has_doc:
+            docs = t[o:o + b * s].reshape(b, s)
+            o += b * s
+        slots = t[o:o + cp * L].reshape(cp, L)
+        if o + cp * L != t.numel():
+            raise ValueError("packed ContextParallelMask tensor has the wrong length")
+        mask = ContextParallelMask(bits, slots, rank, docs, validate=False)
+        _unpack_cache_put(t, mask)
+        return mask
+
+
+# Unpacked masks are cached by the packed tensor's identity, so that layers fed the
+# tensor form (activation recomputation) still share derived tensors and block plans.
+_unpacked: dict = {}
+_unpacked_lock = threading.Lock()
+
+
+def _key(t: torch.Tensor):
+    return (t.data_ptr(), t.numel(), str(t.device), t._version)
+
+
+def _unpack_cache_get(t):
+    with _unpacked_lock:
+        hit = _unpacked.get(_key(t))
+        return hit[0] if hit is not None else None
+
+
+def _unpack_cache_put(t, mask):
+    with _unpacked_lock:
+        if len(_unpacked) >= 8:
+            _unpacked.clear()
+        _unpacked[_key(t)] = (mask, t)  # the strong ref pins the keyed memory
+
+
+def as_context_parallel_mask(attention_mask) -> Optional[ContextParallelMask]:
+    """The ContextParallelMask in ``attention_mask`` (object or packed tensor), else None."""
+    if isinstance(attention_mask, ContextParallelMask):
+        return attention_mask
+    if ContextParallelMask.is_tensor_form(attention_mask):
+        return ContextParallelMask.from_tensor(attention_mask)
+    return None
+
+
+def check_slots(slots: torch.Tensor, seq_len: int) -> None:
+    """Raise unless ``slots`` holds every index 0..seq_len-1 exactly once (rest -1)."""
+    flat = slots.reshape(-1)
+    valid = flat[flat >= 0]
+    if bool((flat < -1).any()) or valid.numel() != seq_len or (valid.numel() and int(valid.max()) >= seq_len):
+        raise ValueError(f"slots must hold each token index 0..{seq_len - 1} exactly once (padding -1)")
+    if valid.numel() and not torch.equal(torch.sort(valid).values, torch.arange(seq_len, device=valid.device)):
+        raise ValueError(f"slots must hold each token index 0..{seq_len - 1} exactly once (padding -1)")
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor, pad_value=0, dim: int = 1) -> torch.Tensor:
+    """``x`` gathered along ``dim`` at ``index`` (1-D, -1 = padding filled with ``pad_value``)."""
+    index = index.to(x.device)
+    valid = index >= 0
+    out = torch.index_select(x, dim, index.clamp(min=0))
+    shape = [1] * out.dim()
+    shape[dim] = index.numel()
+    return torch.where(valid.reshape(shape), out, torch.full_like(out, pad_value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+
+
+def _reduce_scatter_dim0(grad: torch.Tensor, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    grad = grad.contiguous()
+    out = torch.empty((grad.shape[0] // world, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+    try:
+        dist.reduce_scatter_tensor(out, grad, group=group)
+    except (RuntimeError, NotImplementedError, ValueError):
+        # Backends without reduce-scatter: all-reduce, keep this rank's slice.
+        total = grad.clone()
+        dist.all_reduce(total, group=group)
+        rank = dist.get_rank(group)
+        out.copy_(total[rank * out.shape[0]:(rank + 1) * out.shape[0]])
+    return out
+
+
+class _GatherStart(torch.autograd.Function):
+    """All-gather along dim 0 (async start); backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, pending: list, async_op: bool):
+        ctx.group = group
+        world = dist.get_world_size(group)
+        x = x.contiguous()
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+        pending.append(work)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim0(grad, ctx.group), None, None, None
+
+
+class _GatherWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, pending: list):
+        work = pending.pop(0)
+        if work is not None:
+            work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-gather of ``x`` along dim 0 over ``group`` (backward: reduce-scatter)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    pending: list = []
+    return _GatherWait.apply(_GatherStart.apply(x, group, pending, False), pending)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def _attend_fn(use_reference: bool, kernel_config) -> Callable:
+    if use_reference:
+        return reference_attention_general
+    return lambda *a, **k: bitfield_attention_general(*a, kernel_config=kernel_config, **k)
+
+
+def context_parallel_attention_sbhd(query, key, value, mask: ContextParallelMask, group=None,
+                                    softmax_scale=None, use_reference: bool = False, kernel_config=None,
+                                    head_chunks: int = 1) -> torch.Tensor:
+    """Megatron layout: query [L, b, hq, d], key/value [L, b, hkv, d] (local) -> [L, b, hq, d].
+
+    ``group`` is the CP process group (its size must equal ``mask.cp_size``; None only when
+    cp_size is 1). The causal test uses global token positions.
+    """
+    cp = mask.cp_size
+    if cp > 1:
+        if group is None:
+            raise ValueError("context-parallel attention with cp_size > 1 needs the CP process group")
+        if dist.get_world_size(group) != cp:
+            raise ValueError(f"CP group has {dist.get_world_size(group)} ranks but the mask was planned for {cp}")
+        if dist.get_rank(group) != mask.cp_rank:
+            raise ValueError(f"mask is for CP rank {mask.cp_rank} but this is CP rank {dist.get_rank(group)}")
+    L, b, hq, d = query.shape
+    hkv = key.shape[2]
+    if (L, b) != (mask.local_len, mask.batch):
+        raise ValueError(f"local q has [s={L}, b={b}] but the CP mask expects [s={mask.local_len}, b={mask.batch}]")
+    if head_chunks < 1 or hkv % head_chunks:
+        raise ValueError(f"head_chunks ({head_chunks}) must divide the key/value heads ({hkv})")
+    attend = _attend_fn(use_reference, kernel_config)
+    args = mask.attention_args()
+    if cp == 1:
+        out = attend(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                     softmax_scale=softmax_scale, **args)
+        return out.transpose(0, 1)
+    # Start every chunk's K and V gathers now; consume them in order.
+    kv_chunk, q_chunk = hkv // head_chunks, hq // head_chunks
+    pending: list = []
+    started = []
+    for c in range(head_chunks):
+        sl = slice(c * kv_chunk, (c + 1) * kv_chunk)
+        started.append((_GatherStart.apply(key[:, :, sl], group, pending, True),
+                        _GatherStart.apply(value[:, :, sl], group, pending, True)))
+    outs = []
+    for c, (k_all, v_all) in enumerate(started):
+        k_all = _GatherWait.apply(k_all, pending)
+        v_all = _GatherWait.apply(v_all, pending)
+        q = query[:, :, c * q_chunk:(c + 1) * q_chunk]
+        o = attend(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+                   softmax_scale=softmax_scale, **args)
+        outs.append(o.transpose(0, 1))
+    return outs[0] if head_chunks == 1 else torch.cat(outs, dim=2)
+
+
+def context_parallel_attention(q, k, v, mask: ContextParallelMask, group=None, softmax_scale=None,
+                               use_reference: bool = False, kernel_config=None, head_chunks: int = 1):
+    """Batch-major form: q [b, L, hq, d], k/v [b, L, hkv, d] (this rank's tokens) -> [b, L, hq, d]."""
+    out = context_parallel_attention_sbhd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, group,
+                                          softmax_scale, use_reference, kernel_config, head_chunks)
+    return out.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE at global positions for megatron's GPTModel
+
+
+class GlobalPositionRotaryEmbedding(torch.nn.Module):
+    """Wraps megatron's RotaryEmbedding: under a ContextParallelMask, the table rows of the
+    local tokens' global positions; otherwise the wrapped module's own result.
+
+    megatron's GPTModel builds RoPE from the local sequence length (times cp, then its
+    zigzag slice), which is wrong for a balanced permutation. RotaryEmbedding holds no
+    parameters or buffers, so wrapping it changes no state-dict key.
+    """
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.current: Optional[ContextParallelMask] = None
+
+    def forward(self, max_seq_len, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        mask = self.current
+        if mask is None:
+            return self.inner(max_seq_len, offset, packed_seq, cp_group)
+        emb = self.inner.get_emb(mask.seq_len, offset)               # [s, 1, 1, dim]
+        return emb[mask.q_positions.to(emb.device)]                  # [L, 1, 1, dim]
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def get_cos_sin(self, *args, **kwargs):
+        return self.inner.get_cos_sin(*args, **kwargs)
+
+    def get_emb(self, *args, **kwargs):
+        return self.inner.get_emb(*args, **kwargs)
+
+
+def enable_context_parallel_rope(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a megatron GPTModel use global positions for RoPE when called with a CP mask.
+
+    Replaces ``model.rotary_pos_emb`` by ``GlobalPositionRotaryEmbedding`` and adds
+    forward hooks that read ``attention_mask`` (keyword or 3rd positional argument)
+    of each call. Idempotent; a model without RoPE is returned unchanged.
+    """
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None or isinstance(rope, GlobalPositionRotaryEmbedding):
+        return model
+    wrapper = GlobalPositionRotaryEmbedding(rope)
+    model.rotary_pos_emb = wrapper
+
+    def pre_hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        wrapper.current = as_context_parallel_mask(mask)
+
+    def post_hook(module, args, kwargs, output):
+        wrapper.current = None
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+    return model

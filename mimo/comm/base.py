@@ -1,0 +1,210 @@
+"""What both communicators share: validation, packing by sample counts, wire casts, P2P helpers.
+
+The boundary tensor of a shard is *packed*: ``[total_tokens_of_shard, hidden]``
+plus a LongTensor of per-sample token counts (one entry per sample of the
+shard, zeros allowed). Moving samples therefore means moving token ranges
+given by cumulative counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .plan import EdgePlan, Piece
+from .traffic import Traffic
+
+# Tag offsets within an edge's tag block: gloo matches P2P messages by (peer, tag).
+TAG_META, TAG_FWD, TAG_BWD, TAGS_PER_EDGE = 0, 1, 2, 4
+_INT64_BYTES = 8
+
+_group_cache: Dict[Tuple[int, ...], object] = {}
+_group_cache_world = [None]
+
+
+def get_group(ranks: Sequence[int]):
+    """Process group over `ranks`, created once per rank list. Collective over the world.
+
+    Every rank asks for the same rank lists in the same order (communicators
+    are built collectively), so cache hits and misses agree across ranks and
+    the underlying new_group calls stay matched. Sharing one group between
+    edges is safe because collectives on it run in program order on every member.
+    """
+    if _group_cache_world[0] is not dist.group.WORLD:  # a fresh process group invalidates the cache
+        _group_cache.clear()
+        _group_cache_world[0] = dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _group_cache:
+        _group_cache[key] = dist.new_group(list(key))
+    return _group_cache[key]
+
+
+def cumulative(counts: torch.Tensor) -> List[int]:
+    out = [0]
+    for c in counts.tolist():
+        out.append(out[-1] + int(c))
+    return out
+
+
+class BoundaryCommunicator:
+    """One rank's view of one edge. Built collectively by :func:`mimo.comm.build_communicator`.
+
+    ``forward(tensor, counts)``: source ranks (holders of a source shard) pass
+    their packed shard and its per-sample counts; every other rank passes
+    ``(None, None)``. Destination ranks (first-stage ranks of a destination
+    shard, every TP x CP rank) get their packed shard, other ranks ``None``;
+    the destination shard's counts are then in ``received_counts``.
+
+    ``backward(grad)``: destination ranks pass the gradient of what forward
+    gave them, others ``None``; source ranks get the gradient of their shard.
+    Gradient contract on a destination shard: TP replicas carry identical
+    gradients (only the TP-rank-0 replica is read by the non-colocated
+    communicator); CP ranks carry partial gradients that are *summed* (each CP
+    rank receives the full shard but only its own chunk of the fused sequence
+    depends on it, so the per-CP gradients are disjoint parts of the total).
+
+    Several forwards may be in flight (pipeline microbatches): each forward
+    saves its routing state and backward consumes the oldest (FIFO, the order
+    1F1B runs backwards in). Ranks with no role in the edge may skip calls.
+    """
+
+    def __init__(self, plan: EdgePlan, hidden: int, dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
+                 edge_id: int, groups: Dict[Tuple[int, ...], object], device: Optional[torch.device] = None):
+        self.plan = plan
+        self.hidden = hidden
+        self.dtype = dtype
+        self.wire_dtype = wire_dtype or dtype
+        self.rank = dist.get_rank()
+        self.role = plan.role(self.rank)
+        self.traffic = Traffic()
+        self.received_counts: Optional[torch.Tensor] = None
+        self._tag = edge_id * TAGS_PER_EDGE
+        self._groups = groups
+        self._saved = deque()
+        if device is None:  # NCCL moves device tensors only; gloo moves host tensors
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+
+    # -- roles --------------------------------------------------------------------
+    @property
+    def is_source(self) -> bool:
+        return self.role.src_shard is not None
+
+    @property
+    def is_destination(self) -> bool:
+        return self.role.dst_shard is not None
+
+    @property
+    def pending(self) -> int:
+        """Forwards whose backward has not run yet."""
+        return len(self._saved)
+
+    def group(self, ranks: Sequence[int]):
+        return self._groups[tuple(ranks)]
+
+    # -- validation (before any communication, so a bad call fails with a clear message) ---
+    def _check_source(self, tensor, counts) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_source:
+            if tensor is not None:
+                raise ValueError(f"rank {self.rank} holds no source shard of this edge but was given a tensor")
+            return None, None
+        where = f"rank {self.rank} (source shard {self.role.src_shard})"
+        if tensor is None or counts is None:
+            raise ValueError(f"{where} must pass its boundary tensor and per-sample token counts")
+        n = self.plan.batch_window // self.plan.src.dp
+        if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.dim() != 1:
+            raise ValueError(f"{where}: counts must be a 1-D int64 tensor")
+        if counts.numel() != n:
+            raise ValueError(f"{where}: counts has {counts.numel()} entries but the shard holds {n} samples "
+                             f"(batch window {self.plan.batch_window} / source DP {self.plan.src.dp})")
+        if bool((counts < 0).any()):
+            raise ValueError(f"{where}: counts must be non-negative")
+        if tensor.dim() != 2 or tensor.shape[1] != self.hidden:
+            raise ValueError(f"{where}: tensor must be [tokens, {self.hidden}], got {list(tensor.shape)}")
+        total = int(counts.sum())
+        if tensor.shape[0] != total:
+            raise ValueError(f"{where}: tensor has {tensor.shape[0]} tokens but counts sum to {total}")
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"{where}: tensor dtype {tensor.dtype} differs from the edge's compute dtype {self.dtype}")
+        return tensor.detach().to(self.device).contiguous(), counts.to(self.device)
+
+    def _check_grad(self, grad, ctx) -> Optional[torch.Tensor]:
+        if not self.is_destination:
+            if grad is not None:
+                raise ValueError(f"rank {self.rank} received no destination shard but was given a gradient")
+            return None
+        where = f"rank {self.rank} (destination shard {self.role.dst_shard})"
+        shape = (int(ctx["dst"].sum()), self.hidden)
+        if grad is None:
+            raise ValueError(f"{where} must pass the gradient of its boundary tensor")
+        if tuple(grad.shape) != tuple(shape):
+            raise ValueError(f"{where}: gradient shape {list(grad.shape)} differs from the forward output {list(shape)}")
+        return grad.detach().to(self.device, self.dtype).contiguous()
+
+    def _pop_checked(self, grad):
+        """(saved forward state, validated gradient); the state is only consumed if the gradient is valid."""
+        if not self._saved:
+            raise RuntimeError("backward called without a matching forward on this edge")
+        grad = self._check_grad(grad, self._saved[0])
+        return self._saved.popleft(), grad
+
+    # -- wire format ------------------------------------------------------------------
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.wire_dtype).contiguous()
+
+    def from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype)
+
+    def through_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A rank-local piece rounded exactly as a transferred one, so replicas stay identical."""
+        return self.from_wire(self.to_wire(t))
+
+    def wire_bytes(self, t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def empty_wire(self, tokens: int) -> torch.Tensor:
+        return torch.empty(tokens, self.hidden, dtype=self.wire_dtype, device=self.device)
+
+    def empty_counts(self, samples: int) -> torch.Tensor:
+        return torch.empty(samples, dtype=torch.int64, device=self.device)
+
+    # -- piece slicing ------------------------------------------------------------
+    @staticmethod
+    def piece_range(p: Piece, shard_start: int, cum: List[int]) -> Tuple[int, int, int, int]:
+        """(first sample, last sample + 1, first token, last token + 1) of piece p within a shard."""
+        a, b = p.start - shard_start, p.stop - shard_start
+        return a, b, cum[a], cum[b]
+
+    # -- P2P helpers (gloo tags separate metadata, activations and gradients) ---------
+    def isend(self, t: torch.Tensor, dst: int, tag: int):
+        return dist.isend(t, dst=dst, tag=self._tag + tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int):
+        return dist.irecv(t, src=src, tag=self._tag + tag)
+
+    def scope(self, a: int, b: int) -> str:
+        same = ((self.plan.src.contains(a) and self.plan.src.contains(b))
+                or (self.plan.dst.contains(a) and self.plan.dst.contains(b)))
+        return "intra" if same else "cross"
+
+    def broadcast(self, t: torch.Tensor, root: int, ranks: Sequence[int], direction: str, kind: str) -> None:
+        if t.numel() == 0:
+            return
+        dist.broadcast(t, src=root, group=self.group(ranks))
+        if self.rank == root:
+            self.traffic.add(direction, "intra", kind, self.wire_bytes(t) * (len(ranks) - 1), len(ranks) - 1)
+
+    # -- the two halves (implemented by the placement-specific subclasses) -------------
+    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def forward_with_counts(self, tensor, counts):
+        """forward, returning (tensor, counts) of the destination shard (None, None off-destination)."""
+        out = self.forward(tensor, counts)
+        return out, (self.received_counts if out is not None else None)

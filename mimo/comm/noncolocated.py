@@ -1,0 +1,133 @@
+"""Non-colocated communicator: disjoint rank ranges, traffic through boundary leaders.
+
+Leaders: source shard i -> rank (tp=0, dp=i, last PP stage) of the source;
+destination shard j -> rank (tp=0, cp=0, dp=j, first PP stage) of the LLM.
+Only leaders cross the range boundary, one message pair (counts, payload) per
+piece, so the cross-range volume follows the batch-shard relation (one copy
+of the boundary tensor plus its counts) and never the product of TP widths.
+
+Forward: each source leader sends every piece of its shard to the leader of
+the destination shard containing it (fan-out splits, fan-in sends many to
+one); the destination leader concatenates in batch order and broadcasts the
+counts, then the payload, within its TP x CP group. Every CP rank therefore
+holds the full shard and cuts out the part of the fused sequence it needs.
+
+Backward: on each destination shard the CP partial gradients of the TP-rank-0
+replica are summed onto the leader (TP replicas are identical: megatron
+all-reduces the input gradient of the first layer over TP); the leader splits
+the gradient along the recorded pieces and returns each to the source leader
+that sent it; the source leader concatenates and broadcasts within its TP
+group. Sizes are known from forward, so backward sends no metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .base import TAG_BWD, TAG_FWD, TAG_META, BoundaryCommunicator, cumulative
+
+
+class NonColocatedCommunicator(BoundaryCommunicator):
+    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        tensor, counts = self._check_source(tensor, counts)
+        plan, role, ctx = self.plan, self.role, {}
+        if self.is_source:
+            i = role.src_shard
+            ctx["src"] = (tuple(tensor.shape), counts)
+            if role.is_src_leader:
+                s0, cum, works, keep = plan.src_interval(i)[0], cumulative(counts), [], []
+                for p in plan.pieces_of_src(i):
+                    a, b, t0, t1 = self.piece_range(p, s0, cum)
+                    dst = plan.dst_leader(p.j)
+                    meta = counts[a:b].contiguous()
+                    keep.append(meta)
+                    works.append(self.isend(meta, dst, TAG_META))
+                    self.traffic.add("fwd", self.scope(self.rank, dst), "meta", meta.numel() * 8)
+                    if t1 > t0:
+                        payload = self.to_wire(tensor[t0:t1])
+                        keep.append(payload)
+                        works.append(self.isend(payload, dst, TAG_FWD))
+                        self.traffic.add("fwd", self.scope(self.rank, dst), "payload", self.wire_bytes(payload))
+                for w in works:
+                    w.wait()
+        out = None
+        if self.is_destination:
+            j = role.dst_shard
+            receivers = plan.dst_receivers(j)
+            leader = plan.dst_leader(j)
+            n = plan.batch_window // plan.dst.dp
+            if role.is_dst_leader:
+                pieces = plan.pieces_of_dst(j)
+                metas = [self.empty_counts(p.samples) for p in pieces]
+                for w in [self.irecv(m, plan.src_leader(p.i), TAG_META) for m, p in zip(metas, pieces)]:
+                    w.wait()
+                bufs = [self.empty_wire(int(m.sum())) for m in metas]
+                works = [self.irecv(buf, plan.src_leader(p.i), TAG_FWD)
+                         for buf, p in zip(bufs, pieces) if buf.numel() > 0]
+                for w in works:
+                    w.wait()
+                dst_counts, wire = torch.cat(metas), torch.cat(bufs)
+            else:
+                dst_counts = self.empty_counts(n)
+            if len(receivers) > 1:
+                self.broadcast(dst_counts, leader, receivers, "fwd", "meta")
+                if not role.is_dst_leader:
+                    wire = self.empty_wire(int(dst_counts.sum()))
+                self.broadcast(wire, leader, receivers, "fwd", "payload")
+            out = self.from_wire(wire)  # wire is a fresh buffer, so out never aliases the caller's tensor
+            ctx["dst"] = dst_counts
+            self.received_counts = dst_counts
+        self._saved.append(ctx)
+        return out
+
+    def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        ctx, grad = self._pop_checked(grad)
+        plan, role = self.plan, self.role
+        if self.is_destination:
+            dst_counts = ctx["dst"]
+            j = role.dst_shard
+            if role.dst_coords["tp"] == 0:
+                cp_ranks = plan.dst_cp_group(j, 0)
+                leader = plan.dst_leader(j)
+                if len(cp_ranks) > 1 and grad.numel() > 0:
+                    grad = grad.clone()  # reduce writes in place; the caller's gradient stays untouched
+                    dist.reduce(grad, dst=leader, op=dist.ReduceOp.SUM, group=self.group(cp_ranks))
+                    if self.rank != leader:
+                        self.traffic.add("bwd", "intra", "payload", grad.numel() * grad.element_size())
+                if role.is_dst_leader:
+                    d0, cum, works, keep = plan.dst_interval(j)[0], cumulative(dst_counts), [], []
+                    for p in plan.pieces_of_dst(j):
+                        _, _, t0, t1 = self.piece_range(p, d0, cum)
+                        if t1 > t0:
+                            src = plan.src_leader(p.i)
+                            payload = self.to_wire(grad[t0:t1])
+                            keep.append(payload)
+                            works.append(self.isend(payload, src, TAG_BWD))
+                            self.traffic.add("bwd", self.scope(self.rank, src), "payload", self.wire_bytes(payload))
+                    for w in works:
+                        w.wait()
+        if not self.is_source:
+            return None
+        shape, counts = ctx["src"]
+        i = role.src_shard
+        holders = plan.src_holders(i)
+        if role.is_src_leader:
+            s0, cum = plan.src_interval(i)[0], cumulative(counts)
+            bufs, works = [], []
+            for p in plan.pieces_of_src(i):
+                _, _, t0, t1 = self.piece_range(p, s0, cum)
+                buf = self.empty_wire(t1 - t0)
+                bufs.append(buf)
+                if buf.numel() > 0:
+                    works.append(self.irecv(buf, plan.dst_leader(p.j), TAG_BWD))
+            for w in works:
+                w.wait()
+            wire = torch.cat(bufs) if bufs else self.empty_wire(0)
+        else:
+            wire = self.empty_wire(shape[0])
+        if len(holders) > 1:
+            self.broadcast(wire, holders[0], holders, "bwd", "payload")
+        return self.from_wire(wire)

@@ -1,0 +1,45 @@
+"""Layout-independent initialisation: every layout loads its shards from one full state dict.
+
+The full (TP = 1, PP = 1) module is built on the CPU from the module's seed;
+each rank then copies the slice its stage and tensor-parallel rank own. Two
+layouts of the same config therefore start from bit-identical weights, which
+is what step-level parity between layouts needs. Costs one full copy of the
+module in host memory per rank while initialising.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict
+
+import torch
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """`decoder.layers.1.x` of a stage whose first layer is global layer 4 -> `decoder.layers.5.x`."""
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", local_name, count=1)
+
+
+def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's contiguous chunk along megatron's partition dim (or the whole tensor)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    if getattr(param, "partition_stride", 1) != 1:
+        raise NotImplementedError("strided tensor-parallel partitions are not supported")
+    return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+
+
+def load_shard(module: torch.nn.Module, full_state: Dict[str, torch.Tensor], layer_offset: int, tp_rank: int,
+               tp_size: int) -> None:
+    """Copy each parameter's slice of the full state into `module` (same names up to the layer offset)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            key = global_name(name, layer_offset)
+            if key not in full_state:
+                raise KeyError(f"reference state has no {key!r} (for stage parameter {name!r})")
+            piece = tp_slice(full_state[key], p, tp_rank, tp_size)
+            if piece.shape != p.shape:
+                raise ValueError(f"{name}: shard shape {tuple(piece.shape)} != parameter shape {tuple(p.shape)}")
+            p.copy_(piece)

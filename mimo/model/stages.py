@@ -1,0 +1,64 @@
+"""Pipeline stages of a module: which layers each stage holds, and building one stage.
+
+mimo runs its own pipeline schedules, so megatron-core sees each stage as a
+whole model of `n` layers (pipeline size 1, its own singleton pipeline
+group); only the first stage embeds and only the last produces the loss.
+Per-stage layer counts come from `parallelism.<module>.stage_layers` when
+given (e.g. a planner's frozen-aware partition), else an even split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from mimo.config import MimoConfig, ParallelConfig
+
+from .specs import llm_layer_spec
+from .transformer_config import transformer_config
+
+
+def stage_layer_counts(num_layers: int, par: ParallelConfig) -> List[int]:
+    """Layers per pipeline stage; an even split puts the remainder on the earliest stages."""
+    if par.stage_layers is not None:
+        return list(par.stage_layers)
+    base, extra = divmod(num_layers, par.pp)
+    return [base + (1 if i < extra else 0) for i in range(par.pp)]
+
+
+def stage_layer_offset(num_layers: int, par: ParallelConfig, stage: int) -> int:
+    return sum(stage_layer_counts(num_layers, par)[:stage])
+
+
+def single_stage_groups(pgs: ProcessGroupCollection, self_group) -> ProcessGroupCollection:
+    """The module's groups with the pipeline group replaced by this rank alone."""
+    out = ProcessGroupCollection()
+    for f in dataclasses.fields(ProcessGroupCollection):
+        if hasattr(pgs, f.name):
+            setattr(out, f.name, getattr(pgs, f.name))
+    out.pp = self_group
+    out.embd = self_group
+    out.pos_embd = self_group
+    out.mp = pgs.tp
+    return out
+
+
+def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pgs: ProcessGroupCollection,
+                    self_group, num_layers_total: Optional[int] = None) -> GPTModel:
+    """The LLM layers of one pipeline stage as a megatron GPTModel."""
+    from .multimodal import set_frozen
+
+    lang = cfg.model.language
+    counts = stage_layer_counts(lang.num_layers, par)
+    stage_layout = dataclasses.replace(layout, pp=1)
+    config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage])
+    model = GPTModel(config=config, transformer_layer_spec=llm_layer_spec(lang.attention),
+                     vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
+                     pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     pg_collection=single_stage_groups(pgs, self_group))
+    set_frozen(model, lang.frozen)
+    return model

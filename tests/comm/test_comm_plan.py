@@ -1,0 +1,100 @@
+"""Edge plans: pure Python, no processes."""
+
+import pytest
+
+from mimo.comm import COLOCATED, EQUAL, FAN_IN, FAN_OUT, NON_COLOCATED, make_plan
+from mimo.topology import Layout
+
+
+def test_intervals_and_pieces_fan_in():
+    p = make_plan(Layout(dp=4), Layout(tp=2, dp=2, rank_offset=4), 8)
+    assert (p.placement, p.relation, p.ratio) == (NON_COLOCATED, FAN_IN, 2)
+    assert [p.src_interval(i) for i in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [p.dst_interval(j) for j in range(2)] == [(0, 4), (4, 8)]
+    assert [(q.i, q.j, q.start, q.stop) for q in p.pieces] == [(0, 0, 0, 2), (1, 0, 2, 4), (2, 1, 4, 6), (3, 1, 6, 8)]
+    # Leaders: tp=0 rank of the source's last stage / destination's first stage.
+    assert [p.src_leader(i) for i in range(4)] == [0, 1, 2, 3]
+    assert [p.dst_leader(j) for j in range(2)] == [4, 6]
+    assert p.dst_receivers(1) == [6, 7]
+    assert [(r.src, r.dst) for r in p.leader_routes()] == [(0, 4), (1, 4), (2, 6), (3, 6)]
+
+
+def test_fan_out_pieces_and_leaders_with_pp_and_tp():
+    src = Layout(tp=2, dp=1, pp=2)           # ranks 0-3, last stage = ranks 2, 3
+    dst = Layout(tp=2, cp=2, dp=2, pp=2, rank_offset=4)  # first stage = ranks 4-11
+    p = make_plan(src, dst, 4)
+    assert (p.relation, p.ratio) == (FAN_OUT, 2)
+    assert p.src_holders(0) == [2, 3] and p.src_leader(0) == 2
+    assert p.dst_receivers(0) == [4, 5, 6, 7] and p.dst_receivers(1) == [8, 9, 10, 11]
+    assert [(q.i, q.j, q.start, q.stop) for q in p.pieces] == [(0, 0, 0, 2), (0, 1, 2, 4)]
+    assert p.role(3).src_shard == 0 and not p.role(3).is_src_leader
+    assert p.role(0).src_shard is None  # first encoder stage holds no boundary tensor
+    assert p.role(12).dst_shard is None  # second LLM stage receives nothing
+    g = p.groups()
+    assert g["src_tp"] == [[2, 3]]
+    assert g["dst_tpcp"] == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert g["dst_cp"] == [[4, 6], [8, 10]]  # only the leaders' CP groups reduce gradients
+
+
+def test_cross_routes_follow_batch_shards_not_tp_widths():
+    p = make_plan(Layout(tp=4, dp=2), Layout(tp=4, dp=2, rank_offset=8), 4)
+    assert p.relation == EQUAL and len(p.leader_routes()) == 2
+
+
+def test_colocated_equal_is_rank_local():
+    p = make_plan(Layout(tp=2, dp=2), Layout(tp=2, dp=2), 4)
+    assert p.placement == COLOCATED
+    moves, local = p.colocated_forward_routes()
+    bmoves, _ = p.colocated_backward_routes()
+    assert moves == [] and bmoves == [] and len(local) == 4
+
+
+def test_colocated_fan_in_is_sibling_all_gather_and_local_backward():
+    p = make_plan(Layout(dp=4), Layout(tp=2, dp=2), 8)
+    moves, _ = p.colocated_forward_routes()
+    # Ranks {0,1} form destination shard 0 and exchange their intervals; same for {2,3}.
+    assert sorted((m.src, m.dst) for m in moves) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert p.colocated_backward_routes()[0] == []
+
+
+def test_colocated_fan_out_is_local_forward_and_sibling_gather_backward():
+    p = make_plan(Layout(tp=2), Layout(dp=2), 4)
+    assert p.colocated_forward_routes()[0] == []
+    assert sorted((m.src, m.dst) for m in p.colocated_backward_routes()[0]) == [(0, 1), (1, 0)]
+
+
+def test_colocated_destination_pp2_ships_later_stage_shards():
+    # Encoder DP4 on the ranks of LLM PP2 x DP2: ranks 2, 3 are LLM stage 1 but hold encoder shards 2, 3.
+    p = make_plan(Layout(dp=4), Layout(dp=2, pp=2), 4)
+    assert [p.dst_shard_of(r) for r in range(4)] == [0, 1, None, None]
+    moves, _ = p.colocated_forward_routes()
+    assert sorted((p.pieces[m.piece].i, m.src, m.dst) for m in moves) == [(1, 1, 0), (2, 2, 1), (3, 3, 1)]
+    back, _ = p.colocated_backward_routes()
+    assert sorted((p.pieces[m.piece].i, m.src, m.dst) for m in back) == [(1, 0, 1), (2, 1, 2), (3, 1, 3)]
+
+
+@pytest.mark.parametrize("src,dst,B,words", [
+    (Layout(dp=2), Layout(dp=2, rank_offset=1), 4, "partially overlap"),
+    (Layout(dp=3), Layout(dp=2, rank_offset=3), 6, "one must divide the other"),
+    (Layout(dp=4), Layout(dp=2, rank_offset=4), 6, "not divisible by the source DP"),
+    (Layout(cp=2), Layout(dp=2, rank_offset=2), 4, "cp=1"),
+    (Layout(dp=2), Layout(dp=2, rank_offset=2), 0, "positive"),
+])
+def test_invalid_edges_are_rejected(src, dst, B, words):
+    with pytest.raises(ValueError, match=words):
+        make_plan(src, dst, B)
+
+
+def test_colocated_gathers_recognise_aligned_all_gathers_only():
+    fan_in = make_plan(Layout(tp=2, dp=4), Layout(tp=4, dp=2), 8)
+    groups = fan_in.colocated_gathers("fwd")
+    # One all-gather per (destination shard, source TP replica), each over one holder of each source shard.
+    assert [m for m, _ in groups] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert all(sorted(fan_in.pieces[k].i for k in c.values()) in ([0, 1], [2, 3]) for _, c in groups)
+    assert fan_in.colocated_gathers("bwd") == []
+    fan_out = make_plan(Layout(tp=4), Layout(dp=4), 8)
+    assert [m for m, _ in fan_out.colocated_gathers("bwd")] == [[0, 1, 2, 3]]
+    assert fan_out.groups()["bwd_gather"] == [[0, 1, 2, 3]]
+    # Destination PP > 1: later-stage ranks only send, so this is no all-gather.
+    assert make_plan(Layout(dp=4), Layout(dp=2, pp=2), 4).colocated_gathers("fwd") is None
+    assert make_plan(Layout(dp=2), Layout(dp=2, rank_offset=2), 4).colocated_gathers("fwd") is None
