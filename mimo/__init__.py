@@ -8,3 +8,5 @@ import warnings as _warnings
 # library it falls back from (Apex, Transformer Engine, absl); mimo runs
 # without them by design, so those lines are noise in a multi-rank log.
 _warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|absl)", category=UserWarning)
+# Emitted for defaults mimo does not use (CUDA graphs, async TP all-reduce tuning).
+_warnings.filterwarnings("ignore", message=r"(full scope is deprecated|When using async grad allreduce)")

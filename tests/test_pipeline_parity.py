@@ -1,6 +1,7 @@
 """Pipeline-parallel LLM (1F1B) equals the single-rank run; stage_layers are honoured."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -68,3 +69,41 @@ def test_stage_layers_decide_what_each_stage_builds():
     assert got == [(0, 3, 0), (1, 1, 3)]
     got = run_on_ranks(_stage_layers, 3, text_only(pp=3))  # 4 layers: remainder on the first stage
     assert got == [(0, 2, 0), (1, 1, 2), (2, 1, 3)]
+
+
+def text_only_bitfield(**layout):
+    raw = text_only(**layout)
+    raw["model"]["language"].update(attention="bitfield", cp_block_size=16)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def bitfield_reference():
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # dense attention backend: fast on CPU, same semantics
+    try:
+        return run_on_ranks(_train, 1, text_only_bitfield(), STEPS)[0]
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.mark.parametrize("layout,world", [
+    (dict(cp=2), 2),
+    (dict(cp=2, tp=2), 4),
+    (dict(cp=2, pp=2), 4),
+], ids=["cp2", "cp2xtp2", "cp2xpp2"])
+def test_context_parallel_training_equals_cp1(bitfield_reference, layout, world, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    got = _merge(run_on_ranks(_train, world, text_only_bitfield(**layout), STEPS))
+    assert_same_run(bitfield_reference, got)
+
+
+def test_context_parallel_policies_agree(bitfield_reference, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for policy in ("zigzag", "contiguous"):
+        raw = text_only_bitfield(cp=2)
+        raw["model"]["language"]["cp_policy"] = policy
+        assert_same_run(bitfield_reference, _merge(run_on_ranks(_train, 2, raw, STEPS)))

@@ -16,6 +16,7 @@ ATTENTION_KINDS = ("sdpa", "bitfield")
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
 INIT_MODES = ("reference", "local")
+CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 DATA_KINDS = ("mock",)
 
 
@@ -38,6 +39,9 @@ class LanguageConfig:
     attention: str = "sdpa"
     # attention: bitfield only: encoders whose tokens text may attend to (default: all).
     text_sees: Optional[List[str]] = None
+    # Context parallelism (cp > 1): how query blocks are dealt to CP ranks.
+    cp_policy: str = "lpt"
+    cp_block_size: int = 128
 
     def __post_init__(self):
         if self.num_query_groups is None:

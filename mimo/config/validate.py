@@ -12,6 +12,7 @@ from .load import Problem
 from .schema import (
     ATTENTION_KINDS,
     DATA_KINDS,
+    CP_POLICIES,
     ENCODER_KINDS,
     INIT_MODES,
     LANGUAGE,
@@ -50,6 +51,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
             add(f"model.language.text_sees[{i}]", f"no such encoder {name!r}")
     if lang.text_sees is not None and lang.attention != "bitfield":
         add("model.language.text_sees", "only takes effect with model.language.attention: bitfield")
+    _check_choice(lang.cp_policy, CP_POLICIES, "model.language.cp_policy", add)
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
 
@@ -187,6 +189,8 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
         add(f"{path}.pp", f"must be <= num_layers ({mod.num_layers})")
     if name != LANGUAGE and par.cp != 1:
         add(f"{path}.cp", "encoders run with cp = 1 (context parallelism is for the LLM)")
+    if name == LANGUAGE and par.cp > 1 and mod.attention != "bitfield":
+        add(f"{path}.cp", "context parallelism needs model.language.attention: bitfield")
     if par.ep != 1:
         add(f"{path}.ep", "must be 1: mimo builds no mixture-of-experts layers")
     if par.stage_layers is not None:

@@ -7,7 +7,7 @@ both, so two neighbours that both send before they receive (the steady
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,21 @@ FORWARD_TAG, BACKWARD_TAG = 11, 12
 
 
 class StagePeers:
-    """How one stage reaches its neighbours (global ranks; None at the ends)."""
+    """How one stage reaches its neighbours (global ranks; None at the ends).
 
-    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], shape: Tuple[int, ...],
+    `shape` is the activation shape, or a function of the microbatch index
+    when it varies (context parallelism gives each microbatch its own local
+    length). Activations and gradients both arrive in microbatch order, so
+    two counters say which microbatch the next receive belongs to.
+    """
+
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int],
+                 shape: Union[Tuple[int, ...], Callable[[int], Tuple[int, ...]]],
                  dtype: torch.dtype, device: torch.device):
         self.prev, self.next = prev_rank, next_rank
-        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.shape_of = shape if callable(shape) else (lambda mb, s=tuple(shape): s)
+        self.dtype, self.device = dtype, device
+        self._next = {FORWARD_TAG: 0, BACKWARD_TAG: 0}
 
     def _exchange(self, send: Optional[Tuple[torch.Tensor, int, int]], recv: Optional[Tuple[int, int]]):
         ops: List = []
@@ -31,7 +40,9 @@ class StagePeers:
             ops.append(dist.isend(tensor.detach().contiguous(), dst=dst, tag=tag))
         if recv is not None:
             src, tag = recv
-            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            mb = self._next[tag]
+            self._next[tag] += 1
+            out = torch.empty(self.shape_of(mb), dtype=self.dtype, device=self.device)
             ops.append(dist.irecv(out, src=src, tag=tag))
         for op in ops:
             op.wait()

@@ -2,8 +2,9 @@
 
 * every module on one shared layout with PP = 1 (each rank holds a TP shard
   of every module for its DP shard of the batch), or
-* a text-only model (no encoders) with any TP x DP x PP, the LLM's stages
-  driven by the 1F1B engine of mimo.schedule.
+* a text-only model (no encoders) with any TP x CP x DP x PP: the LLM's
+  stages driven by the 1F1B engine of mimo.schedule, its sequence dealt to
+  CP ranks in balanced blocks (mimo.attention's CP plumbing).
 
 Per-module layouts (different rank ranges or shapes) need the boundary
 communicators of mimo.comm in the schedule and are refused with a clear
@@ -21,9 +22,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
-from mimo.model import MultimodalModel, build_encoder, build_llm, llm_loss
+from mimo.model import MultimodalModel, build_encoder, build_llm
 from mimo.model.reference_init import load_shard
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import Runtime, synchronize
@@ -47,8 +49,9 @@ def unsupported_layout(cfg: MimoConfig) -> List[str]:
     if lang.pp != 1 and cfg.model.encoders:
         problems.append("parallelism.language.pp: pipeline parallelism with encoders needs the heterogeneous "
                         "schedules, which are pending (text-only models support any pp)")
-    if lang.cp != 1:
-        problems.append("parallelism.language.cp: context parallelism is not supported by this trainer yet")
+    if lang.cp != 1 and cfg.model.encoders:
+        problems.append("parallelism.language.cp: context parallelism with encoders needs the heterogeneous "
+                        "schedules (encoders keep cp = 1), which are pending (text-only models support any cp)")
     return problems
 
 
@@ -95,6 +98,10 @@ class Trainer:
             llm = self._init(LANGUAGE, lambda pgs, stage=self.stage: build_llm_stage(
                 cfg, lang_par, self.grid.layout, stage, pgs, self.topo.self_group), self.grid.pg_collection())
         self.parts[LANGUAGE] = llm
+        self.cp = self.grid.layout.cp
+        if self.cp > 1:
+            # RoPE at each token's global position, whatever slots CP gave it.
+            enable_context_parallel_rope(llm)
         for m in self.parts.values():
             m.to(runtime.device)
         self.model = MultimodalModel(cfg, {n: self.parts[n] for n in cfg.model.encoders}, llm)
@@ -142,7 +149,8 @@ class Trainer:
         """Accumulate this rank's gradients for one global batch; returns (loss, loss tokens)."""
         batches = list(self.microbatches(step))
         n_tokens = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
-        dist.all_reduce(n_tokens, group=self.grid.groups["dp_cp"])
+        # CP ranks of a DP shard hold the same samples: count over DP only.
+        dist.all_reduce(n_tokens, group=self.grid.groups["dp"])
         if n_tokens.item() == 0:
             raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
@@ -155,7 +163,7 @@ class Trainer:
             loss_sum += loss.detach().double()
             return loss
 
-        if self.num_stages == 1:
+        if self.num_stages == 1 and self.cp == 1:
             for b in batches:
                 loss_of(self.model(b), b).backward()
         else:
@@ -166,10 +174,22 @@ class Trainer:
         dist.all_reduce(total)
         return float(total), int(n_tokens.item())
 
+    def _cp_local(self, b):
+        """This CP rank's slots of a microbatch: the assignment is computed from the
+        mask alone, identically on every CP rank and every pipeline stage."""
+        lang = self.cfg.model.language
+        bits = self.model.attention_mask(b["input_ids"]).bits
+        slots = plan_context_parallel(bits, self.cp, lang.cp_block_size, lang.cp_policy)
+        return shard_microbatch(slots, self.grid.coords["cp"], bits=bits, input_ids=b["input_ids"],
+                                position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+
     def _pipeline(self, batches, loss_of) -> None:
+        """Text-only LLM over its pipeline stages (1F1B) and/or context-parallel ranks."""
         llm, lay, c = self.parts[LANGUAGE], self.grid.layout, self.grid.coords
-        b0 = batches[0]
-        shape = (b0["input_ids"].shape[1], b0["input_ids"].shape[0], self.cfg.model.language.hidden_size)
+        views = [self._cp_local(b) for b in batches] if self.cp > 1 else [
+            {**b, "attention_mask": self.model.attention_mask(b["input_ids"])} for b in batches]
+        hidden = self.cfg.model.language.hidden_size
+        shape = lambda mb: (views[mb]["input_ids"].shape[1], views[mb]["input_ids"].shape[0], hidden)  # noqa: E731
         neighbour = lambda s: lay.rank(**{**c, "pp": s})  # noqa: E731
         peers = StagePeers(neighbour(self.stage - 1) if self.stage > 0 else None,
                            neighbour(self.stage + 1) if self.stage < self.num_stages - 1 else None,
@@ -177,14 +197,16 @@ class Trainer:
         last = self.stage == self.num_stages - 1
 
         def forward_step(mb: int, x: Optional[torch.Tensor]) -> torch.Tensor:
-            b = batches[mb]
-            if x is None:  # first stage
-                out = llm_loss(llm, {**b, "labels": b["labels"] if last else None}, {})
+            v = views[mb]
+            labels = v["labels"] if last else None
+            if x is None:  # first stage embeds
+                out = llm(input_ids=v["input_ids"], position_ids=v["position_ids"],
+                          attention_mask=v["attention_mask"], labels=labels)
             else:
                 llm.set_input_tensor(x)
-                out = llm(input_ids=None, position_ids=b["position_ids"], attention_mask=None,
-                          labels=b["labels"] if last else None)
-            return loss_of(out, b) if last else out
+                out = llm(input_ids=None, position_ids=v["position_ids"], attention_mask=v["attention_mask"],
+                          labels=labels)
+            return loss_of(out, v) if last else out
 
         run_1f1b(len(batches), self.stage, self.num_stages, peers, forward_step)
 

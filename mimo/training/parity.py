@@ -1,0 +1,125 @@
+"""Step-level FP32 parity between layouts of one model (the paper's methodology).
+
+A config is run on as many CPU ranks as its layout needs, in FP32 with the
+layout-independent `reference` initialisation; the per-step losses, every
+parameter's full gradient before the first update and every parameter after
+the last step are gathered and compared with the baseline's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+
+from mimo.config import ConfigError, MimoConfig, load_config
+from mimo.runtime import run_on_ranks, select_runtime
+
+SAME_SECTIONS = ("model", "data", "training")
+
+
+def parity_overrides(raw: Dict, steps: int) -> Dict:
+    """FP32, reference init and `steps` iterations: what makes two layouts comparable."""
+    raw = copy.deepcopy(raw)
+    tr = raw.setdefault("training", {})
+    tr.update(precision="fp32", init="reference", train_iters=steps)
+    return raw
+
+
+def check_comparable(baseline: Dict, candidate: Dict, name: str) -> None:
+    """Only `parallelism` may differ; anything else would not be a layout comparison."""
+    problems = []
+    for section in SAME_SECTIONS:
+        if baseline.get(section) != candidate.get(section):
+            problems.append((section, f"{name} differs from the baseline here; only parallelism may differ"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _make_trainer(cfg: MimoConfig, runtime):
+    try:
+        from mimo.training.heterogeneous import make_trainer
+    except ImportError:
+        from mimo.training.trainer import Trainer as make_trainer
+    return make_trainer(cfg, runtime)
+
+
+def _run_rank(raw: Dict, steps: int):
+    cfg = load_config(raw)
+    trainer = _make_trainer(cfg, select_runtime("cpu"))
+    from .state import full_state
+
+    tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
+    losses, grads = [], {}
+    for s in range(steps):
+        losses.append(trainer.train_step(s).loss)
+        if s == 0:
+            grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
+    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def run_config(raw: Dict, steps: int, timeout_s: float = 900.0) -> Dict:
+    """Train `raw` for `steps` steps on its ranks; the whole model's state, merged over ranks."""
+    cfg = load_config(raw)
+    results = run_on_ranks(_run_rank, cfg.world_size, raw, steps, timeout_s=timeout_s)
+    merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": cfg.world_size,
+              "placement": placement_of(cfg)}
+    for r in results:
+        if r["losses"] != merged["losses"]:
+            raise RuntimeError("ranks disagree on the loss; the run is not consistent")
+        merged["grads"].update(r["grads"])
+        merged["params"].update(r["params"])
+    return merged
+
+
+def placement_of(cfg: MimoConfig) -> str:
+    if cfg.world_size == 1:
+        return "single"
+    from mimo.topology import edges_of
+
+    return "non-colocated" if any(e.placement == "non-colocated" for e in edges_of(cfg)) else "colocated"
+
+
+def max_rel_diff(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> float:
+    """Largest over tensors of max|got - ref| / max|ref| (a missing or extra tensor is infinite)."""
+    if set(got) != set(ref):
+        return float("inf")
+    worst = 0.0
+    for k, r in ref.items():
+        g = got[k]
+        if g.shape != r.shape:
+            return float("inf")
+        scale = max(float(r.abs().max()), 1e-12) if r.numel() else 1.0
+        worst = max(worst, float((g.double() - r.double()).abs().max()) / scale if r.numel() else 0.0)
+    return worst
+
+
+def compare(baseline: Dict, candidate: Dict, rtol: float) -> Dict:
+    b, c = torch.tensor(baseline["losses"], dtype=torch.float64), torch.tensor(candidate["losses"], dtype=torch.float64)
+    loss_diff = float(((c - b).abs() / b.abs().clamp_min(1e-12)).max())
+    grad_diff = max_rel_diff(candidate["grads"], baseline["grads"])
+    param_diff = max_rel_diff(candidate["params"], baseline["params"])
+    return {
+        "world_size": candidate["world_size"],
+        "placement": candidate["placement"],
+        "loss": candidate["losses"],
+        "baseline_loss": baseline["losses"],
+        "max_rel_loss_diff": loss_diff,
+        "max_rel_grad_diff": grad_diff,
+        "max_rel_param_diff": param_diff,
+        "ok": max(loss_diff, grad_diff, param_diff) <= rtol,
+    }
+
+
+def parity(baseline_raw: Dict, candidates: List[Dict], names: List[str], steps: int, rtol: float):
+    """Yield one report dict per candidate (the baseline runs once)."""
+    base = parity_overrides(baseline_raw, steps)
+    cands = [parity_overrides(c, steps) for c in candidates]
+    for name, c in zip(names, cands):
+        check_comparable(base, c, name)
+        load_config(c)  # every candidate is valid before anything runs
+    ref = run_config(base, steps)
+    for name, c in zip(names, cands):
+        yield {"candidate": name, **compare(ref, run_config(c, steps), rtol)}
