@@ -29,6 +29,9 @@ def build_config(raw: Mapping[str, Any], cand: Candidate, order: list[str], seq_
                  global_batch: int, micro_batch: int, precision: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {"model": copy.deepcopy(dict(raw["model"]))}
     cfg["parallelism"] = parallelism_section(cand, order)
+    if cfg["parallelism"].get("language", {}).get("cp", 1) > 1:
+        # Context parallelism runs on the bitfield attention kernel only.
+        cfg["model"]["language"]["attention"] = "bitfield"
     data = dict(raw.get("data") or {})
     data.setdefault("kind", "mock")
     data.setdefault("seq_length", seq_length)

@@ -1,6 +1,8 @@
 import importlib.util
 import json
 import os
+
+from mimo.planner.api import load_raw
 import subprocess
 import sys
 
@@ -87,3 +89,22 @@ def test_emitted_config_passes_mimo_config_check(tmp_path, config, gpus, gpu):
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert chk.returncode == 0, chk.stderr
     assert chk.stdout.strip() == "ok"
+
+
+def test_every_ranked_candidate_emits_a_valid_config_cp_ones_with_bitfield_attention():
+    from mimo.config import load_config
+    from mimo.planner import make_plan
+    from mimo.planner.emit import build_config
+
+    plan = make_plan(LLAVA, 8, "h100")
+    order = [m.name for m in plan.spec.modules]
+    s = plan.settings
+    seen_cp = False
+    for cand in plan.candidates[:10]:
+        cfg = build_config(load_raw(LLAVA), cand, order, s.workload.seq_length, s.global_batch, s.micro_batch,
+                           s.precision)
+        load_config(cfg, world_size=8)  # raises ConfigError naming the field if the emitted layout is invalid
+        if cfg["parallelism"]["language"]["cp"] > 1:
+            seen_cp = True
+            assert cfg["model"]["language"]["attention"] == "bitfield"
+    assert seen_cp, "the 8-GPU LLaVA plan ranks a CP candidate in its top 10 (see docs/planner.md)"
