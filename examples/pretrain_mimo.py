@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     # Everything about the config is checked before any process group exists.
     try:
         cfg = load_config(args.config, args.set, world_size=world)
-        from mimo.training import unsupported_layout
+        from mimo.training import layout_problems
 
-        problems = unsupported_layout(cfg)
+        problems = layout_problems(cfg)
         if problems:
             raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
     except ConfigError as exc:
@@ -55,13 +55,13 @@ def main(argv=None) -> int:
         return 2
 
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
-    from mimo.training import Trainer
+    from mimo.training import make_trainer
 
     try:
         runtime = select_runtime(args.device)
         init_distributed(runtime, cfg.training.timeout_minutes)
         setup_megatron(runtime, cfg.training.seed)
-        trainer = Trainer(cfg, runtime)
+        trainer = make_trainer(cfg, runtime)
         if rank == 0:
             describe(cfg, trainer, runtime)
         tr = cfg.training
@@ -84,12 +84,15 @@ def main(argv=None) -> int:
 
 def describe(cfg, trainer, runtime) -> None:
     print(f"mimo: {trainer.topo.world_size} ranks on {runtime.device.type} ({runtime.backend})", flush=True)
+    for edge in trainer.topo.edges:
+        print(f"  edge {edge.src} -> {edge.dst}: {edge.placement}", flush=True)
     for name, grid in trainer.topo.grids.items():
         lay = grid.layout
-        n_all = sum(p.numel() for p in trainer.parts[name].parameters())
-        n_train = sum(p.numel() for p in trainer.params[name])
+        held = name in trainer.parts
+        n_all = sum(p.numel() for p in trainer.parts[name].parameters()) if held else 0
+        n_train = sum(p.numel() for p in trainer.params[name]) if held else 0
         print(f"  {name:10s} ranks [{lay.ranks.start}, {lay.ranks.stop}) tp={lay.tp} cp={lay.cp} pp={lay.pp} "
-              f"dp={lay.dp} | params/rank {n_all:,} (trainable {n_train:,})", flush=True)
+              f"dp={lay.dp} | on rank 0: params {n_all:,} (trainable {n_train:,})", flush=True)
 
 
 if __name__ == "__main__":

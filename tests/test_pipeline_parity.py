@@ -4,7 +4,6 @@ import copy
 import os
 
 import pytest
-import torch
 
 from mimo.runtime import run_on_ranks
 from test_training_parity import _train, assert_same_run

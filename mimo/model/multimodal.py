@@ -13,7 +13,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from mimo.attention import BitfieldMask, build_bitfield_mask
-from mimo.config import LANGUAGE, MimoConfig
+from mimo.config import MimoConfig
 from mimo.data import PAD_ID
 from mimo.topology import Layout
 

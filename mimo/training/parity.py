@@ -16,6 +16,8 @@ import torch
 from mimo.config import ConfigError, MimoConfig, load_config
 from mimo.runtime import run_on_ranks, select_runtime
 
+from .heterogeneous import make_trainer
+
 SAME_SECTIONS = ("model", "data", "training")
 
 
@@ -37,17 +39,9 @@ def check_comparable(baseline: Dict, candidate: Dict, name: str) -> None:
         raise ConfigError(problems)
 
 
-def _make_trainer(cfg: MimoConfig, runtime):
-    try:
-        from mimo.training.heterogeneous import make_trainer
-    except ImportError:
-        from mimo.training.trainer import Trainer as make_trainer
-    return make_trainer(cfg, runtime)
-
-
 def _run_rank(raw: Dict, steps: int):
     cfg = load_config(raw)
-    trainer = _make_trainer(cfg, select_runtime("cpu"))
+    trainer = make_trainer(cfg, select_runtime("cpu"))
     from .state import full_state
 
     tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}

@@ -71,7 +71,38 @@ class StepResult:
     step_time_s: float
 
 
-class Trainer:
+class TrainerBase:
+    """What every mimo trainer shares: per-module gradient reduction, the global
+    norm, the optimizer steps and timing. Subclasses provide `forward_backward`."""
+
+    def reduce_gradients(self) -> float:
+        local = torch.zeros((), dtype=torch.float64)
+        for name, params in self.params.items():
+            g = self.topo.grid(name)
+            allreduce_gradients(params, g.groups["dp_cp"])
+            c = g.coords
+            local += local_grad_sq_norm(params, c["tp"], c["dp"] * g.layout.cp + c["cp"])
+        return clip_by_global_norm(list(self.params.values()), local, self.cfg.training.clip_grad,
+                                   self.runtime.device)
+
+    def train_step(self, step: int) -> StepResult:
+        synchronize(self.runtime)
+        start = time.perf_counter()
+        for params in self.params.values():
+            for p in params:
+                p.grad = None
+        loss, n_tokens = self.forward_backward(step)
+        norm = self.reduce_gradients()
+        for opt in self.optimizers.values():
+            if opt is not None:
+                opt.step()
+        synchronize(self.runtime)
+        tr = self.cfg.training
+        return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
+                          time.perf_counter() - start)
+
+
+class Trainer(TrainerBase):
     def __init__(self, cfg: MimoConfig, runtime: Runtime):
         problems = unsupported_layout(cfg)
         if problems:
@@ -209,29 +240,3 @@ class Trainer:
             return loss_of(out, v) if last else out
 
         run_1f1b(len(batches), self.stage, self.num_stages, peers, forward_step)
-
-    def reduce_gradients(self) -> float:
-        local = torch.zeros((), dtype=torch.float64)
-        for name, params in self.params.items():
-            g = self.topo.grid(name)
-            allreduce_gradients(params, g.groups["dp_cp"])
-            c = g.coords
-            local += local_grad_sq_norm(params, c["tp"], c["dp"] * g.layout.cp + c["cp"])
-        return clip_by_global_norm(list(self.params.values()), local, self.cfg.training.clip_grad,
-                                   self.runtime.device)
-
-    def train_step(self, step: int) -> StepResult:
-        synchronize(self.runtime)
-        start = time.perf_counter()
-        for params in self.params.values():
-            for p in params:
-                p.grad = None
-        loss, n_tokens = self.forward_backward(step)
-        norm = self.reduce_gradients()
-        for opt in self.optimizers.values():
-            if opt is not None:
-                opt.step()
-        synchronize(self.runtime)
-        tr = self.cfg.training
-        return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          time.perf_counter() - start)

@@ -1,0 +1,120 @@
+"""Ports of the stage-node graph for non-colocated modules (see mimo.schedule.graph).
+
+* `StageLink`: point-to-point between neighbouring stages of one module. Its
+  tensor shape may change per microbatch (an encoder stage's activation has
+  one row per item of the microbatch); both sides derive it from the data,
+  so no shape travels. Paired ops post send and receive together, so they
+  cannot deadlock against the neighbour's paired op.
+* `BoundarySource` / `BoundaryJoin`: the two ends of encoder -> LLM edges,
+  driven through the boundary communicators, whose halves block. A join
+  (LLM first stage fed by several encoders) visits its edges in config order
+  and has every boundary tensor of a microbatch before running it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .graph import Downstream, Upstream
+
+# Far from the communicators' per-edge tag blocks, which start at 0.
+LINK_FORWARD_TAG, LINK_BACKWARD_TAG = 100_001, 100_002
+
+ShapeOf = Callable[[int], Sequence[int]]
+
+
+class StageLink(Upstream, Downstream):
+    """One side of the link(s) of a stage: `prev` feeds it, it feeds `next` (global ranks or None)."""
+
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], in_shape: Optional[ShapeOf],
+                 out_shape: Optional[ShapeOf], dtype: torch.dtype, device: torch.device):
+        self.prev, self.next = prev_rank, next_rank
+        self.in_shape, self.out_shape = in_shape, out_shape
+        self.dtype, self.device = dtype, device
+
+    def _run(self, sends: List[Tuple[torch.Tensor, int, int]], recvs: List[Tuple[Sequence[int], int, int]]):
+        ops, outs = [], []
+        for t, peer, tag in sends:
+            if t.numel():
+                ops.append(dist.isend(t.detach().contiguous(), dst=peer, tag=tag))
+        for shape, peer, tag in recvs:
+            buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+            if buf.numel():
+                ops.append(dist.irecv(buf, src=peer, tag=tag))
+            outs.append(buf)
+        for op in ops:
+            op.wait()
+        return outs
+
+    def _fwd_in(self, mb):
+        return (self.in_shape(mb), self.prev, LINK_FORWARD_TAG)
+
+    def _bwd_in(self, mb):
+        return (self.out_shape(mb), self.next, LINK_BACKWARD_TAG)
+
+    def recv_forward(self, mb):
+        return self._run([], [self._fwd_in(mb)])[0].requires_grad_()
+
+    def send_backward(self, mb, grad):
+        self._run([(grad, self.prev, LINK_BACKWARD_TAG)], [])
+
+    def send_backward_recv_forward(self, mb_b, grad, mb_f):
+        return self._run([(grad, self.prev, LINK_BACKWARD_TAG)], [self._fwd_in(mb_f)])[0].requires_grad_()
+
+    def send_forward(self, mb, out):
+        self._run([(out, self.next, LINK_FORWARD_TAG)], [])
+
+    def recv_backward(self, mb):
+        return self._run([], [self._bwd_in(mb)])[0]
+
+    def send_forward_recv_backward(self, mb_f, out, mb_b):
+        return self._run([(out, self.next, LINK_FORWARD_TAG)], [self._bwd_in(mb_b)])[0]
+
+
+class BoundarySource(Downstream):
+    """An encoder's last stage: forward sends the packed shard, backward receives its gradient."""
+
+    def __init__(self, comm, counts_of: Callable[[int], torch.Tensor]):
+        self.comm, self.counts_of = comm, counts_of
+
+    def send_forward(self, mb, out):
+        self.comm.forward(out.detach(), self.counts_of(mb))
+
+    def recv_backward(self, mb):
+        return self.comm.backward(None)
+
+
+class BoundaryJoin(Upstream):
+    """The LLM's first stage: one boundary tensor per encoder edge, received in config order.
+
+    `edges`: (encoder name, communicator, whether gradients flow back). A frozen
+    encoder + projector gets no boundary backward: both ends know it from the config.
+    `expect_counts(mb)` -> {name: per-sample token counts} the data implies, checked on receipt.
+    `on_grad` lets tests tamper with a boundary gradient before it is sent.
+    """
+
+    def __init__(self, edges: List[Tuple[str, object, bool]],
+                 expect_counts: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None, on_grad=None):
+        self.edges, self.expect_counts, self.on_grad = edges, expect_counts, on_grad
+
+    def recv_forward(self, mb):
+        out = {}
+        want = self.expect_counts(mb) if self.expect_counts else None
+        for name, comm, trainable in self.edges:
+            t = comm.forward(None, None)
+            if want is not None and not torch.equal(comm.received_counts.cpu(), want[name].cpu()):
+                raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered token counts "
+                                   f"{comm.received_counts.tolist()} but the batch needs {want[name].tolist()}")
+            out[name] = t.requires_grad_() if trainable else t
+        return out
+
+    def send_backward(self, mb, grads):
+        for name, comm, trainable in self.edges:
+            if trainable:
+                g = grads[name]
+                if self.on_grad is not None:
+                    g = self.on_grad(name, g)
+                comm.backward(g)

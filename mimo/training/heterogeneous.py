@@ -1,0 +1,391 @@
+"""Training with per-module layouts: encoders on their own layouts, colocated or not with the LLM.
+
+* non-colocated (every encoder on ranks disjoint from the LLM's): the module
+  graph is expanded into pipeline-stage nodes and every rank runs 1F1B over
+  its node (mimo.schedule.graph); boundary communicators move one LLM
+  microbatch (batch window m * dL) per call.
+* colocated (every encoder on the LLM's ranks, under a different logical
+  grid): the three-phase schedule (mimo.schedule.three_phase) with the whole
+  global batch as batch window, in LLM-major sample order.
+
+Same interface and numerics as mimo.training.trainer.Trainer: layout-independent
+reference init, loss normalised by the global batch's loss-token count, per-module
+DP(x CP) gradient sums and optimizers, one global gradient norm.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
+from mimo.comm import build_communicator
+from mimo.config import LANGUAGE, MimoConfig, placement
+from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
+from mimo.model.encoder_stages import build_encoder_stage
+from mimo.model.reference_init import load_shard
+from mimo.model.stages import build_llm_stage, stage_layer_offset
+from mimo.runtime import Runtime
+from mimo.schedule.graph import Node, run_node, stage_nodes
+from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink
+from mimo.schedule.three_phase import SlicedBoundary, microbatch_offsets, run_three_phase
+from mimo.topology import Layout, Topology, build_topology
+
+from .grad_sync import trainable
+from .optim import build_optimizer
+from .trainer import Trainer, TrainerBase, module_seed, unsupported_layout
+
+COLOCATED, NON_COLOCATED = "colocated", "non-colocated"
+
+
+def make_trainer(cfg: MimoConfig, runtime: Runtime):
+    """The homogeneous Trainer where it can run the layout, else the heterogeneous one."""
+    return Trainer(cfg, runtime) if not unsupported_layout(cfg) else HeterogeneousTrainer(cfg, runtime)
+
+
+def layout_problems(cfg: MimoConfig) -> List[str]:
+    """Why no mimo trainer can run the layout (empty when one can), as `path: reason` lines."""
+    return [] if not unsupported_layout(cfg) else heterogeneous_problems(cfg)
+
+
+def heterogeneous_problems(cfg: MimoConfig) -> List[str]:
+    """Why HeterogeneousTrainer cannot run the layout (empty when it can), as `path: reason` lines."""
+    problems = []
+    par = cfg.parallelism
+    lang = par[LANGUAGE]
+    if lang.ep != 1:
+        problems.append("parallelism.language.ep: expert parallelism is not supported at the encoder boundary")
+    kinds = {name: placement(par[name], lang) for name in cfg.model.encoders}
+    if len(set(kinds.values())) > 1:
+        odd = [n for n in cfg.model.encoders if kinds[n] != kinds[list(cfg.model.encoders)[0]]]
+        problems.append(f"parallelism.{odd[0]}.rank_offset: encoders must be either all colocated with "
+                        f"parallelism.language or all on ranks disjoint from it (got {kinds})")
+    for name in cfg.model.encoders:
+        p = par[name]
+        if p.cp != 1 or p.ep != 1:
+            problems.append(f"parallelism.{name}.cp: encoders must use cp = 1 and ep = 1")
+        if p.pp != 1 and kinds[name] == COLOCATED:
+            problems.append(f"parallelism.{name}.pp: a colocated encoder runs phase 1 on every rank, so it needs "
+                            "pp = 1 (pipeline it on its own ranks instead)")
+    non_colo = [n for n in cfg.model.encoders if kinds[n] == NON_COLOCATED]
+    for k, b in enumerate(non_colo):
+        for a in non_colo[:k]:
+            if set(Layout.from_config(par[a]).ranks) & set(Layout.from_config(par[b]).ranks):
+                problems.append(f"parallelism.{b}.rank_offset: encoders {a!r} and {b!r} share ranks while not "
+                                "colocated with the LLM; give each non-colocated encoder its own rank range")
+    return problems
+
+
+def tokens_per_item(cfg: MimoConfig, name: str) -> int:
+    enc = cfg.model.encoders[name]
+    if enc.kind == "vision":
+        return (enc.image_size // enc.patch_size) ** 2
+    return enc.clip_frames // enc.frames_per_token
+
+
+def encoder_trainable(cfg: MimoConfig, name: str) -> bool:
+    """Whether any gradient must cross the encoder's boundary (known on both sides from the config)."""
+    enc = cfg.model.encoders[name]
+    return not (enc.frozen and enc.projector.frozen)
+
+
+class HeterogeneousTrainer(TrainerBase):
+    def __init__(self, cfg: MimoConfig, runtime: Runtime):
+        problems = heterogeneous_problems(cfg)
+        if problems:
+            raise ValueError("\n".join(problems))
+        self.cfg, self.runtime = cfg, runtime
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
+        self.topo: Topology = build_topology(cfg, backend=runtime.backend)
+        self.encoders = list(cfg.model.encoders)
+        lang_par = cfg.parallelism[LANGUAGE]
+        self.placement = (COLOCATED if self.encoders and placement(cfg.parallelism[self.encoders[0]], lang_par)
+                          == COLOCATED else NON_COLOCATED)
+        self.llm_grid = self.topo.grid(LANGUAGE)
+        tr = cfg.training
+        self.num_microbatches = tr.global_batch_size // (tr.micro_batch_size * lang_par.dp)
+        self.trainable_edge = {n: encoder_trainable(cfg, n) for n in self.encoders}
+        self.on_boundary_grad = None  # tests: tamper with a boundary gradient (name, grad) -> grad
+
+        self.parts: Dict[str, torch.nn.Module] = {}
+        self.layer_offsets: Dict[str, int] = {}
+        for name in self.encoders:
+            g = self.topo.grid(name)
+            if g.is_member:
+                par, stage = cfg.parallelism[name], g.coords["pp"]
+                offset = stage_layer_offset(cfg.model.encoders[name].num_layers, par, stage)
+                if g.layout.pp == 1:
+                    build = lambda pgs, g=g, name=name: build_encoder(cfg, name, g.layout, pgs)  # noqa: E731
+                else:
+                    build = lambda pgs, g=g, name=name, par=par, stage=stage: build_encoder_stage(  # noqa: E731
+                        cfg, name, par, g.layout, stage, pgs, self.topo.self_group)
+                self.parts[name] = self._init(name, build, g.pg_collection(), offset)
+                self.layer_offsets[name] = offset
+        if self.llm_grid.is_member:
+            lay, stage = self.llm_grid.layout, self.llm_grid.coords["pp"]
+            offset = stage_layer_offset(cfg.model.language.num_layers, lang_par, stage)
+            if lay.pp == 1:
+                build = lambda pgs: build_llm(cfg, lay, pgs)  # noqa: E731
+            else:
+                build = lambda pgs: build_llm_stage(cfg, lang_par, lay, stage, pgs, self.topo.self_group)  # noqa: E731
+            self.parts[LANGUAGE] = self._init(LANGUAGE, build, self.llm_grid.pg_collection(), offset)
+            self.layer_offsets[LANGUAGE] = offset
+            self._masker = MultimodalModel(cfg, {}, self.parts[LANGUAGE])
+            if lay.cp > 1:
+                # RoPE at each token's global position, whatever slots CP gave it.
+                enable_context_parallel_rope(self.parts[LANGUAGE])
+        for m in self.parts.values():
+            m.to(runtime.device)
+        self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
+        self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
+        self.dataset = MockMultimodalDataset(cfg)
+
+        # Collective: every rank builds every edge, in config order.
+        window = (tr.global_batch_size if self.placement == COLOCATED
+                  else tr.micro_batch_size * lang_par.dp)
+        self.comms = {name: build_communicator(Layout.from_config(cfg.parallelism[name]), Layout.from_config(lang_par),
+                                               window, cfg.model.language.hidden_size, self.dtype,
+                                               device=runtime.device)
+                      for name in self.encoders}
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _init(self, name: str, build, pgs: ProcessGroupCollection, layer_offset: int) -> torch.nn.Module:
+        """As Trainer._init: seeded build, then (init: reference) this rank's slice of the full module."""
+        seed = module_seed(self.cfg.training.seed, name)
+        torch.manual_seed(seed)
+        part = build(pgs)
+        if self.cfg.training.init == "reference":
+            torch.manual_seed(seed)
+            full = self._reference_module(name)
+            grid = self.topo.grid(name)
+            load_shard(part, full.state_dict(keep_vars=False), layer_offset, grid.coords["tp"], grid.layout.tp)
+        return part
+
+    def _reference_module(self, name: str) -> torch.nn.Module:
+        me = self.topo.self_group
+        pgs = ProcessGroupCollection()
+        for key in ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
+                    "expt_tp", "tp_ep", "expt_dp"):
+            setattr(pgs, key, me)
+        if name == LANGUAGE:
+            return build_llm(self.cfg, Layout(), pgs)
+        return build_encoder(self.cfg, name, Layout(), pgs)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _batch(self, step: int, indices) -> Dict[str, torch.Tensor]:
+        G = self.cfg.training.global_batch_size
+        samples = [self.dataset.sample(step * G + i) for i in indices]
+        return move(collate(samples, self.cfg.placeholder_ids), self.runtime.device, self.dtype)
+
+    def _token_counts(self, batch, name: str) -> torch.Tensor:
+        return batch[f"{name}_counts"].to(torch.int64) * tokens_per_item(self.cfg, name)
+
+    def _llm_indices(self) -> List[List[int]]:
+        tr, c = self.cfg.training, self.llm_grid.coords
+        return shard_indices(tr.global_batch_size, tr.micro_batch_size, c["dp"], self.llm_grid.layout.dp)
+
+    def _encoder_window_indices(self, name: str, mb: int) -> List[int]:
+        """Non-colocated: encoder DP shard i's samples of LLM microbatch window mb (its i-th slice)."""
+        tr = self.cfg.training
+        W = tr.micro_batch_size * self.cfg.parallelism[LANGUAGE].dp
+        g = self.topo.grid(name)
+        n = W // g.layout.dp
+        start = mb * W + g.coords["dp"] * n
+        return list(range(start, start + n))
+
+    def _colocated_encoder_indices(self, name: str) -> List[int]:
+        """Colocated: LLM-major order, so that after the transform LLM DP shard j holds its own
+        microbatches back to back; encoder shard i takes the i-th contiguous slice of that order."""
+        tr = self.cfg.training
+        G, dL = tr.global_batch_size, self.cfg.parallelism[LANGUAGE].dp
+        order = [i for j in range(dL) for mb in shard_indices(G, tr.micro_batch_size, j, dL) for i in mb]
+        g = self.topo.grid(name)
+        n = G // g.layout.dp
+        return order[g.coords["dp"] * n:(g.coords["dp"] + 1) * n]
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def forward_backward(self, step: int):
+        G = self.cfg.training.global_batch_size
+        # Every rank can load any sample, so the global normaliser needs no communication.
+        n_tokens = float(self._batch(step, range(G))["loss_mask"].sum())
+        if n_tokens == 0:
+            raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        self._n_tokens = n_tokens
+        if self.placement == NON_COLOCATED:
+            self._run_noncolocated(step)
+        else:
+            self._run_colocated(step)
+        is_last = (self.llm_grid.is_member and self.llm_grid.is_last_stage and self.llm_grid.coords["tp"] == 0)
+        total = self._loss_sum if is_last else torch.zeros_like(self._loss_sum)
+        dist.all_reduce(total)
+        return float(total), int(n_tokens)
+
+    # LLM stage node (shared by both placements) -----------------------------------------------
+
+    def _llm_node(self, step: int, up, run_warmup: bool = True):
+        llm, g = self.parts[LANGUAGE], self.llm_grid
+        stage, pp = g.coords["pp"], g.layout.pp
+        last = stage == pp - 1
+        indices = self._llm_indices()
+        cache: Dict[int, Dict[str, torch.Tensor]] = {}
+        placeholders = self.cfg.placeholder_ids
+        bitfield = self.cfg.model.language.attention == "bitfield"
+
+        cp, cp_rank = g.layout.cp, g.coords["cp"]
+        lang = self.cfg.model.language
+
+        def cp_view(b, decoder_input=None):
+            """This CP rank's balanced slots of the microbatch (the same plan on every stage)."""
+            bits = b["attention_mask"].bits
+            slots = plan_context_parallel(bits, cp, lang.cp_block_size, lang.cp_policy)
+            return shard_microbatch(slots, cp_rank, bits=bits, input_ids=b["input_ids"],
+                                    position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"],
+                                    decoder_input=decoder_input)
+
+        def batch(mb):
+            if mb not in cache:
+                b = self._batch(step, indices[mb])
+                if bitfield:
+                    b["attention_mask"] = self._masker.attention_mask(b["input_ids"])
+                if cp > 1:
+                    b = {**cp_view(b), "full": b}
+                cache[mb] = b
+            return cache[mb]
+
+        def forward_step(mb, x):
+            b = batch(mb)
+            labels = b["labels"] if last else None
+            tokens_by_id = {placeholders[n]: t for n, t in x.items()} if stage == 0 else None
+            if stage == 0 and cp > 1:
+                # Assemble the whole fused sequence (every CP rank received the whole
+                # boundary shard), then keep this rank's slots of it.
+                full = b["full"]
+                text = llm.embedding(input_ids=full["input_ids"], position_ids=full["position_ids"])
+                fused = assemble_embeddings(text.transpose(0, 1), full["input_ids"], tokens_by_id)
+                local = cp_view(full, fused.transpose(0, 1).contiguous())
+                out = llm(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                          attention_mask=local["attention_mask"], decoder_input=local["decoder_input"], labels=labels)
+            elif stage == 0:
+                out = llm_loss(llm, {**b, "labels": labels}, tokens_by_id)
+            else:
+                llm.set_input_tensor(x)
+                out = llm(input_ids=None, position_ids=b["position_ids"], attention_mask=b.get("attention_mask"),
+                          labels=labels)
+            if not last:
+                return out
+            cache.pop(mb, None)
+            loss = (out.float() * b["loss_mask"]).sum() / self._n_tokens
+            self._loss_sum += loss.detach().double()
+            return loss
+
+        def backward_step(mb, x, y, grad):
+            if grad is None:
+                y.backward()
+            else:
+                torch.autograd.backward(y, grad_tensors=grad)
+            if stage == 0:
+                return {n: (t.grad if t.grad is not None else torch.zeros_like(t))
+                        for n, t in x.items() if self.trainable_edge[n]}
+            return x.grad if x.grad is not None else torch.zeros_like(x)
+
+        shape = lambda mb: (batch(mb)["input_ids"].shape[1], self.cfg.training.micro_batch_size,  # noqa: E731
+                            self.cfg.model.language.hidden_size)
+        neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
+        link = StageLink(neighbour(stage - 1) if stage > 0 else None, neighbour(stage + 1) if not last else None,
+                         shape, shape, self.dtype, self.runtime.device)
+        if stage > 0:
+            up = link
+        down = link if not last else None
+        run_node(self.num_microbatches, pp - 1 - stage, up, down, forward_step, backward_step)
+
+    def _run_noncolocated(self, step: int) -> None:
+        for name in self.encoders:
+            if self.topo.grid(name).is_member:
+                return self._encoder_node(step, name)
+        g = self.llm_grid
+        up = None
+        if g.coords["pp"] == 0:
+            indices = self._llm_indices()
+
+            def expect(mb):
+                b = self._batch(step, indices[mb])
+                return {n: self._token_counts(b, n) for n in self.encoders}
+
+            up = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.encoders], expect,
+                              self.on_boundary_grad)
+        self._llm_node(step, up)
+
+    def _encoder_node(self, step: int, name: str) -> None:
+        part, g = self.parts[name], self.topo.grid(name)
+        stage, pp = g.coords["pp"], g.layout.pp
+        first, last = stage == 0, stage == pp - 1
+        pp_of = {n: self.cfg.parallelism[n].pp for n in [LANGUAGE] + self.encoders}
+        warmup = stage_nodes(pp_of, self.encoders)[Node(name, stage, pp)]
+        enc = self.cfg.model.encoders[name]
+        tokens, hidden = tokens_per_item(self.cfg, name), enc.hidden_size
+        cache: Dict[int, Dict[str, torch.Tensor]] = {}
+
+        def batch(mb):
+            if mb not in cache:
+                cache[mb] = self._batch(step, self._encoder_window_indices(name, mb))
+            return cache[mb]
+
+        def items(mb) -> int:
+            x = batch(mb).get(name)
+            return 0 if x is None else x.shape[0]
+
+        def forward_step(mb, x):
+            if pp == 1:
+                return encode(part, batch(mb).get(name))
+            if items(mb) == 0:  # nothing to encode: every stage skips, identically
+                if last:
+                    return torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
+                                       device=self.runtime.device)
+                return torch.zeros(tokens, 0, hidden, dtype=self.dtype, device=self.runtime.device)
+            return part(batch(mb)[name] if first else x)
+
+        def backward_step(mb, x, y, grad):
+            if y.requires_grad and y.numel():
+                torch.autograd.backward(y, grad_tensors=grad)
+            if x is None:
+                cache.pop(mb, None)
+                return None
+            return x.grad if x.grad is not None else torch.zeros_like(x)
+
+        shape = lambda mb: (tokens, items(mb), hidden)  # noqa: E731
+        neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
+        link = StageLink(neighbour(stage - 1) if not first else None, neighbour(stage + 1) if not last else None,
+                         shape, shape, self.dtype, self.runtime.device)
+        up = None if first else link
+        down = (BoundarySource(self.comms[name], lambda mb: self._token_counts(batch(mb), name)) if last
+                else link)
+        with torch.set_grad_enabled(self.trainable_edge[name]):
+            run_node(self.num_microbatches, warmup, up, down, forward_step, backward_step,
+                     with_backward=self.trainable_edge[name])
+
+    def _run_colocated(self, step: int) -> None:
+        m = self.cfg.training.micro_batch_size
+
+        def encoder_forward(name):
+            b = self._batch(step, self._colocated_encoder_indices(name))
+            return encode(self.parts[name], b.get(name)), self._token_counts(b, name)
+
+        def llm_phase(received, counts):
+            if not received:  # a later LLM stage: no boundary tensors here
+                self._llm_node(step, None)
+                return None
+            offsets = {n: microbatch_offsets(c, m) for n, c in counts.items()}
+            boundary = SlicedBoundary(received, offsets, self.trainable_edge)
+            self._llm_node(step, boundary)
+            return boundary
+
+        edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.encoders]
+        run_three_phase(edges, encoder_forward, llm_phase, on_grad=self.on_boundary_grad)
