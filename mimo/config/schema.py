@@ -132,6 +132,9 @@ class TrainingConfig:
     # the seed (identical weights for every layout; one full copy in host memory
     # per rank while initialising). local: megatron initialises each shard in place.
     init: str = "reference"
+    # Colocated encoders on the three-phase schedule: release their weights'
+    # device memory while the LLM runs (phase 2), restore them for phase 3.
+    offload_encoders: bool = False
 
 
 @dataclass

@@ -29,7 +29,7 @@ from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, buil
 from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.reference_init import load_shard
 from mimo.model.stages import build_llm_stage, stage_layer_offset
-from mimo.runtime import Runtime
+from mimo.runtime import ParameterOffload, Runtime
 from mimo.schedule.graph import Node, run_node, stage_nodes
 from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink
 from mimo.schedule.three_phase import SlicedBoundary, microbatch_offsets, run_three_phase
@@ -143,6 +143,10 @@ class HeterogeneousTrainer(TrainerBase):
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
         self.dataset = MockMultimodalDataset(cfg)
+        self.offload = None
+        if tr.offload_encoders and self.placement == COLOCATED:
+            self.offload = ParameterOffload([p for n in self.encoders if n in self.parts
+                                             for p in self.parts[n].parameters()], runtime)
 
         # Collective: every rank builds every edge, in config order.
         window = (tr.global_batch_size if self.placement == COLOCATED
@@ -388,4 +392,4 @@ class HeterogeneousTrainer(TrainerBase):
             return boundary
 
         edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.encoders]
-        run_three_phase(edges, encoder_forward, llm_phase, on_grad=self.on_boundary_grad)
+        run_three_phase(edges, encoder_forward, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad)
