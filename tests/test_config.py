@@ -201,13 +201,16 @@ def test_cli_bad_yaml_and_missing_file(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
-def test_example_configs_are_valid():
+def test_example_configs_are_valid_and_runnable():
+    from mimo.training import layout_problems
+
     folder = os.path.join(ROOT, "examples", "configs")
-    names = sorted(f for f in os.listdir(folder) if f.endswith(".yaml"))
-    assert names
-    for name in names:
-        cfg = load_config(os.path.join(folder, name))
-        load_config(os.path.join(folder, name), world_size=cfg.world_size)
+    paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".yaml"))
+    assert len(paths) > 40  # the demos, the parity set and the paper's sweeps
+    for path in paths:
+        cfg = load_config(path)
+        load_config(path, world_size=cfg.world_size)
+        assert layout_problems(cfg) == [], path
 
 
 def _leaves(node, prefix=""):
