@@ -94,19 +94,16 @@ def test_parity_catches_a_wrong_gradient_route(reference):
         assert_same_run(dict(reference, losses=reference["losses"][:1]), got)
 
 
-@pytest.mark.slow
 def test_noncolocated_fan_out_with_llm_pp2(reference):
     # LLM pp2 x dp2 (ranks 0-3) fed by images dp1 (fan-out) and audio tp2 x dp1 (fan-out).
     _check(reference, layout(language=dict(pp=2, dp=2), images=dict(rank_offset=4), audio=dict(tp=2, rank_offset=5)),
            7)
 
 
-@pytest.mark.slow
 def test_colocated_with_llm_pp2(reference):
     _check(reference, layout(language=dict(pp=2, dp=2), images=dict(dp=4), audio=dict(tp=2, dp=2)), 4)
 
 
-@pytest.mark.slow
 def test_encoders_with_different_pipeline_depths_and_a_frozen_edge(deep_reference):
     # Paths of different length into the join: images pp2 -> LLM pp3, audio pp1 -> LLM pp3 (no backward).
     _check(deep_reference, deep(language=dict(pp=3), images=dict(pp=2, rank_offset=3), audio=dict(rank_offset=5)), 6)

@@ -40,7 +40,7 @@ def text_reference():
 @pytest.mark.parametrize("layout,world", [
     (dict(pp=2), 2),
     (dict(pp=2, stage_layers=[3, 1]), 2),
-    (dict(pp=4), 4),
+    pytest.param(dict(pp=4), 4, marks=pytest.mark.slow),
     (dict(tp=2, pp=2), 4),
     (dict(pp=2, dp=2), 4),
 ], ids=["pp2", "pp2-uneven", "pp4", "tp2xpp2", "pp2xdp2"])
@@ -100,9 +100,9 @@ def test_context_parallel_training_equals_cp1(bitfield_reference, layout, world,
     assert_same_run(bitfield_reference, got)
 
 
-def test_context_parallel_policies_agree(bitfield_reference, monkeypatch):
+@pytest.mark.parametrize("policy", ["zigzag", pytest.param("contiguous", marks=pytest.mark.slow)])
+def test_context_parallel_policies_agree(bitfield_reference, monkeypatch, policy):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for policy in ("zigzag", "contiguous"):
-        raw = text_only_bitfield(cp=2)
-        raw["model"]["language"]["cp_policy"] = policy
-        assert_same_run(bitfield_reference, _merge(run_on_ranks(_train, 2, raw, STEPS)))
+    raw = text_only_bitfield(cp=2)
+    raw["model"]["language"]["cp_policy"] = policy
+    assert_same_run(bitfield_reference, _merge(run_on_ranks(_train, 2, raw, STEPS)))
