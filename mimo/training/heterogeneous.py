@@ -19,7 +19,6 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.comm import build_communicator
@@ -27,7 +26,6 @@ from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
-from mimo.model.reference_init import load_shard
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import ParameterOffload, Runtime
 from mimo.schedule.graph import Node, run_node, stage_nodes
@@ -37,7 +35,7 @@ from mimo.topology import Layout, Topology, build_topology
 
 from .grad_sync import trainable
 from .optim import build_optimizer
-from .trainer import Trainer, TrainerBase, module_seed, unsupported_layout
+from .trainer import Trainer, TrainerBase, unsupported_layout
 
 COLOCATED, NON_COLOCATED = "colocated", "non-colocated"
 
@@ -155,32 +153,6 @@ class HeterogeneousTrainer(TrainerBase):
                                                window, cfg.model.language.hidden_size, self.dtype,
                                                device=runtime.device)
                       for name in self.encoders}
-
-    # -- construction -------------------------------------------------------------------------
-
-    def _init(self, name: str, build, pgs: ProcessGroupCollection, layer_offset: int) -> torch.nn.Module:
-        """As Trainer._init: seeded build, then (init: reference) this rank's slice of the full module."""
-        seed = module_seed(self.cfg.training.seed, name)
-        torch.manual_seed(seed)
-        part = build(pgs)
-        if self.cfg.training.init == "reference":
-            torch.manual_seed(seed)
-            full = self._reference_module(name)
-            grid = self.topo.grid(name)
-            load_shard(part, full.state_dict(keep_vars=False), layer_offset, grid.coords["tp"], grid.layout.tp)
-        return part
-
-    def _reference_module(self, name: str) -> torch.nn.Module:
-        me = self.topo.self_group
-        pgs = ProcessGroupCollection()
-        for key in ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
-                    "expt_tp", "tp_ep", "expt_dp"):
-            setattr(pgs, key, me)
-        if name == LANGUAGE:
-            return build_llm(self.cfg, Layout(), pgs)
-        return build_encoder(self.cfg, name, Layout(), pgs)
-
-    # -- data ---------------------------------------------------------------------------------
 
     def _batch(self, step: int, indices) -> Dict[str, torch.Tensor]:
         G = self.cfg.training.global_batch_size

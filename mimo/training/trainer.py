@@ -72,8 +72,37 @@ class StepResult:
 
 
 class TrainerBase:
-    """What every mimo trainer shares: per-module gradient reduction, the global
-    norm, the optimizer steps and timing. Subclasses provide `forward_backward`."""
+    """What every mimo trainer shares: initialisation of a module part, per-module
+    gradient reduction, the global norm, the optimizer steps and timing.
+    Subclasses set `cfg`, `topo`, `params`, `optimizers`, `runtime` and
+    provide `forward_backward`."""
+
+    def _init(self, name: str, build, pgs: ProcessGroupCollection, layer_offset: int = 0) -> torch.nn.Module:
+        """Build this rank's part of a module, initialised as `training.init` says.
+
+        `layer_offset`: global index of the part's first layer (pipeline stages).
+        """
+        seed = module_seed(self.cfg.training.seed, name)
+        torch.manual_seed(seed)
+        part = build(pgs)
+        if self.cfg.training.init == "reference":
+            torch.manual_seed(seed)
+            full = self._reference_module(name)
+            grid = self.topo.grid(name)
+            load_shard(part, full.state_dict(keep_vars=False), layer_offset, grid.coords["tp"], grid.layout.tp)
+        return part
+
+    def _reference_module(self, name: str) -> torch.nn.Module:
+        """The whole module, unsharded, built on this rank alone from the module's seed."""
+        me = self.topo.self_group
+        pgs = ProcessGroupCollection()
+        for key in ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
+                    "expt_tp", "tp_ep", "expt_dp"):
+            setattr(pgs, key, me)
+        layout = self.topo.grid(name).layout.__class__()  # every size 1
+        if name == LANGUAGE:
+            return build_llm(self.cfg, layout, pgs)
+        return build_encoder(self.cfg, name, layout, pgs)
 
     def reduce_gradients(self) -> float:
         local = torch.zeros((), dtype=torch.float64)
@@ -127,7 +156,8 @@ class Trainer(TrainerBase):
             llm = self._init(LANGUAGE, lambda pgs: build_llm(cfg, self.grid.layout, pgs), self.grid.pg_collection())
         else:
             llm = self._init(LANGUAGE, lambda pgs, stage=self.stage: build_llm_stage(
-                cfg, lang_par, self.grid.layout, stage, pgs, self.topo.self_group), self.grid.pg_collection())
+                cfg, lang_par, self.grid.layout, stage, pgs, self.topo.self_group), self.grid.pg_collection(),
+                self.layer_offsets[LANGUAGE])
         self.parts[LANGUAGE] = llm
         self.cp = self.grid.layout.cp
         if self.cp > 1:
@@ -141,32 +171,6 @@ class Trainer(TrainerBase):
         self.dataset = MockMultimodalDataset(cfg)
 
     # -- construction ---------------------------------------------------------------------------
-
-    def _init(self, name: str, build, pgs: ProcessGroupCollection) -> torch.nn.Module:
-        """Build this rank's part of a module, initialised as the config's `training.init` says."""
-        seed = module_seed(self.cfg.training.seed, name)
-        torch.manual_seed(seed)
-        part = build(pgs)
-        if self.cfg.training.init == "reference":
-            torch.manual_seed(seed)
-            full = self._reference_module(name)
-            grid = self.topo.grid(name)
-            offset = stage_layer_offset(self.cfg.model.language.num_layers, self.cfg.parallelism[name],
-                                        grid.coords["pp"]) if name == LANGUAGE else 0
-            load_shard(part, full.state_dict(keep_vars=False), offset, grid.coords["tp"], grid.layout.tp)
-        return part
-
-    def _reference_module(self, name: str) -> torch.nn.Module:
-        """The whole module, unsharded, built on this rank alone from the module's seed."""
-        me = self.topo.self_group
-        pgs = ProcessGroupCollection()
-        for key in ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
-                    "expt_tp", "tp_ep", "expt_dp"):
-            setattr(pgs, key, me)
-        layout = self.topo.grid(name).layout.__class__()  # all sizes 1
-        if name == LANGUAGE:
-            return build_llm(self.cfg, layout, pgs)
-        return build_encoder(self.cfg, name, layout, pgs)
 
     # -- one step -------------------------------------------------------------------------------
 
