@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import os
 
@@ -76,10 +75,6 @@ def test_bad_model_is_one_line_error(tmp_path):
     assert r.stderr.startswith("error: model.language")
 
 
-_HAS_CONFIG_CLI = importlib.util.find_spec("mimo.config.__main__") is not None
-
-
-@pytest.mark.skipif(not _HAS_CONFIG_CLI, reason="mimo.config.__main__ not written yet (lead engineer)")
 @pytest.mark.parametrize("config,gpus,gpu", [(TINY, 4, "cpu"), (LLAVA, 16, "h100")])
 def test_emitted_config_passes_mimo_config_check(tmp_path, config, gpus, gpu):
     out = tmp_path / "planned.yaml"
