@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mimo.config import LANGUAGE
 
@@ -73,6 +73,29 @@ class Downstream:
         grad = self.recv_backward(mb_b)
         self.send_forward(mb_f, out)
         return grad
+
+
+class UpstreamUnion(Upstream):
+    """Several upstream ports feeding one node, each owning some of the input names.
+
+    The LLM's first stage takes colocated encoders' boundary tensors from phase 1
+    of the three-phase schedule and non-colocated encoders' from their live
+    boundary communicators in the same microbatch: inputs are merged into one
+    dict, gradients handed back to the port that owns the name, in port order.
+    """
+
+    def __init__(self, ports: List[Tuple[List[str], Upstream]]):
+        self.ports = ports
+
+    def recv_forward(self, mb):
+        out = {}
+        for _, port in self.ports:
+            out.update(port.recv_forward(mb))
+        return out
+
+    def send_backward(self, mb, grads):
+        for names, port in self.ports:
+            port.send_backward(mb, {n: g for n, g in grads.items() if n in names})
 
 
 def run_node(num_microbatches: int, warmup: int, up: Optional[Upstream], down: Optional[Downstream],

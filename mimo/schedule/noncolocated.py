@@ -20,8 +20,15 @@ import torch.distributed as dist
 
 from .graph import Downstream, Upstream
 
-# Far from the communicators' per-edge tag blocks, which start at 0.
-LINK_FORWARD_TAG, LINK_BACKWARD_TAG = 100_001, 100_002
+# Far from the communicators' per-edge tag blocks, which start at 0. Each module's
+# links get their own pair of tags, so two modules' links between the same two
+# ranks (encoders sharing a rank range) never match each other's messages.
+LINK_TAG_BASE = 100_001
+
+
+def link_tags(module_index: int) -> Tuple[int, int]:
+    """(forward tag, backward tag) of the stage links of the module_index-th module."""
+    return LINK_TAG_BASE + 2 * module_index, LINK_TAG_BASE + 2 * module_index + 1
 
 ShapeOf = Callable[[int], Sequence[int]]
 
@@ -30,8 +37,10 @@ class StageLink(Upstream, Downstream):
     """One side of the link(s) of a stage: `prev` feeds it, it feeds `next` (global ranks or None)."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], in_shape: Optional[ShapeOf],
-                 out_shape: Optional[ShapeOf], dtype: torch.dtype, device: torch.device):
+                 out_shape: Optional[ShapeOf], dtype: torch.dtype, device: torch.device,
+                 tags: Tuple[int, int] = link_tags(0)):
         self.prev, self.next = prev_rank, next_rank
+        self.fwd_tag, self.bwd_tag = tags
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype, self.device = dtype, device
 
@@ -50,28 +59,28 @@ class StageLink(Upstream, Downstream):
         return outs
 
     def _fwd_in(self, mb):
-        return (self.in_shape(mb), self.prev, LINK_FORWARD_TAG)
+        return (self.in_shape(mb), self.prev, self.fwd_tag)
 
     def _bwd_in(self, mb):
-        return (self.out_shape(mb), self.next, LINK_BACKWARD_TAG)
+        return (self.out_shape(mb), self.next, self.bwd_tag)
 
     def recv_forward(self, mb):
         return self._run([], [self._fwd_in(mb)])[0].requires_grad_()
 
     def send_backward(self, mb, grad):
-        self._run([(grad, self.prev, LINK_BACKWARD_TAG)], [])
+        self._run([(grad, self.prev, self.bwd_tag)], [])
 
     def send_backward_recv_forward(self, mb_b, grad, mb_f):
-        return self._run([(grad, self.prev, LINK_BACKWARD_TAG)], [self._fwd_in(mb_f)])[0].requires_grad_()
+        return self._run([(grad, self.prev, self.bwd_tag)], [self._fwd_in(mb_f)])[0].requires_grad_()
 
     def send_forward(self, mb, out):
-        self._run([(out, self.next, LINK_FORWARD_TAG)], [])
+        self._run([(out, self.next, self.fwd_tag)], [])
 
     def recv_backward(self, mb):
         return self._run([], [self._bwd_in(mb)])[0]
 
     def send_forward_recv_backward(self, mb_f, out, mb_b):
-        return self._run([(out, self.next, LINK_FORWARD_TAG)], [self._bwd_in(mb_b)])[0]
+        return self._run([(out, self.next, self.fwd_tag)], [self._bwd_in(mb_b)])[0]
 
 
 class BoundarySource(Downstream):

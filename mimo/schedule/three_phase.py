@@ -1,7 +1,7 @@
 """Three-phase schedule for encoders colocated with the LLM under a different layout.
 
 Phase 1: every rank runs its encoders forward over its samples of the whole
-step and the colocated communicator re-shards the outputs into the LLM's
+step (a pipelined encoder streams them through its stages in chunks) and the colocated communicator re-shards the outputs into the LLM's
 first-stage layout (batch window = the global batch). Phase 2: the LLM runs
 its microbatches (1F1B when pipelined) on detached per-microbatch slices of
 what arrived, accumulating the boundary gradient. Phase 3: the accumulated
@@ -14,7 +14,7 @@ offloaded to host memory in between (`offload`).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -56,22 +56,89 @@ def microbatch_offsets(counts: torch.Tensor, samples_per_microbatch: int) -> Lis
     return out
 
 
-def run_three_phase(edges: List[Tuple[str, object, bool]],
-                    encoder_forward: Callable[[str], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]],
+class WholePass:
+    """Phase 1 / phase 3 of a single-stage encoder: one forward over all of the rank's samples.
+
+    `run()` -> (packed output, per-sample counts), or (None, None) without a shard.
+    """
+
+    def __init__(self, run: Callable[[], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]):
+        self.run, self.y = run, None
+
+    def forward(self):
+        self.y, counts = self.run()
+        return self.y, counts
+
+    def backward(self, grad: Optional[torch.Tensor]) -> None:
+        y = self.y
+        if y is not None and y.requires_grad and grad is not None and grad.numel():
+            torch.autograd.backward(y, grad_tensors=grad)
+        self.y = None
+
+
+class StagedPass:
+    """Phase 1 / phase 3 of a pipelined encoder: its stages stream chunks of the rank's samples.
+
+    Phase 1 runs every chunk forward, stage after stage (GPipe order, so stage
+    s + 1 works on chunk c while stage s works on chunk c + 1); the last stage
+    hands the concatenated packed output to the communicator. Phase 3 runs the
+    chunks backward in the same order. Every stage sends and receives for
+    every chunk, empty ones included (their messages are skipped on both sides
+    alike), so neighbours never disagree on the message sequence.
+
+    forward_chunk(c, x) -> output of chunk c (x: None on the first stage);
+    `link`: StageLink to the neighbouring stages; counts(): the per-sample
+    counts of the last stage's packed output.
+    """
+
+    def __init__(self, num_chunks: int, forward_chunk: Callable[[int, Any], torch.Tensor], link, first: bool,
+                 last: bool, counts: Callable[[], torch.Tensor]):
+        self.num_chunks, self.forward_chunk, self.link = num_chunks, forward_chunk, link
+        self.first, self.last, self.counts = first, last, counts
+        self.saved: List[Tuple[Any, torch.Tensor]] = []
+
+    def forward(self):
+        self.saved = []
+        for c in range(self.num_chunks):
+            x = None if self.first else self.link.recv_forward(c)
+            y = self.forward_chunk(c, x)
+            if not self.last:
+                self.link.send_forward(c, y)
+            self.saved.append((x, y))
+        if not self.last:
+            return None, None
+        return torch.cat([y for _, y in self.saved], dim=0), self.counts()
+
+    def backward(self, grad: Optional[torch.Tensor]) -> None:
+        offset = 0
+        for c, (x, y) in enumerate(self.saved):
+            if self.last:
+                n = y.shape[0]
+                g = grad[offset:offset + n] if grad is not None else None
+                offset += n
+            else:
+                g = self.link.recv_backward(c)
+            if y.requires_grad and y.numel() and g is not None:
+                torch.autograd.backward(y, grad_tensors=g)
+            if not self.first:
+                self.link.send_backward(c, x.grad if x.grad is not None else torch.zeros_like(x))
+        self.saved = []
+
+
+def run_three_phase(edges: List[Tuple[str, object, bool]], passes: Dict[str, Any],
                     llm_phase: Callable[[Dict[str, torch.Tensor], Dict[str, torch.Tensor]], Optional[SlicedBoundary]],
                     offload=None, on_grad=None) -> None:
     """One step. `edges`: (encoder, communicator, trainable) in config order (every rank, same order).
 
-    encoder_forward(name) -> (packed output, per-sample counts) of this rank's
-    encoder shard, or (None, None) if it holds none; llm_phase(received, counts)
-    runs phase 2 and returns the SlicedBoundary of a first-stage rank (else None).
-    `offload`: object with `to_host()` / `to_device()` for the encoder parameters.
+    passes[name]: this rank's `WholePass` or `StagedPass` of the encoder;
+    llm_phase(received, counts) runs phase 2 and returns the SlicedBoundary of
+    a first-stage rank (else None). `offload`: object with `to_host()` /
+    `to_device()` for the encoder parameters.
     """
-    outputs, received, recv_counts = {}, {}, {}
+    received, recv_counts = {}, {}
     for name, comm, trainable in edges:
         with torch.set_grad_enabled(trainable):
-            y, counts = encoder_forward(name)
-        outputs[name] = y
+            y, counts = passes[name].forward()
         got = comm.forward(None if y is None else y.detach(), counts)
         if got is not None:
             received[name], recv_counts[name] = got, comm.received_counts
@@ -88,7 +155,4 @@ def run_three_phase(edges: List[Tuple[str, object, bool]],
             g = boundary.grads[name]
             if on_grad is not None:
                 g = on_grad(name, g)
-        gy = comm.backward(g)
-        y = outputs[name]
-        if y is not None and y.requires_grad and gy is not None and gy.numel():
-            torch.autograd.backward(y, grad_tensors=gy)
+        passes[name].backward(comm.backward(g))

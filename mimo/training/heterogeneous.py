@@ -1,12 +1,17 @@
 """Training with per-module layouts: encoders on their own layouts, colocated or not with the LLM.
 
-* non-colocated (every encoder on ranks disjoint from the LLM's): the module
-  graph is expanded into pipeline-stage nodes and every rank runs 1F1B over
-  its node (mimo.schedule.graph); boundary communicators move one LLM
-  microbatch (batch window m * dL) per call.
-* colocated (every encoder on the LLM's ranks, under a different logical
-  grid): the three-phase schedule (mimo.schedule.three_phase) with the whole
-  global batch as batch window, in LLM-major sample order.
+* non-colocated encoders (ranks disjoint from the LLM's): the module graph is
+  expanded into pipeline-stage nodes and every rank runs 1F1B over its node
+  (mimo.schedule.graph); boundary communicators move one LLM microbatch
+  (batch window m * dL) per call. Encoders that share a rank range among
+  themselves run their nodes in lock-step on those ranks (mimo.schedule.fused).
+* colocated encoders (on the LLM's ranks, under a different logical grid): the
+  three-phase schedule (mimo.schedule.three_phase) with the whole global batch
+  as batch window, in LLM-major sample order; a pipelined encoder streams its
+  samples through its stages in chunks of one microbatch.
+* both kinds in one model: the LLM ranks run the three-phase schedule for the
+  colocated encoders, and in phase 2 the LLM's first stage also joins the live
+  boundary communicators of the non-colocated ones.
 
 Same interface and numerics as mimo.training.trainer.Trainer: layout-independent
 reference init, loss normalised by the global batch's loss-token count, per-module
@@ -28,9 +33,10 @@ from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, buil
 from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import ParameterOffload, Runtime
-from mimo.schedule.graph import Node, run_node, stage_nodes
-from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink
-from mimo.schedule.three_phase import SlicedBoundary, microbatch_offsets, run_three_phase
+from mimo.schedule.fused import Member, fuse
+from mimo.schedule.graph import Node, UpstreamUnion, run_node, stage_nodes
+from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, link_tags
+from mimo.schedule.three_phase import SlicedBoundary, StagedPass, WholePass, microbatch_offsets, run_three_phase
 from mimo.topology import Layout, Topology, build_topology
 
 from .grad_sync import trainable
@@ -58,23 +64,18 @@ def heterogeneous_problems(cfg: MimoConfig) -> List[str]:
     if lang.ep != 1:
         problems.append("parallelism.language.ep: expert parallelism is not supported at the encoder boundary")
     kinds = {name: placement(par[name], lang) for name in cfg.model.encoders}
-    if len(set(kinds.values())) > 1:
-        odd = [n for n in cfg.model.encoders if kinds[n] != kinds[list(cfg.model.encoders)[0]]]
-        problems.append(f"parallelism.{odd[0]}.rank_offset: encoders must be either all colocated with "
-                        f"parallelism.language or all on ranks disjoint from it (got {kinds})")
     for name in cfg.model.encoders:
         p = par[name]
         if p.cp != 1 or p.ep != 1:
             problems.append(f"parallelism.{name}.cp: encoders must use cp = 1 and ep = 1")
-        if p.pp != 1 and kinds[name] == COLOCATED:
-            problems.append(f"parallelism.{name}.pp: a colocated encoder runs phase 1 on every rank, so it needs "
-                            "pp = 1 (pipeline it on its own ranks instead)")
     non_colo = [n for n in cfg.model.encoders if kinds[n] == NON_COLOCATED]
     for k, b in enumerate(non_colo):
         for a in non_colo[:k]:
-            if set(Layout.from_config(par[a]).ranks) & set(Layout.from_config(par[b]).ranks):
-                problems.append(f"parallelism.{b}.rank_offset: encoders {a!r} and {b!r} share ranks while not "
-                                "colocated with the LLM; give each non-colocated encoder its own rank range")
+            if set(Layout.from_config(par[a]).ranks) & set(Layout.from_config(par[b]).ranks) and \
+                    par[a].pp != par[b].pp:
+                problems.append(f"parallelism.{b}.pp: encoders {a!r} and {b!r} share ranks away from the LLM, "
+                                f"so they run in lock-step there and need the same pp (got {par[a].pp} "
+                                f"and {par[b].pp})")
     return problems
 
 
@@ -101,8 +102,9 @@ class HeterogeneousTrainer(TrainerBase):
         self.topo: Topology = build_topology(cfg, backend=runtime.backend)
         self.encoders = list(cfg.model.encoders)
         lang_par = cfg.parallelism[LANGUAGE]
-        self.placement = (COLOCATED if self.encoders and placement(cfg.parallelism[self.encoders[0]], lang_par)
-                          == COLOCATED else NON_COLOCATED)
+        kind = {n: placement(cfg.parallelism[n], lang_par) for n in self.encoders}
+        self.colocated = [n for n in self.encoders if kind[n] == COLOCATED]
+        self.remote = [n for n in self.encoders if kind[n] == NON_COLOCATED]
         self.llm_grid = self.topo.grid(LANGUAGE)
         tr = cfg.training
         self.num_microbatches = tr.global_batch_size // (tr.micro_batch_size * lang_par.dp)
@@ -142,15 +144,16 @@ class HeterogeneousTrainer(TrainerBase):
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
         self.dataset = MockMultimodalDataset(cfg)
         self.offload = None
-        if tr.offload_encoders and self.placement == COLOCATED:
-            self.offload = ParameterOffload([p for n in self.encoders if n in self.parts
+        if tr.offload_encoders and self.colocated:
+            self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
                                              for p in self.parts[n].parameters()], runtime)
 
-        # Collective: every rank builds every edge, in config order.
-        window = (tr.global_batch_size if self.placement == COLOCATED
-                  else tr.micro_batch_size * lang_par.dp)
+        # Collective: every rank builds every edge, in config order. A colocated edge moves
+        # the whole step at once (phase 1), a non-colocated one an LLM microbatch per call.
+        window = {n: tr.global_batch_size if n in self.colocated else tr.micro_batch_size * lang_par.dp
+                  for n in self.encoders}
         self.comms = {name: build_communicator(Layout.from_config(cfg.parallelism[name]), Layout.from_config(lang_par),
-                                               window, cfg.model.language.hidden_size, self.dtype,
+                                               window[name], cfg.model.language.hidden_size, self.dtype,
                                                device=runtime.device)
                       for name in self.encoders}
 
@@ -195,10 +198,10 @@ class HeterogeneousTrainer(TrainerBase):
             raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         self._n_tokens = n_tokens
-        if self.placement == NON_COLOCATED:
-            self._run_noncolocated(step)
+        if self.llm_grid.is_member:
+            self._run_llm_rank(step)
         else:
-            self._run_colocated(step)
+            self._run_encoder_rank(step)
         is_last = (self.llm_grid.is_member and self.llm_grid.is_last_stage and self.llm_grid.coords["tp"] == 0)
         total = self._loss_sum if is_last else torch.zeros_like(self._loss_sum)
         dist.all_reduce(total)
@@ -282,31 +285,91 @@ class HeterogeneousTrainer(TrainerBase):
         down = link if not last else None
         run_node(self.num_microbatches, pp - 1 - stage, up, down, forward_step, backward_step)
 
-    def _run_noncolocated(self, step: int) -> None:
-        for name in self.encoders:
-            if self.topo.grid(name).is_member:
-                return self._encoder_node(step, name)
-        g = self.llm_grid
-        up = None
-        if g.coords["pp"] == 0:
+    def _run_llm_rank(self, step: int) -> None:
+        join = None
+        if self.llm_grid.coords["pp"] == 0 and self.remote:
             indices = self._llm_indices()
 
             def expect(mb):
                 b = self._batch(step, indices[mb])
-                return {n: self._token_counts(b, n) for n in self.encoders}
+                return {n: self._token_counts(b, n) for n in self.remote}
 
-            up = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.encoders], expect,
-                              self.on_boundary_grad)
-        self._llm_node(step, up)
+            join = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.remote], expect,
+                                self.on_boundary_grad)
+        if not self.colocated:
+            return self._llm_node(step, join)
+        m = self.cfg.training.micro_batch_size
 
-    def _encoder_node(self, step: int, name: str) -> None:
+        def llm_phase(received, counts):
+            ports, sliced = [], None
+            if received:  # a first LLM stage: the colocated boundary tensors arrived in phase 1
+                offsets = {n: microbatch_offsets(c, m) for n, c in counts.items()}
+                sliced = SlicedBoundary(received, offsets, self.trainable_edge)
+                ports.append((list(received), sliced))
+            if join is not None:
+                ports.append((self.remote, join))
+            up = None if not ports else ports[0][1] if len(ports) == 1 else UpstreamUnion(ports)
+            self._llm_node(step, up)
+            return sliced
+
+        edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.colocated]
+        passes = {n: self._colocated_pass(step, n) for n in self.colocated}
+        run_three_phase(edges, passes, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad)
+
+    # Encoder stages (shared by both placements) -----------------------------------------------
+
+    def _stage(self, name: str, batch_of):
+        """forward_step(mb, x), the StageLink to the neighbouring stages, first, last of this rank's
+        stage of `name`; batch_of(mb) -> the collated samples of unit mb (microbatch or chunk)."""
         part, g = self.parts[name], self.topo.grid(name)
         stage, pp = g.coords["pp"], g.layout.pp
         first, last = stage == 0, stage == pp - 1
-        pp_of = {n: self.cfg.parallelism[n].pp for n in [LANGUAGE] + self.encoders}
-        warmup = stage_nodes(pp_of, self.encoders)[Node(name, stage, pp)]
         enc = self.cfg.model.encoders[name]
         tokens, hidden = tokens_per_item(self.cfg, name), enc.hidden_size
+
+        def items(mb) -> int:
+            x = batch_of(mb).get(name)
+            return 0 if x is None else x.shape[0]
+
+        def forward_step(mb, x):
+            if pp == 1:
+                return encode(part, batch_of(mb).get(name))
+            if items(mb) == 0:  # nothing to encode: every stage skips, identically
+                if last:
+                    return torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
+                                       device=self.runtime.device)
+                return torch.zeros(tokens, 0, hidden, dtype=self.dtype, device=self.runtime.device)
+            return part(batch_of(mb)[name] if first else x)
+
+        shape = lambda mb: (tokens, items(mb), hidden)  # noqa: E731
+        neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
+        link = StageLink(neighbour(stage - 1) if not first else None, neighbour(stage + 1) if not last else None,
+                         shape, shape, self.dtype, self.runtime.device,
+                         tags=link_tags(1 + self.encoders.index(name)))
+        return forward_step, link, first, last
+
+    def _colocated_pass(self, step: int, name: str):
+        indices = self._colocated_encoder_indices(name)
+        if self.topo.grid(name).layout.pp == 1:
+            def run():
+                b = self._batch(step, indices)
+                return encode(self.parts[name], b.get(name)), self._token_counts(b, name)
+            return WholePass(run)
+        m = self.cfg.training.micro_batch_size
+        chunks = [indices[i:i + m] for i in range(0, len(indices), m)]
+        cache: Dict[int, Dict[str, torch.Tensor]] = {}
+
+        def batch(c):
+            if c not in cache:
+                cache[c] = self._batch(step, chunks[c])
+            return cache[c]
+
+        forward_step, link, first, last = self._stage(name, batch)
+        counts = lambda: torch.cat([self._token_counts(batch(c), name) for c in range(len(chunks))])  # noqa: E731
+        return StagedPass(len(chunks), forward_step, link, first, last, counts)
+
+    def _encoder_member(self, step: int, name: str) -> Member:
+        """This rank's stage node of non-colocated encoder `name`, over LLM microbatch windows."""
         cache: Dict[int, Dict[str, torch.Tensor]] = {}
 
         def batch(mb):
@@ -314,19 +377,12 @@ class HeterogeneousTrainer(TrainerBase):
                 cache[mb] = self._batch(step, self._encoder_window_indices(name, mb))
             return cache[mb]
 
-        def items(mb) -> int:
-            x = batch(mb).get(name)
-            return 0 if x is None else x.shape[0]
+        stage_forward, link, first, last = self._stage(name, batch)
+        trainable = self.trainable_edge[name]
 
         def forward_step(mb, x):
-            if pp == 1:
-                return encode(part, batch(mb).get(name))
-            if items(mb) == 0:  # nothing to encode: every stage skips, identically
-                if last:
-                    return torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
-                                       device=self.runtime.device)
-                return torch.zeros(tokens, 0, hidden, dtype=self.dtype, device=self.runtime.device)
-            return part(batch(mb)[name] if first else x)
+            with torch.set_grad_enabled(trainable):
+                return stage_forward(mb, x)
 
         def backward_step(mb, x, y, grad):
             if y.requires_grad and y.numel():
@@ -336,32 +392,21 @@ class HeterogeneousTrainer(TrainerBase):
                 return None
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        shape = lambda mb: (tokens, items(mb), hidden)  # noqa: E731
-        neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
-        link = StageLink(neighbour(stage - 1) if not first else None, neighbour(stage + 1) if not last else None,
-                         shape, shape, self.dtype, self.runtime.device)
-        up = None if first else link
         down = (BoundarySource(self.comms[name], lambda mb: self._token_counts(batch(mb), name)) if last
                 else link)
-        with torch.set_grad_enabled(self.trainable_edge[name]):
-            run_node(self.num_microbatches, warmup, up, down, forward_step, backward_step,
-                     with_backward=self.trainable_edge[name])
+        return Member(name, forward_step, backward_step, None if first else link, down, trainable)
 
-    def _run_colocated(self, step: int) -> None:
-        m = self.cfg.training.micro_batch_size
-
-        def encoder_forward(name):
-            b = self._batch(step, self._colocated_encoder_indices(name))
-            return encode(self.parts[name], b.get(name)), self._token_counts(b, name)
-
-        def llm_phase(received, counts):
-            if not received:  # a later LLM stage: no boundary tensors here
-                self._llm_node(step, None)
-                return None
-            offsets = {n: microbatch_offsets(c, m) for n, c in counts.items()}
-            boundary = SlicedBoundary(received, offsets, self.trainable_edge)
-            self._llm_node(step, boundary)
-            return boundary
-
-        edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.encoders]
-        run_three_phase(edges, encoder_forward, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad)
+    def _run_encoder_rank(self, step: int) -> None:
+        """A rank away from the LLM: its non-colocated encoder stage node(s)."""
+        names = [n for n in self.remote if self.topo.grid(n).is_member]
+        pp_of = {n: self.cfg.parallelism[n].pp for n in [LANGUAGE] + self.encoders}
+        g = self.topo.grid(names[0])
+        # Encoders sharing ranks have the same pp (heterogeneous_problems), hence the same warm-up.
+        warmup = stage_nodes(pp_of, self.encoders)[Node(names[0], g.coords["pp"], g.layout.pp)]
+        members = [self._encoder_member(step, n) for n in names]
+        if len(members) == 1:
+            m = members[0]
+            return run_node(self.num_microbatches, warmup, m.up, m.down, m.forward_step, m.backward_step,
+                            with_backward=m.with_backward)
+        forward_step, backward_step, up, down, with_backward = fuse(members)
+        run_node(self.num_microbatches, warmup, up, down, forward_step, backward_step, with_backward=with_backward)

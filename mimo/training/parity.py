@@ -73,7 +73,8 @@ def placement_of(cfg: MimoConfig) -> str:
         return "single"
     from mimo.topology import edges_of
 
-    return "non-colocated" if any(e.placement == "non-colocated" for e in edges_of(cfg)) else "colocated"
+    kinds = {e.placement for e in edges_of(cfg)}
+    return "mixed" if len(kinds) > 1 else kinds.pop() if kinds else "colocated"
 
 
 def max_rel_diff(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> float:
