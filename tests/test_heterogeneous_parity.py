@@ -7,7 +7,7 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
-from mimo.training import full_state
+from mimo.training.parity import compare, record_run
 from test_training_parity import assert_same_run
 from tiny import TINY
 
@@ -28,15 +28,8 @@ def _train(raw, steps, sabotage=None):
     trainer = make_trainer(cfg, select_runtime("cpu"))
     if sabotage == "reverse_boundary_grad":
         trainer.on_boundary_grad = lambda name, g: g.flip(0)
-    tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
-    losses, grads = [], None
-    for s in range(steps):
-        losses.append(trainer.train_step(s).loss)
-        if s == 0:
-            grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
-    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
     dtypes = sorted({str(p.dtype) for m in trainer.parts.values() for p in m.parameters()})
-    return dict(losses=losses, grads=grads, params=params, type=type(trainer).__name__, dtypes=dtypes)
+    return dict(record_run(trainer, steps), type=type(trainer).__name__, dtypes=dtypes)
 
 
 def _merge(results):
@@ -76,6 +69,9 @@ def _check(ref, raw, world, steps=STEPS):
     got = _merge(results)
     assert set(got["params"]) == set(ref["params"])
     assert_same_run(ref, got)
+    # And by tools/parity.py's own criterion (max relative difference per tensor).
+    report = compare(ref, {**got, "world_size": world, "placement": "-"}, 1e-4)
+    assert report["ok"], report
 
 
 def test_noncolocated_fan_in_and_tp_difference(reference):
@@ -233,7 +229,7 @@ def _losses(raw, steps):
     return out["losses"]
 
 
-@pytest.mark.parametrize("seed", [0])
+@pytest.mark.parametrize("seed", [4])
 def test_random_layouts_do_not_deadlock(seed):
     import random
 
@@ -243,7 +239,7 @@ def test_random_layouts_do_not_deadlock(seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", list(range(1, 9)))
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 5, 6, 7, 8])
 def test_more_random_layouts_do_not_deadlock(seed):
     test_random_layouts_do_not_deadlock(seed)
 

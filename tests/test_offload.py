@@ -4,8 +4,9 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
-from mimo.training import full_state, make_trainer
-from test_heterogeneous_parity import _merge, layout
+from mimo.training import make_trainer
+from mimo.training.parity import record_run
+from test_heterogeneous_parity import _merge, deeper
 
 
 def _train(raw, steps):
@@ -21,18 +22,12 @@ def _train(raw, steps):
             return run_llm(*args, **kwargs)
 
         trainer._llm_node = watched
-    tp = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
-    losses, grads = [], None
-    for s in range(steps):
-        losses.append(trainer.train_step(s).loss)
-        if s == 0:
-            grads = full_state(trainer.parts, tp, grads=True, layer_offsets=trainer.layer_offsets)
-    return dict(losses=losses, grads=grads, params=full_state(trainer.parts, tp, layer_offsets=trainer.layer_offsets),
-                seen=seen)
+    return dict(record_run(trainer, steps), seen=seen)
 
 
 def test_offload_changes_no_weight_or_gradient():
-    raw = layout(language=dict(tp=2, dp=2), images=dict(dp=4), audio=dict(tp=2, dp=2))
+    # images streams through two colocated pipeline stages (phase 1 and 3 in chunks), audio is one stage.
+    raw = deeper(language=dict(pp=2, dp=2), images=dict(pp=2, dp=2), audio=dict(tp=2, dp=2))
     plain = _merge(run_on_ranks(_train, 4, raw, 2))
     raw["training"]["offload_encoders"] = True
     results = run_on_ranks(_train, 4, raw, 2)

@@ -10,7 +10,8 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
-from mimo.training import Trainer, full_state
+from mimo.training import Trainer
+from mimo.training.parity import record_run
 from tiny import tiny
 
 STEPS = 3
@@ -24,18 +25,12 @@ def _train(raw, steps, sabotage=None):
 
         t.allreduce_gradients = lambda params, group: [setattr(p, "grad", p.grad if p.grad is not None
                                                                else torch.zeros_like(p)) for p in params]
-    tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
-    losses, grads = [], None
-    for s in range(steps):
-        losses.append(trainer.train_step(s).loss)
-        if s == 0:
-            grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
-    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
+    run = record_run(trainer, steps)
     frozen = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if not p.requires_grad}
     in_optimizer = {id(p) for o in trainer.optimizers.values() if o is not None
                     for g in o.param_groups for p in g["params"]}
     registered = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if id(p) in in_optimizer}
-    return dict(losses=losses, grads=grads, params=params, frozen=frozen, registered=registered)
+    return dict(run, frozen=frozen, registered=registered)
 
 
 @pytest.fixture(scope="module")

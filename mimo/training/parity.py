@@ -39,9 +39,8 @@ def check_comparable(baseline: Dict, candidate: Dict, name: str) -> None:
         raise ConfigError(problems)
 
 
-def _run_rank(raw: Dict, steps: int):
-    cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+def record_run(trainer, steps: int) -> Dict:
+    """Train `steps` steps; this rank's losses, full gradients of step 0 and full parameters at the end."""
     from .state import full_state
 
     tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
@@ -52,6 +51,10 @@ def _run_rank(raw: Dict, steps: int):
             grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
     params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def _run_rank(raw: Dict, steps: int):
+    return record_run(make_trainer(load_config(raw), select_runtime("cpu")), steps)
 
 
 def run_config(raw: Dict, steps: int, timeout_s: float = 900.0) -> Dict:
