@@ -103,21 +103,39 @@ class BoundaryJoin(Upstream):
     encoder + projector gets no boundary backward: both ends know it from the config.
     `expect_counts(mb)` -> {name: per-sample token counts} the data implies, checked on receipt.
     `on_grad` lets tests tamper with a boundary gradient before it is sent.
+    `all_at_once`: edges whose producers run all forwards before any backward
+    (`run_island`); the first `recv_forward` takes every microbatch of them, in
+    (microbatch, config) order — the order their producers send in.
     """
 
     def __init__(self, edges: List[Tuple[str, object, bool]],
-                 expect_counts: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None, on_grad=None):
+                 expect_counts: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None, on_grad=None,
+                 all_at_once: Sequence[str] = (), num_microbatches: int = 0):
         self.edges, self.expect_counts, self.on_grad = edges, expect_counts, on_grad
+        self.all_at_once, self.num_microbatches = set(all_at_once), num_microbatches
+        self.buffered: Optional[Dict[Tuple[str, int], torch.Tensor]] = None
+
+    def _receive(self, mb, name, comm, trainable, want):
+        t = comm.forward(None, None)
+        if want is not None and not torch.equal(comm.received_counts.cpu(), want[name].cpu()):
+            raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered token counts "
+                               f"{comm.received_counts.tolist()} but the batch needs {want[name].tolist()}")
+        return t.requires_grad_() if trainable else t
 
     def recv_forward(self, mb):
+        if self.buffered is None and self.all_at_once:
+            self.buffered = {}
+            for k in range(self.num_microbatches):
+                want = self.expect_counts(k) if self.expect_counts else None
+                for edge in self.edges:
+                    if edge[0] in self.all_at_once:
+                        self.buffered[(edge[0], k)] = self._receive(k, *edge, want)
         out = {}
         want = self.expect_counts(mb) if self.expect_counts else None
-        for name, comm, trainable in self.edges:
-            t = comm.forward(None, None)
-            if want is not None and not torch.equal(comm.received_counts.cpu(), want[name].cpu()):
-                raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered token counts "
-                                   f"{comm.received_counts.tolist()} but the batch needs {want[name].tolist()}")
-            out[name] = t.requires_grad_() if trainable else t
+        for edge in self.edges:
+            name = edge[0]
+            out[name] = (self.buffered.pop((name, mb)) if name in self.all_at_once
+                         else self._receive(mb, *edge, want))
         return out
 
     def send_backward(self, mb, grads):
@@ -127,3 +145,53 @@ class BoundaryJoin(Upstream):
                 if self.on_grad is not None:
                     g = self.on_grad(name, g)
                 comm.backward(g)
+
+
+def run_island(num_microbatches: int, members: List, level: Dict[str, int], order: Dict[str, int]) -> None:
+    """All forwards, then all backwards, for the stage nodes of one rank of an island.
+
+    An island is a rank range shared by non-colocated encoders of different
+    pipeline depths: a rank there holds nodes with different 1F1B warm-ups,
+    which one thread cannot interleave safely against blocking edges. Instead
+    every island rank handles its messages in one global order — microbatch,
+    then sender level (distance to the sink; forward: far first, backward:
+    near first), then encoder config order — so the smallest pending message
+    always has both ends waiting for it and nothing deadlocks. Stages of one
+    range are ordered alike for every encoder (pipeline stage grows with the
+    rank), and a rank never holds two stages of one encoder, so these keys
+    never tie. The LLM's join takes all island microbatches first
+    (`BoundaryJoin.all_at_once`).
+
+    members: `mimo.schedule.fused.Member`s; level[name]: distance of this rank's
+    stage of `name` to the sink; order[name]: the encoder's config index.
+    """
+    by_name = {m.name: m for m in members}
+    fwd = sorted([(level[m.name] + 1, order[m.name], "recv", m.name) for m in members if m.up is not None]
+                 + [(level[m.name], order[m.name], "send", m.name) for m in members],
+                 key=lambda e: (-e[0], e[1]))
+    bwd = sorted([(level[m.name], order[m.name], "recv", m.name) for m in members if m.with_backward]
+                 + [(level[m.name] + 1, order[m.name], "send", m.name) for m in members
+                    if m.with_backward and m.up is not None],
+                 key=lambda e: (e[0], e[1]))
+    saved = {}
+    for mb in range(num_microbatches):
+        inputs = {}
+        for _, _, kind, name in fwd:
+            m = by_name[name]
+            if kind == "recv":
+                inputs[name] = m.up.recv_forward(mb)
+            else:
+                x = inputs.pop(name, None)
+                y = m.forward_step(mb, x)
+                m.down.send_forward(mb, y)
+                if m.with_backward:
+                    saved[(name, mb)] = (x, y)
+    for mb in range(num_microbatches):
+        pending = {}
+        for _, _, kind, name in bwd:
+            m = by_name[name]
+            if kind == "recv":
+                x, y = saved.pop((name, mb))
+                pending[name] = m.backward_step(mb, x, y, m.down.recv_backward(mb))
+            else:
+                m.up.send_backward(mb, pending.pop(name))

@@ -4,7 +4,8 @@
   expanded into pipeline-stage nodes and every rank runs 1F1B over its node
   (mimo.schedule.graph); boundary communicators move one LLM microbatch
   (batch window m * dL) per call. Encoders that share a rank range among
-  themselves run their nodes in lock-step on those ranks (mimo.schedule.fused).
+  themselves run their nodes in lock-step on those ranks (mimo.schedule.fused),
+  or, with different pp, all forwards then all backwards (an island, `run_island`).
 * colocated encoders (on the LLM's ranks, under a different logical grid): the
   three-phase schedule (mimo.schedule.three_phase) with the whole global batch
   as batch window, in LLM-major sample order; a pipelined encoder streams its
@@ -35,7 +36,7 @@ from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import ParameterOffload, Runtime
 from mimo.schedule.fused import Member, fuse
 from mimo.schedule.graph import Node, UpstreamUnion, run_node, stage_nodes
-from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, link_tags
+from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, link_tags, run_island
 from mimo.schedule.three_phase import SlicedBoundary, StagedPass, WholePass, microbatch_offsets, run_three_phase
 from mimo.topology import Layout, Topology, build_topology
 
@@ -57,26 +58,35 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
 
 
 def heterogeneous_problems(cfg: MimoConfig) -> List[str]:
-    """Why HeterogeneousTrainer cannot run the layout (empty when it can), as `path: reason` lines."""
+    """Why HeterogeneousTrainer cannot run the layout (empty when it can), as `path: reason` lines.
+
+    Every layout the config contract accepts runs; these checks repeat the contract's
+    rules the schedules rely on, for configs built without `mimo.config.validate`."""
     problems = []
     par = cfg.parallelism
     lang = par[LANGUAGE]
     if lang.ep != 1:
         problems.append("parallelism.language.ep: expert parallelism is not supported at the encoder boundary")
-    kinds = {name: placement(par[name], lang) for name in cfg.model.encoders}
     for name in cfg.model.encoders:
         p = par[name]
         if p.cp != 1 or p.ep != 1:
             problems.append(f"parallelism.{name}.cp: encoders must use cp = 1 and ep = 1")
-    non_colo = [n for n in cfg.model.encoders if kinds[n] == NON_COLOCATED]
-    for k, b in enumerate(non_colo):
-        for a in non_colo[:k]:
-            if set(Layout.from_config(par[a]).ranks) & set(Layout.from_config(par[b]).ranks) and \
-                    par[a].pp != par[b].pp:
-                problems.append(f"parallelism.{b}.pp: encoders {a!r} and {b!r} share ranks away from the LLM, "
-                                f"so they run in lock-step there and need the same pp (got {par[a].pp} "
-                                f"and {par[b].pp})")
     return problems
+
+
+def island_encoders(cfg: MimoConfig) -> List[str]:
+    """Non-colocated encoders on a rank range shared with a non-colocated encoder of another pp.
+
+    Their ranks hold stage nodes of different warm-ups, so they run all forwards, then all
+    backwards (`run_island`) instead of 1F1B. Ranges are identical or disjoint (config contract).
+    """
+    par, lang = cfg.parallelism, cfg.parallelism[LANGUAGE]
+    remote = [n for n in cfg.model.encoders if placement(par[n], lang) == NON_COLOCATED]
+    out = []
+    for a in remote:
+        if any(par[b].ranks == par[a].ranks and par[b].pp != par[a].pp for b in remote):
+            out.append(a)
+    return out
 
 
 def tokens_per_item(cfg: MimoConfig, name: str) -> int:
@@ -105,6 +115,7 @@ class HeterogeneousTrainer(TrainerBase):
         kind = {n: placement(cfg.parallelism[n], lang_par) for n in self.encoders}
         self.colocated = [n for n in self.encoders if kind[n] == COLOCATED]
         self.remote = [n for n in self.encoders if kind[n] == NON_COLOCATED]
+        self.island = island_encoders(cfg)
         self.llm_grid = self.topo.grid(LANGUAGE)
         tr = cfg.training
         self.num_microbatches = tr.global_batch_size // (tr.micro_batch_size * lang_par.dp)
@@ -295,7 +306,8 @@ class HeterogeneousTrainer(TrainerBase):
                 return {n: self._token_counts(b, n) for n in self.remote}
 
             join = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.remote], expect,
-                                self.on_boundary_grad)
+                                self.on_boundary_grad, all_at_once=self.island,
+                                num_microbatches=self.num_microbatches)
         if not self.colocated:
             return self._llm_node(step, join)
         m = self.cfg.training.micro_batch_size
@@ -400,10 +412,14 @@ class HeterogeneousTrainer(TrainerBase):
         """A rank away from the LLM: its non-colocated encoder stage node(s)."""
         names = [n for n in self.remote if self.topo.grid(n).is_member]
         pp_of = {n: self.cfg.parallelism[n].pp for n in [LANGUAGE] + self.encoders}
-        g = self.topo.grid(names[0])
-        # Encoders sharing ranks have the same pp (heterogeneous_problems), hence the same warm-up.
-        warmup = stage_nodes(pp_of, self.encoders)[Node(names[0], g.coords["pp"], g.layout.pp)]
+        distance = stage_nodes(pp_of, self.encoders)
+        level = {n: distance[Node(n, self.topo.grid(n).coords["pp"], self.topo.grid(n).layout.pp)] for n in names}
         members = [self._encoder_member(step, n) for n in names]
+        if names[0] in self.island:  # the rank's encoders all share its range, so all are in the island
+            return run_island(self.num_microbatches, members, level,
+                              {n: self.encoders.index(n) for n in names})
+        # Encoders sharing ranks outside an island have the same pp, hence the same warm-up.
+        warmup = level[names[0]]
         if len(members) == 1:
             m = members[0]
             return run_node(self.num_microbatches, warmup, m.up, m.down, m.forward_step, m.backward_step,
