@@ -51,7 +51,13 @@ def main(argv=None) -> int:
             raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
     except ConfigError as exc:
         if rank == 0:
-            print(str(exc), file=sys.stderr)
+            print(str(exc), file=sys.stderr, flush=True)
+        else:
+            # Every rank finds the same problems; only rank 0 reports them. Give it time to do so
+            # before this rank's exit makes torchrun stop the job (rank 0 exiting stops us first).
+            import time
+
+            time.sleep(10)
         return 2
 
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown

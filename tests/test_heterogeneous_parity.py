@@ -74,6 +74,7 @@ def _check(ref, raw, world, steps=STEPS):
     assert report["ok"], report
 
 
+@pytest.mark.slow
 def test_noncolocated_fan_in_and_tp_difference(reference):
     # LLM tp2 (ranks 0-1), images dp2 feeding LLM dp1 (fan-in), audio tp1: three disjoint ranges.
     _check(reference, layout(language=dict(tp=2), images=dict(dp=2, rank_offset=2), audio=dict(rank_offset=4)), 5)
@@ -93,6 +94,7 @@ def test_parity_catches_a_wrong_gradient_route(reference):
         assert_same_run(dict(reference, losses=reference["losses"][:1], params={}), got)
 
 
+@pytest.mark.slow
 def test_parity_catches_a_wrong_gradient_route_into_a_pipelined_colocated_encoder(deeper_reference):
     # The reversed rows reach the encoders through phase 3's chunked pipeline backward.
     raw = deeper(language=dict(pp=2), images=dict(pp=2), audio=dict(pp=2))

@@ -27,10 +27,10 @@ def _train(raw, steps):
 
 def test_offload_changes_no_weight_or_gradient():
     # images streams through two colocated pipeline stages (phase 1 and 3 in chunks), audio is one stage.
-    raw = deeper(language=dict(pp=2, dp=2), images=dict(pp=2, dp=2), audio=dict(tp=2, dp=2))
-    plain = _merge(run_on_ranks(_train, 4, raw, 2))
+    raw = deeper(language=dict(pp=2), images=dict(pp=2), audio=dict(tp=2))
+    plain = _merge(run_on_ranks(_train, 2, raw, 2))
     raw["training"]["offload_encoders"] = True
-    results = run_on_ranks(_train, 4, raw, 2)
+    results = run_on_ranks(_train, 2, raw, 2)
     for r in results:
         assert len(r["seen"]) == 2  # once per step
         for offloaded, on_device in r["seen"]:
