@@ -1,8 +1,9 @@
 """Three-phase schedule for encoders colocated with the LLM under a different layout.
 
 Phase 1: every rank runs its encoders forward over its samples of the whole
-step (a pipelined encoder streams them through its stages in chunks) and the colocated communicator re-shards the outputs into the LLM's
-first-stage layout (batch window = the global batch). Phase 2: the LLM runs
+step (a pipelined encoder streams them through its stages in chunks) and the
+colocated communicator re-shards the outputs into the LLM's first-stage
+layout (batch window = the global batch). Phase 2: the LLM runs
 its microbatches (1F1B when pipelined) on detached per-microbatch slices of
 what arrived, accumulating the boundary gradient. Phase 3: the accumulated
 gradient goes back through the communicator and the encoders run backward.

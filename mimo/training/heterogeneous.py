@@ -38,7 +38,7 @@ from mimo.schedule.fused import Member, fuse
 from mimo.schedule.graph import Node, UpstreamUnion, run_node, stage_nodes
 from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, link_tags, run_island
 from mimo.schedule.three_phase import SlicedBoundary, StagedPass, WholePass, microbatch_offsets, run_three_phase
-from mimo.topology import Layout, Topology, build_topology
+from mimo.topology import Layout
 
 from .grad_sync import trainable
 from .optim import build_optimizer
@@ -104,12 +104,7 @@ def encoder_trainable(cfg: MimoConfig, name: str) -> bool:
 
 class HeterogeneousTrainer(TrainerBase):
     def __init__(self, cfg: MimoConfig, runtime: Runtime):
-        problems = heterogeneous_problems(cfg)
-        if problems:
-            raise ValueError("\n".join(problems))
-        self.cfg, self.runtime = cfg, runtime
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
-        self.topo: Topology = build_topology(cfg, backend=runtime.backend)
+        self._start(cfg, runtime, heterogeneous_problems(cfg))
         self.encoders = list(cfg.model.encoders)
         lang_par = cfg.parallelism[LANGUAGE]
         kind = {n: placement(cfg.parallelism[n], lang_par) for n in self.encoders}
@@ -320,8 +315,7 @@ class HeterogeneousTrainer(TrainerBase):
                 ports.append((list(received), sliced))
             if join is not None:
                 ports.append((self.remote, join))
-            up = None if not ports else ports[0][1] if len(ports) == 1 else UpstreamUnion(ports)
-            self._llm_node(step, up)
+            self._llm_node(step, UpstreamUnion(ports) if ports else None)
             return sliced
 
         edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.colocated]

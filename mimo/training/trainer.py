@@ -27,6 +27,7 @@ from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
 from mimo.model import MultimodalModel, build_encoder, build_llm
 from mimo.model.reference_init import load_shard
+from mimo.model.transformer_config import dtype_of
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import Runtime, synchronize
 from mimo.schedule.one_f_one_b import run_1f1b
@@ -74,8 +75,16 @@ class StepResult:
 class TrainerBase:
     """What every mimo trainer shares: initialisation of a module part, per-module
     gradient reduction, the global norm, the optimizer steps and timing.
-    Subclasses set `cfg`, `topo`, `params`, `optimizers`, `runtime` and
-    provide `forward_backward`."""
+    Subclasses call `_start`, set `params` and `optimizers` and provide
+    `forward_backward`."""
+
+    def _start(self, cfg: MimoConfig, runtime: Runtime, problems: List[str]) -> None:
+        """Refuse a layout the subclass cannot run (before any collective), then build the topology."""
+        if problems:
+            raise ValueError("\n".join(problems))
+        self.cfg, self.runtime = cfg, runtime
+        self.dtype = dtype_of(cfg.training.precision)
+        self.topo: Topology = build_topology(cfg, backend=runtime.backend)
 
     def _init(self, name: str, build, pgs: ProcessGroupCollection, layer_offset: int = 0) -> torch.nn.Module:
         """Build this rank's part of a module, initialised as `training.init` says.
@@ -133,12 +142,7 @@ class TrainerBase:
 
 class Trainer(TrainerBase):
     def __init__(self, cfg: MimoConfig, runtime: Runtime):
-        problems = unsupported_layout(cfg)
-        if problems:
-            raise ValueError("\n".join(problems))
-        self.cfg, self.runtime = cfg, runtime
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.training.precision]
-        self.topo: Topology = build_topology(cfg, backend=runtime.backend)
+        self._start(cfg, runtime, unsupported_layout(cfg))
         self.grid = self.topo.grid(LANGUAGE)
         c = self.grid.coords
         self.stage, self.num_stages = c["pp"], self.grid.layout.pp
