@@ -17,6 +17,7 @@ OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
 INIT_MODES = ("reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
+RECOMPUTE_KINDS = ("none", "selective", "full")
 DATA_KINDS = ("mock",)
 
 
@@ -96,6 +97,10 @@ class ParallelConfig:
     ep: int = 1
     rank_offset: int = 0
     stage_layers: Optional[List[int]] = None
+    # megatron-core sequence parallelism inside this module's TP group (no effect at tp 1).
+    sp: bool = False
+    # Activation recompute of this module's transformer layers: none | selective | full.
+    recompute: str = "none"
 
     @property
     def size(self) -> int:

@@ -19,6 +19,7 @@ from .schema import (
     OPTIMIZERS,
     PRECISIONS,
     PROJECTOR_KINDS,
+    RECOMPUTE_KINDS,
     EncoderConfig,
     LanguageConfig,
     MimoConfig,
@@ -193,6 +194,7 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
         add(f"{path}.cp", "context parallelism needs model.language.attention: bitfield")
     if par.ep != 1:
         add(f"{path}.ep", "must be 1: mimo builds no mixture-of-experts layers")
+    _check_choice(par.recompute, RECOMPUTE_KINDS, f"{path}.recompute", add)
     if par.stage_layers is not None:
         sl = par.stage_layers
         if len(sl) != par.pp:
