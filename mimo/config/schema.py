@@ -37,6 +37,8 @@ class LanguageConfig:
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     frozen: bool = False
+    # A Hugging Face causal-LM directory (Llama, Mistral, Qwen2): architecture and weights come from it.
+    hf: Optional[str] = None
     attention: str = "sdpa"
     # attention: bitfield only: encoders whose tokens text may attend to (default: all).
     text_sees: Optional[List[str]] = None
@@ -60,6 +62,8 @@ class EncoderConfig:
     ffn_hidden_size: Optional[int] = None
     frozen: bool = False
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    # A Hugging Face tower directory (CLIP / SigLIP vision, Whisper encoder for audio).
+    hf: Optional[str] = None
     attention: str = "sdpa"
     # vision
     image_size: Optional[int] = None
@@ -86,6 +90,8 @@ class EncoderConfig:
 class ModelConfig:
     language: LanguageConfig
     encoders: Dict[str, EncoderConfig] = field(default_factory=dict)
+    # A Hugging Face LlavaForConditionalGeneration directory: LLM, `images` encoder and projector come from it.
+    hf: Optional[str] = None
 
 
 @dataclass
