@@ -23,10 +23,32 @@ class GpuSpec:
     memory_bytes: float        # usable device memory
     gpus_per_node: int = 8
     reserved_bytes: float = 0.0  # context, allocator slack, workspaces
+    # What the Megatron-faithful model (``megatron.py``) needs beyond the above:
+    # achieved fraction of peak for large bf16 GEMMs (cuBLAS on H100 SXM reaches
+    # 650-750 TFLOP/s on big square-ish shapes) and for fused attention
+    # (FlashAttention forward ~50-60% of peak; its backward does 2.5x the FLOPs
+    # at a lower rate), achieved NCCL bus bandwidth as a fraction of the link
+    # rate, and per-message latency inside / across nodes.
+    gemm_efficiency: float = 0.7
+    attention_efficiency: float = 0.5
+    link_efficiency: float = 0.8
+    intra_node_latency: float = 8e-6
+    inter_node_latency: float = 25e-6
+    # Launch / tail cost of one small kernel: a transformer layer runs about
+    # 20 kernels forward and 30 backward, which dominates tiny shards.
+    kernel_overhead: float = 4e-6
 
     @property
     def effective_flops(self) -> float:
         return self.peak_flops * self.efficiency
+
+    def bus_bandwidth(self, span_gpus: int) -> float:
+        """Achieved collective bandwidth per GPU for a group spanning
+        ``span_gpus`` consecutive ranks."""
+        return self.link_bandwidth(span_gpus) * self.link_efficiency
+
+    def latency(self, span_gpus: int) -> float:
+        return self.intra_node_latency if span_gpus <= self.gpus_per_node else self.inter_node_latency
 
     def link_bandwidth(self, span_gpus: int) -> float:
         """Bandwidth of a collective/p2p whose participants span ``span_gpus``

@@ -1,0 +1,234 @@
+"""Search and evaluation of whole layouts with the Megatron-faithful step model.
+
+``evaluate`` costs the layout written in a config (``--evaluate``);
+``search`` enumerates layouts for a GPU budget (``tools/plan.py``):
+
+* homogeneous: the LLM's (TP, CP, PP, DP), encoders inside its first stage;
+* colocated: the same LLM layouts, each encoder with its own TP and DP
+  (CP 1, PP 1) on the same GPUs;
+* non-colocated: an encoder island of 1, 2, 4 or a power-of-two number of
+  nodes (at most half the budget), the LLM on the rest.
+
+For every layout the search also picks SP (on whenever TP > 1: same
+communication volume, less memory and elementwise work) and recompute per
+module (the fastest setting whose memory fits). Costs are closed-form and
+cached per module layout, so a 1024-GPU search takes about a second.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from mimo.planner.hardware import GpuSpec
+from mimo.planner.megatron import PLACEMENTS, RECOMPUTE, Estimate, Par, StepModel, Work
+from mimo.planner.rules import divisors, tp_ok
+from mimo.planner.spec import ModelSpec
+
+GB = 1e9
+
+
+@dataclass
+class Planned:
+    estimate: Estimate
+    pars: dict[str, Par]
+
+    def as_dict(self, order: Sequence[str]) -> dict[str, Any]:
+        e = self.estimate
+        return {"placement": e.placement, "step_time_s": round(e.step_time, 6),
+                "peak_memory_gb": round(e.peak_memory / GB, 3),
+                "tokens_per_s": round(e.tokens_per_s, 1),
+                "parallelism": {n: self.pars[n].as_dict() for n in order}}
+
+
+def placement_of(spec: ModelSpec, pars: Mapping[str, Par]) -> str:
+    llm = pars["language"].ranks
+    if all(pars[e.name].ranks == llm for e in spec.encoders):
+        return "colocated"
+    return "non-colocated"
+
+
+def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: int, micro_batch: int,
+                       seq_length: int, homogeneous: bool = False) -> list[str]:
+    """Broken rules as ``parallelism.<module>...: reason`` strings. Encoder DP
+    divides items, not samples (DESIGN.md), so only the LLM's batch rule
+    ties DP to the batch."""
+    errs = []
+    names = [m.name for m in spec.modules]
+    for m in spec.modules:
+        p = pars.get(m.name)
+        path = f"parallelism.{m.name}"
+        if p is None:
+            errs.append(f"{path}: missing")
+            continue
+        if p.recompute not in RECOMPUTE:
+            errs.append(f"{path}.recompute: expected one of {', '.join(RECOMPUTE)}, got {p.recompute!r}")
+        if homogeneous and not m.is_language:
+            lp = pars.get("language")
+            if lp is not None and not tp_ok(m, lp.tp):
+                errs.append(f"{path}: inherits tp {lp.tp}, which does not divide its heads/hidden/ffn")
+            continue
+        if min(p.tp, p.cp, p.pp, p.dp) < 1 or p.rank_offset < 0:
+            errs.append(f"{path}: degrees must be >= 1 and rank_offset >= 0")
+            continue
+        if not tp_ok(m, p.tp):
+            errs.append(f"{path}.tp: {p.tp} does not divide heads/groups/hidden/ffn")
+        if m.is_language and p.cp > 1 and seq_length % (2 * p.cp):
+            errs.append(f"{path}.cp: sequence {seq_length} not divisible by 2 * cp")
+        if not m.is_language and p.cp != 1:
+            errs.append(f"{path}.cp: encoders run with cp 1")
+        if p.pp > m.num_layers:
+            errs.append(f"{path}.pp: {p.pp} > num_layers {m.num_layers}")
+    if errs or homogeneous:
+        lp = pars.get("language")
+        if lp is not None and not errs and global_batch % (micro_batch * lp.dp):
+            errs.append("parallelism.language.dp: global_batch_size not divisible by micro_batch_size * dp")
+        return errs
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = pars[a].ranks, pars[b].ranks
+            if ra != rb and not (ra.stop <= rb.start or rb.stop <= ra.start):
+                errs.append(f"parallelism.{b}.rank_offset: ranks partially overlap {a}'s")
+    if global_batch % (micro_batch * pars["language"].dp):
+        errs.append("parallelism.language.dp: global_batch_size not divisible by micro_batch_size * dp")
+    islands: dict[tuple[int, int], list] = {}
+    for e in spec.encoders:
+        r = pars[e.name].ranks
+        if r != pars["language"].ranks:
+            islands.setdefault((r.start, r.stop), []).append(e)
+    for members in islands.values():
+        if len({pars[x.name].pp for x in members}) > 1:
+            errs.append(f"parallelism.{members[-1].name}.pp: encoders sharing ranks need the same pp")
+    return errs
+
+
+class LayoutSearch:
+    def __init__(self, spec: ModelSpec, gpu: GpuSpec, work: Work, global_batch: int, micro_batch: int,
+                 precision: str = "bf16", distributed_optimizer: bool = True, max_cp: int = 32):
+        self.spec, self.gpu, self.work = spec, gpu, work
+        self.g, self.m = global_batch, micro_batch
+        self.model = StepModel(spec, gpu, work, global_batch, micro_batch, precision, distributed_optimizer)
+        self.limit = gpu.memory_bytes
+        self.max_cp = max_cp
+
+    # ---- evaluate ----------------------------------------------------------------
+    def evaluate(self, pars: Mapping[str, Par], homogeneous: bool = False) -> Estimate:
+        errs = layout_rule_errors(self.spec, pars, self.g, self.m, self.work.seq_length, homogeneous)
+        if errs:
+            raise ValueError(errs[0])
+        if homogeneous:
+            return self.model.homogeneous(pars)
+        return self.model.evaluate(placement_of(self.spec, pars), pars)
+
+    # ---- search --------------------------------------------------------------------
+    def llm_layouts(self, n: int) -> list[tuple[int, int, int, int]]:
+        lang, seq = self.spec.language, self.work.seq_length
+        out = []
+        for tp in divisors(n):
+            if tp > self.gpu.gpus_per_node or not tp_ok(lang, tp):
+                continue
+            for cp in divisors(n // tp):
+                if cp > self.max_cp or (cp > 1 and seq % (2 * cp)):
+                    continue
+                for pp in divisors(n // (tp * cp)):
+                    dp = n // (tp * cp * pp)
+                    if pp <= lang.num_layers and self.g % (self.m * dp) == 0:
+                        out.append((tp, cp, pp, dp))
+        return out
+
+    def encoder_layouts(self, e, n: int) -> list[tuple[int, int]]:
+        return [(tp, n // tp) for tp in divisors(n) if tp <= self.gpu.gpus_per_node and tp_ok(e, tp)]
+
+    def _best(self, options, placement) -> Planned | None:
+        """Fastest option that fits (options: iterables of pars dicts)."""
+        best = None
+        for pars in options:
+            est = self.model.evaluate(placement, pars)
+            if est.peak_memory <= self.limit and (best is None or est.step_time < best.estimate.step_time):
+                best = Planned(est, dict(pars))
+        return best
+
+    def _with_encoders(self, lp: Par, encoders: dict[str, list[Par]]):
+        """Every encoder's options combined greedily: one encoder varies while
+        the others keep their first (fastest-first) option."""
+        names = list(encoders)
+        base = {n: opts[0] for n, opts in encoders.items()}
+        yield {"language": lp, **base}
+        for n in names:
+            for opt in encoders[n][1:]:
+                yield {"language": lp, **base, n: opt}
+
+    def search(self, gpus: int) -> list[Planned]:
+        spec = self.spec
+        encs = spec.encoders
+        found: list[Planned] = []
+        recs = RECOMPUTE
+        for tp, cp, pp, dp in self.llm_layouts(gpus):
+            for rec in recs:
+                lp = Par(tp, cp, pp, dp, tp > 1, rec, 0)
+                if encs:
+                    enc_recs = {e.name: [Par(sp=True, recompute=r) for r in ("none", "full")] for e in encs}
+                    h = self._best(self._with_encoders(lp, enc_recs), "homogeneous")
+                    if h:
+                        found.append(h)
+                    opts = {e.name: [Par(etp, 1, 1, edp, etp > 1, r, 0)
+                                     for etp, edp in self.encoder_layouts(e, gpus) for r in ("none", "full")]
+                            for e in encs}
+                    c = self._best(self._with_encoders(lp, opts), "colocated")
+                    if c:
+                        found.append(c)
+                else:
+                    est = self.model.colocated({"language": lp})
+                    if est.peak_memory <= self.limit:
+                        found.append(Planned(est, {"language": lp}))
+        if encs and gpus > 1:
+            found += self._search_non_colocated(gpus)
+        if not found:
+            raise ValueError(f"no layout fits on {gpus} x {self.gpu.name} "
+                             f"({self.limit / GB:.0f} GB each)")
+        found.sort(key=lambda p: (p.estimate.step_time, p.estimate.peak_memory))
+        return found
+
+    def _islands(self, gpus: int) -> list[int]:
+        node = self.gpu.gpus_per_node
+        sizes = {s for s in (1, 2, 4) if s < node}
+        k = node
+        while k <= gpus // 2:
+            sizes.add(k)
+            k *= 2
+        return sorted(s for s in sizes if s <= gpus // 2)
+
+    def _search_non_colocated(self, gpus: int) -> list[Planned]:
+        found = []
+        encs = self.spec.encoders
+        for n_e in self._islands(gpus):
+            n_l = gpus - n_e
+            for tp, cp, pp, dp in self.llm_layouts(n_l):
+                # The LLM's memory does not depend on the encoders here:
+                # its fastest fitting recompute setting is chosen alone.
+                lp = None
+                for rec in RECOMPUTE:
+                    cand = Par(tp, cp, pp, dp, tp > 1, rec, 0)
+                    ch = self.model.llm_chain(cand)
+                    if self.model.chain_memory(ch, 0, self.g // (self.m * dp), dp * cp) <= self.limit:
+                        lp = cand
+                        break
+                if lp is None:
+                    continue
+                opts = {e.name: [Par(etp, 1, 1, edp, etp > 1, r, n_l)
+                                 for etp, edp in self.encoder_layouts(e, n_e) for r in ("none", "full")]
+                        for e in encs}
+                best = self._best(self._with_encoders(lp, opts), "non-colocated")
+                if best:
+                    found.append(best)
+        return found
+
+
+def timed_search(searcher: LayoutSearch, gpus: int) -> tuple[list[Planned], float]:
+    t0 = time.perf_counter()
+    out = searcher.search(gpus)
+    return out, time.perf_counter() - t0
+
+
+__all__ = ["LayoutSearch", "Planned", "PLACEMENTS", "layout_rule_errors", "placement_of", "timed_search"]

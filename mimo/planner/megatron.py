@@ -1,0 +1,478 @@
+"""Step time and peak memory of a whole layout, the way Megatron runs it on GPUs.
+
+This is the planner's model of a *training step* (``layout_search`` uses it to
+rank layouts and to cost a given one). It follows what a tuned megatron-core
+run does, from first principles and public hardware figures, with no fitted
+constants:
+
+* **Compute.** Every transformer layer is its four GEMMs (QKV, attention
+  projection, FC1, FC2), fused attention and the memory-bound elementwise work
+  (layer norms, residuals, bias/activation, dropout). A GEMM costs its FLOPs at
+  the GPU's achieved large-GEMM rate plus its operand traffic at HBM bandwidth,
+  so skinny GEMMs (small hidden sizes cut by TP) are slower per FLOP, as on real
+  hardware. Backward is data-gradient + weight-gradient GEMMs and 2.5x the
+  attention FLOPs; frozen-aware: gradients autograd skips are not charged
+  (``costs.backward_costs``, exact per layer).
+* **Tensor parallelism** stays inside a node. Without SP a layer does two
+  all-reduces forward and two backward; with SP (``sp``) the same volume as
+  all-gather / reduce-scatter, and the layer-norm / dropout activations and
+  their elementwise work are split by TP too.
+* **Context parallelism** (Megatron's ring): each rank exchanges its K/V chunk
+  ``cp - 1`` times forward and K/V plus their gradients backward, overlapped
+  with attention compute; what the attention cannot hide is exposed. When
+  ``tp * cp`` exceeds a node the ring crosses InfiniBand. An encoder that
+  inherits CP (the homogeneous baseline) has little attention per item to
+  hide the exchange behind, which is what makes that baseline slow.
+* **Recompute.** ``selective`` recomputes core attention (with fused
+  attention it saves no memory: scores are never stored); ``full`` keeps only
+  each layer's input and runs the layer's forward again in backward.
+* **Memory** per rank: bf16 weights (2 B/param); trainable parameters add an
+  fp32 gradient buffer (4 B) and Adam's fp32 master weights and two moments
+  (12 B), divided over the DP x CP group by the distributed optimizer.
+  Activations per layer follow Korthikanti et al. (``10 + 24 / tp`` x
+  tokens x hidden bytes at ffn = 4h without SP, ``34 / tp`` with SP),
+  generalised to any ffn / GQA width; stage ``i`` of ``p`` holds
+  ``min(p - i, M)`` microbatches in 1F1B; the last LLM stage holds the fp32
+  logits of one microbatch.
+* **Step.** 1F1B over ``M`` microbatches: the sum of the stage times plus
+  ``M - 1`` times the slowest stage. Gradient reduce-scatter and parameter
+  all-gather (distributed optimizer) overlap the last backward and the first
+  forward; what does not fit is exposed; then the Adam step at HBM bandwidth.
+
+Placements:
+* ``homogeneous``: every encoder runs inside the LLM's first pipeline stage
+  on its GPUs, with the LLM's TP, CP and DP (Megatron's baseline).
+* ``colocated``: same GPUs, each encoder with its own TP/DP; the three-phase
+  schedule (encoder forward, LLM 1F1B, encoder backward) in windows of the
+  LLM's in-flight microbatches.
+* ``non-colocated``: encoders on their own GPUs (one island, stages merged),
+  pipelined into the LLM; the step is paced by the slowest stage of either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from mimo.planner.costs import LayerCost, backward_costs, output_requires_grad
+from mimo.planner.hardware import GpuSpec
+from mimo.planner.spec import ModelSpec, ModuleSpec
+
+RECOMPUTE = ("none", "selective", "full")
+PLACEMENTS = ("homogeneous", "colocated", "non-colocated")
+ATTENTION_BACKWARD_RATIO = 2.5
+# Fragmentation of the caching allocator on top of what tensors hold.
+ALLOCATOR_OVERHEAD = 1.05
+
+
+@dataclass(frozen=True)
+class Par:
+    """One module's layout and memory knobs (DESIGN.md ``parallelism.<module>``)."""
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    rank_offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+    def as_dict(self) -> dict:
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "sp": self.sp,
+                "recompute": self.recompute, "rank_offset": self.rank_offset}
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one sample asks of each module: LLM tokens and encoder items."""
+    seq_length: int
+    items_per_sample: Mapping[str, float] = field(default_factory=dict)
+
+    def items(self, encoder: str) -> float:
+        return float(self.items_per_sample.get(encoder, 0.0))
+
+
+@dataclass
+class Chain:
+    """A module (or encoders + LLM stage 0) cut into pipeline stages: per
+    microbatch forward / backward seconds and memory per stage."""
+    forward: list[float]
+    backward: list[float]
+    weights: list[float]        # parameters held per rank
+    trainable: list[float]
+    activations: list[float]    # bytes kept per in-flight microbatch
+    transient: list[float]      # bytes live once (logits, a recomputed layer)
+
+    @property
+    def total(self) -> list[float]:
+        return [f + b for f, b in zip(self.forward, self.backward)]
+
+
+@dataclass
+class Estimate:
+    placement: str
+    step_time: float
+    peak_memory: float                    # bytes, max over ranks
+    modules: dict[str, float]             # peak bytes per module's ranks
+    tokens_per_s: float
+    gpus: int
+    update_time: float = 0.0              # optimizer traffic + step, inside step_time
+
+
+class StepModel:
+    def __init__(self, spec: ModelSpec, gpu: GpuSpec, work: Work, global_batch: int,
+                 micro_batch: int, precision: str = "bf16", distributed_optimizer: bool = True):
+        self.spec, self.gpu, self.work = spec, gpu, work
+        self.g, self.m = global_batch, micro_batch
+        self.bpe = 2 if precision == "bf16" else 4
+        # fp32 GEMMs run as TF32 at about half the bf16 rate.
+        scale = 1.0 if precision == "bf16" else 0.5
+        self.gemm_flops = gpu.peak_flops * gpu.gemm_efficiency * scale
+        self.attn_flops = gpu.peak_flops * gpu.attention_efficiency * scale
+        self.hbm = gpu.memory_bandwidth
+        self.dist_opt = distributed_optimizer
+        # megatron-core defaults: gradients in the parameters' dtype; the
+        # optimizer holds fp32 master weights, Adam's two moments and (bf16)
+        # an fp32 copy of its gradient shard: 2 + 2 + 16 bytes per bf16
+        # parameter, the 16 divided over DP x CP by the distributed optimizer.
+        self.weight_bytes = 2.0 if precision == "bf16" else 4.0
+        self.master_bytes = 16.0 if precision == "bf16" else 8.0
+        self.llm_upstream = any(not e.frozen or (e.projector_kind is not None and not e.projector_frozen)
+                                for e in spec.encoders)
+        self._layers: dict[tuple, tuple] = {}
+
+    # ---- collectives --------------------------------------------------------
+    def _ring(self, nbytes: float, group: int, span: int) -> float:
+        """One all-gather or reduce-scatter of ``nbytes`` (the full tensor)."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        return (group - 1) / group * nbytes / self.gpu.bus_bandwidth(span) + self.gpu.latency(span)
+
+    def _gemm(self, t: float, k: float, n: float) -> float:
+        return 2.0 * t * k * n / self.gemm_flops + self.bpe * (t * k + k * n + t * n) / self.hbm
+
+    # ---- one module's layers ----------------------------------------------------
+    def module_layers(self, mod: ModuleSpec, par: Par, tokens: float, span: float,
+                      out_hidden: int) -> tuple[list[LayerCost], list[float], list[float], list[float], float]:
+        """Per layer (pre, transformer x L, post): cost, params per rank,
+        activation bytes per microbatch, transient bytes; for ``tokens`` tokens
+        of one microbatch on one DP replica, attending ``span`` keys each."""
+        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, tokens, span, out_hidden)
+        if key in self._layers:
+            return self._layers[key]
+        tp, cp, bpe = par.tp, par.cp, self.bpe
+        seq_div = tp if par.sp else 1
+        t = tokens / cp
+        h, f = mod.hidden_size, mod.ffn_hidden_size
+        kv = mod.num_query_groups * mod.kv_channels
+        kv_rank = kv / min(tp, mod.num_query_groups)
+        tp_one = self._ring(t * h * bpe, tp, tp)
+
+        gemm = (self._gemm(t, h, (h + 2 * kv) / tp) + self._gemm(t, h / tp, h)
+                + self._gemm(t, h, f / tp) + self._gemm(t, f / tp, h))
+        attn_f = 4.0 * t * span * h / tp / self.attn_flops
+        attn_b = ATTENTION_BACKWARD_RATIO * attn_f
+        ew = bpe * t * (8 * h / seq_div + 4 * f / tp) / self.hbm
+        cp_f = cp_b = 0.0
+        if cp > 1:
+            span_gpus = tp * cp
+            chunk = 2 * t * kv_rank * bpe
+            one = chunk / self.gpu.bus_bandwidth(span_gpus)
+            lat = self.gpu.latency(span_gpus)
+            cp_f = max((cp - 1) * one - attn_f, 0.0) + (cp - 1) * lat
+            cp_b = max(2 * (cp - 1) * one - attn_b, 0.0) + 2 * (cp - 1) * lat
+        ko = self.gpu.kernel_overhead
+        fwd = gemm + attn_f + ew + 4 * tp_one + cp_f + 20 * ko
+        bwd_in = gemm + attn_b + 2 * ew + 4 * tp_one + cp_b + 20 * ko
+        if par.recompute == "selective":
+            bwd_in += attn_f
+        elif par.recompute == "full":
+            bwd_in += fwd
+        layer = LayerCost(fwd, bwd_in, gemm + 10 * ko, mod.frozen)
+        params = (h * (h + 2 * kv) + h * h + 2 * h * f) / tp + 4 * h
+        full_act = t * ((4 * h * bpe + 2 * h) / seq_div + bpe * ((h + 2 * kv) + h + 2 * f) / tp)
+        act = t * h * bpe / seq_div if par.recompute == "full" else full_act
+        transient = full_act if par.recompute == "full" else 0.0
+
+        costs, weights, acts, trans = [], [], [], []
+        if mod.is_language:
+            v = mod.vocab_size
+            costs.append(LayerCost(t * h * bpe / self.hbm + tp_one, 0.0, 0.0, mod.frozen))
+            weights.append(v * h / tp)
+            acts.append(0.0)
+            trans.append(0.0)
+        else:
+            feats = mod.input_features
+            g = self._gemm(t, feats, h)
+            costs.append(LayerCost(g, 0.0, g, mod.frozen))
+            weights.append(feats * h)
+            acts.append(t * feats * bpe)
+            trans.append(0.0)
+        costs += [layer] * mod.num_layers
+        weights += [params] * mod.num_layers
+        acts += [act] * mod.num_layers
+        trans += [transient] * mod.num_layers
+        if mod.is_language:
+            v = mod.vocab_size
+            head = self._gemm(t, h, v / tp)
+            ce = 3 * t * v / tp * 4 / self.hbm
+            costs.append(LayerCost(head + ce + tp_one, head + ce + tp_one, head, mod.frozen))
+            weights.append(v * h / tp)
+            logits = t * v / tp * 4.0
+            acts.append(0.0)
+            trans.append(logits + t * h * bpe)
+        elif mod.projector_kind is not None:
+            # Small: it runs replicated, not tensor-parallel.
+            p = h * out_hidden + (out_hidden * out_hidden if mod.projector_kind == "mlp" else 0)
+            g = self._gemm(t, h, out_hidden) + (self._gemm(t, out_hidden, out_hidden)
+                                                 if mod.projector_kind == "mlp" else 0.0)
+            costs.append(LayerCost(g, g, g, mod.projector_frozen))
+            weights.append(p)
+            acts.append(t * (h + out_hidden) * bpe)
+            trans.append(0.0)
+        result = (costs, weights, acts, trans, 0.0)
+        self._layers[key] = result
+        return result
+
+    def _tokens(self, mod: ModuleSpec, samples: float) -> tuple[float, float]:
+        """Tokens of ``samples`` samples for this module, and keys per query."""
+        if mod.is_language:
+            return samples * self.work.seq_length, self.work.seq_length / 2.0
+        return samples * self.work.items(mod.name) * mod.tokens_per_item, float(mod.tokens_per_item)
+
+    def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int, uniform: bool = False) -> Chain:
+        """Modules in execution order (each with its layout and samples per
+        microbatch), concatenated and cut into ``pp`` stages minimising the
+        slowest stage; pre/post layers stay with their neighbours.
+        ``uniform``: Megatron's default split instead, the last module's
+        layers evenly over the stages and everything before it in stage 0."""
+        f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []
+        upstream = False
+        for mod, par, samples in mods:
+            tokens, span = self._tokens(mod, samples)
+            costs, weights, acts, trans, _ = self.module_layers(
+                mod, par, tokens, span, self.spec.language.hidden_size)
+            up = self.llm_upstream if mod.is_language else False
+            up = up or upstream
+            bwd = backward_costs(costs, up)
+            fwd = [c.forward for c in costs]
+            keep = [a if b > 0 else 0.0 for a, b in zip(acts, bwd)]
+            trainable = [0.0 if c.frozen else w for c, w in zip(costs, weights)]
+            pre, post = 1, 1 if len(costs) > mod.num_layers + 1 else 0
+            for lst, vals in ((f_all, fwd), (b_all, bwd), (w_all, weights), (tr_all, trainable),
+                              (a_all, keep), (x_all, trans)):
+                lst.extend(_fold(vals, pre, post))
+            upstream = output_requires_grad(costs, up)
+        last = mods[-1][0].num_layers
+        if uniform and last % pp == 0:
+            sizes = [last // pp] * pp
+            sizes[0] += len(f_all) - last
+        else:
+            sizes = partition(_sum_lists(f_all, b_all), pp)
+        return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),
+                     _stages(tr_all, sizes), _stages(a_all, sizes),
+                     [max(x_all[i:j], default=0.0) for i, j in _bounds(sizes)])
+
+    # ---- memory ---------------------------------------------------------------
+    def stage_memory(self, ch: Chain, i: int, in_flight: int, shard: int) -> float:
+        opt = self.master_bytes / (shard if self.dist_opt else 1)
+        states = ch.weights[i] * self.weight_bytes + ch.trainable[i] * (self.weight_bytes + opt)
+        return (states + ch.activations[i] * in_flight + ch.transient[i]) * ALLOCATOR_OVERHEAD \
+            + self.gpu.reserved_bytes
+
+    def chain_memory(self, ch: Chain, behind: int, mb: int, shard: int) -> float:
+        p = len(ch.forward)
+        return max(self.stage_memory(ch, i, max(1, min(p - i + behind, mb)), shard) for i in range(p))
+
+    # ---- time -----------------------------------------------------------------
+    def update_time(self, ch: Chain, par: Par) -> float:
+        """Exposed distributed-optimizer traffic and the Adam step of the
+        busiest stage."""
+        trainable = max(ch.trainable)
+        if trainable <= 0:
+            return 0.0
+        group = par.dp * par.cp
+        span = par.tp * group
+        if self.dist_opt:
+            rs = self._ring(self.weight_bytes * trainable, group, span)
+            ag = self._ring(self.weight_bytes * trainable, group, span)
+            exposed = max(0.0, rs - ch.backward[-1]) + max(0.0, ag - ch.forward[0])
+            shard = group
+        else:
+            exposed = max(0.0, 2 * self._ring(self.weight_bytes * trainable, group, span) - ch.backward[-1])
+            shard = 1
+        # Adam reads and writes its state and writes the bf16 weights back.
+        adam = trainable / shard * (2 * self.master_bytes + self.weight_bytes) / self.hbm
+        return exposed + adam
+
+    def _p2p(self, nbytes: float, span: int) -> float:
+        return nbytes / self.gpu.bus_bandwidth(span) + self.gpu.latency(span)
+
+    def pipeline(self, stages: list[float], mb: int, hop: float) -> float:
+        return sum(stages) + (mb - 1) * max(stages) + 2 * (len(stages) - 1) * hop
+
+    def _llm_hop(self, par: Par) -> float:
+        act = self.m * self.work.seq_length / par.cp * self.spec.language.hidden_size * self.bpe
+        return self._p2p(act / (par.tp if par.sp else 1), 2 * par.tp * par.cp * par.dp)
+
+    # ---- placements ---------------------------------------------------------------
+    def evaluate(self, placement: str, pars: Mapping[str, Par]) -> Estimate:
+        if placement == "homogeneous":
+            return self.homogeneous(pars)
+        if placement == "colocated":
+            return self.colocated(pars)
+        return self.non_colocated(pars)
+
+    def _estimate(self, placement, step, modules, gpus, update) -> Estimate:
+        return Estimate(placement, step, max(modules.values()), modules,
+                        self.g * self.work.seq_length / step, gpus, update)
+
+    def homogeneous(self, pars: Mapping[str, Par]) -> Estimate:
+        lp = pars["language"]
+        mb = self.g // (self.m * lp.dp)
+        mods = [(e, Par(lp.tp, lp.cp, 1, lp.dp, pars[e.name].sp, pars[e.name].recompute), self.m)
+                for e in self.spec.encoders]
+        ch = self.chain(mods + [(self.spec.language, lp, self.m)], lp.pp, uniform=True)
+        update = self.update_time(ch, lp)
+        step = self.pipeline(ch.total, mb, self._llm_hop(lp)) + update
+        mem = self.chain_memory(ch, 0, mb, lp.dp * lp.cp)
+        return self._estimate("homogeneous", step, {n: mem for n in pars}, lp.size, update)
+
+    def llm_chain(self, lp: Par) -> Chain:
+        return self.chain([(self.spec.language, lp, self.m)], lp.pp)
+
+    def encoder_chain(self, e: ModuleSpec, par: Par, samples: float) -> Chain:
+        return self.chain([(e, par, samples)], par.pp)
+
+    def colocated(self, pars: Mapping[str, Par]) -> Estimate:
+        lp = pars["language"]
+        mb = self.g // (self.m * lp.dp)
+        llm = self.llm_chain(lp)
+        window = min(lp.pp, mb)
+        update = self.update_time(llm, lp)
+        step = self.pipeline(llm.total, mb, self._llm_hop(lp)) + update
+        llm_mem = self.chain_memory(llm, 0, mb, lp.dp * lp.cp) - self.gpu.reserved_bytes
+        enc_mem = 0.0
+        for e in self.spec.encoders:
+            ep = pars[e.name]
+            # The step's items, one window of LLM microbatches at a time,
+            # divided over the encoder's DP ranks.
+            samples = window * self.m * lp.dp / ep.dp
+            ch = self.encoder_chain(e, ep, samples)
+            windows = mb / window
+            hop = self._p2p(samples * self._tokens(e, 1)[0] * e.hidden_size * self.bpe, 2 * ep.tp * ep.dp)
+            # Each window: the encoder's forward, later its backward, through
+            # its own pipeline (one chunk, so no overlap between its stages).
+            step += windows * (sum(ch.forward) + sum(ch.backward) + 2 * (ep.pp - 1) * hop)
+            u = self.update_time(ch, ep)
+            step += u
+            update += u
+            enc_mem += self.chain_memory(ch, 0, 1, ep.dp * ep.cp) - self.gpu.reserved_bytes
+        peak = llm_mem + enc_mem + self.gpu.reserved_bytes
+        return self._estimate("colocated", step, {n: peak for n in pars}, lp.size, update)
+
+    def non_colocated(self, pars: Mapping[str, Par]) -> Estimate:
+        lp = pars["language"]
+        mb = self.g // (self.m * lp.dp)
+        llm = self.llm_chain(lp)
+        stages = list(llm.total)
+        fill = sum(llm.total)
+        modules = {"language": self.chain_memory(llm, 0, mb, lp.dp * lp.cp)}
+        update = self.update_time(llm, lp)
+        islands: dict[range, list] = {}
+        for e in self.spec.encoders:
+            islands.setdefault(pars[e.name].ranks, []).append(e)
+        gpus = lp.size
+        for ranks, encs in islands.items():
+            gpus += len(ranks)
+            first = pars[encs[0].name]
+            chains = [(e, self.encoder_chain(e, pars[e.name], self.m * lp.dp / pars[e.name].dp))
+                      for e in encs]
+            pp = first.pp
+            merged = [sum(c.total[i] for _, c in chains) for i in range(pp)]
+            boundary = sum(self._p2p(self.m * lp.dp / pars[e.name].dp * self._tokens(e, 1)[0]
+                                     * self.spec.language.hidden_size * self.bpe, 2 * first.size + lp.size)
+                           for e in encs)
+            fill_e = sum(merged) + 2 * boundary
+            fill = max(fill, fill_e + sum(llm.total))
+            stages += merged
+            mem = sum(self.chain_memory(c, lp.pp, mb, pars[e.name].dp * pars[e.name].cp)
+                      - self.gpu.reserved_bytes for e, c in chains) + self.gpu.reserved_bytes
+            for e, c in chains:
+                modules[e.name] = mem
+                update = max(update, self.update_time(c, pars[e.name]))
+        step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + update
+        return self._estimate("non-colocated", step, modules, gpus, update)
+
+
+# ---- helpers ----------------------------------------------------------------------
+def _fold(values, pre: int, post: int) -> list[float]:
+    core = list(values[pre:len(values) - post])
+    core[0] += sum(values[:pre])
+    if post:
+        core[-1] += sum(values[len(values) - post:])
+    return core
+
+
+def _sum_lists(a, b) -> list[float]:
+    return [x + y for x, y in zip(a, b)]
+
+
+def _bounds(sizes):
+    i = 0
+    for s in sizes:
+        yield i, i + s
+        i += s
+
+
+def _stages(values, sizes) -> list[float]:
+    return [sum(values[i:j]) for i, j in _bounds(sizes)]
+
+
+def partition(costs: list[float], pp: int) -> list[int]:
+    """Contiguous split into ``pp`` non-empty stages with the smallest possible
+    slowest stage (exact). The optimum is one of the contiguous range sums; a
+    greedy sweep from the back decides feasibility of a bound, so a binary
+    search over the sorted candidate sums finds it. Stages fill from the back,
+    leaving the early stages (which hold more 1F1B microbatches) the lightest."""
+    n = len(costs)
+    if pp < 1 or pp > n:
+        raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
+    if pp == 1:
+        return [n]
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+
+    def cut(bound: float) -> list[int] | None:
+        sizes, j = [], n
+        for s in range(pp, 0, -1):
+            i = j - 1  # at least one layer
+            while i > s - 1 and pre[j] - pre[i - 1] <= bound:
+                i -= 1
+            if pre[j] - pre[i] > bound:
+                return None
+            sizes.append(j - i)
+            j = i
+        return sizes[::-1] if j == 0 else None
+
+    lo_bound = max(max(costs), pre[n] / pp)
+    cands = sorted({pre[j] - pre[i] for i in range(n) for j in range(i + 1, n + 1)
+                    if pre[j] - pre[i] >= lo_bound * (1 - 1e-12)})
+    lo, hi = 0, len(cands) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(cands[mid] * (1 + 1e-12)) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    sizes = cut(cands[lo] * (1 + 1e-12))
+    assert sizes is not None
+    return sizes
