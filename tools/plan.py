@@ -1,23 +1,35 @@
 #!/usr/bin/env python
-"""Plan per-module layouts for a mimo model on N GPUs.
+"""Plan per-module layouts for a mimo model on N GPUs, or cost a given layout.
 
-    python tools/plan.py --config MODEL.yaml --gpus N [--gpu h100] [--top K] [--out FILE]
+    python tools/plan.py --config MODEL.yaml --gpus N [--gpu h100] [--samples S.json] [--json] [--top K] [--out FILE]
+    python tools/plan.py --config FILE.yaml --evaluate [--homogeneous] [--gpu h100] [--samples S.json] [--json]
 
-Prints the best candidate layouts, then a complete config for the best one.
+Search: prints the best candidate layouts (homogeneous, colocated,
+non-colocated; SP and recompute chosen per module), then a complete config
+for the best one; ``--json`` prints one JSON object instead (DESIGN.md "The
+planner against the paper"). Evaluate: costs the config's own layout
+(``--homogeneous``: the Megatron baseline built from ``parallelism.language``).
+Bad input: one ``error:`` line on stderr, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mimo.planner.api import make_plan  # noqa: E402
-from mimo.planner.emit import to_yaml  # noqa: E402
-from mimo.planner.hardware import GIB  # noqa: E402
+from mimo.planner.api import DEFAULT_GLOBAL_BATCH, load_raw  # noqa: E402
+from mimo.planner.emit import TRAINING_DEFAULTS, to_yaml  # noqa: E402
+from mimo.planner.hardware import get_gpu  # noqa: E402
+from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
+from mimo.planner.megatron import RECOMPUTE, Par, Work  # noqa: E402
+from mimo.planner.profiling import mean_items  # noqa: E402
+from mimo.planner.spec import max_sequence_length, read_model  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,55 +39,166 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _load_samples(path: str):
-    with open(path) as fh:
-        data = json.load(fh)
-    if not isinstance(data, list) or not all(
-            isinstance(s, list) and len(s) == 3 and all(isinstance(x, int) and x >= 0 for x in s)
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc.msg})") from None
+    if not isinstance(data, list) or not data or not all(
+            isinstance(s, list) and len(s) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                        and x >= 0 for x in s)
             for s in data):
-        raise ValueError(f"{path}: expected a JSON list of [text_tokens, images, audio_clips]")
+        raise ValueError(f"{path}: expected a non-empty JSON list of [text_tokens, images, audio_clips]")
     return [tuple(s) for s in data]
 
 
-def _table(result, top: int) -> str:
-    rows = [("#", "placement", "layout", "step s", "samples/s", "mem GiB", "bubble", "why")]
-    g = result.settings.global_batch
-    for i, c in enumerate(result.candidates[:top], 1):
-        fam = c.family + (f"/{c.encoder_grouping}" if c.encoder_grouping and len(result.spec.encoders) > 1 else "")
-        busy = _bubble(result, c)
-        rows.append((str(i), fam, c.describe(), f"{c.step_time:.3f}", f"{g / c.step_time:.1f}",
-                     f"{c.peak_memory / GIB:.1f}", busy, "; ".join(c.reasons)))
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
-    lines = []
-    for r in rows:
-        lines.append("  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1])
-    return "\n".join(lines)
+def _int(value, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path}: expected a positive integer, got {value!r}")
+    return value
 
 
-def _bubble(result, cand) -> str:
-    # share of the step the LLM's busiest stage is idle
-    llm = cand.plans["language"]
-    work = cand.num_microbatches * llm.bottleneck
-    return f"{max(0.0, 1 - work / cand.pipeline_time):.0%}" if cand.pipeline_time > 0 else "-"
+def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
+    spec = read_model(raw.get("model"))
+    hw = get_gpu(gpu)
+    data = raw.get("data") or {}
+    training = raw.get("training") or {}
+    seq = data.get("seq_length", max_sequence_length(raw.get("model")))
+    if seq is None:
+        raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
+    seq = _int(seq, "data.seq_length")
+    g = _int(training.get("global_batch_size", DEFAULT_GLOBAL_BATCH), "training.global_batch_size")
+    m = _int(training.get("micro_batch_size", 1), "training.micro_batch_size")
+    if g % m:
+        raise ValueError("training.global_batch_size: not divisible by micro_batch_size")
+    precision = training.get("precision", "fp32" if hw.name == "cpu" else "bf16")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"training.precision: expected bf16 or fp32, got {precision!r}")
+    dist_opt = training.get("use_distributed_optimizer", True)
+    if not isinstance(dist_opt, bool):
+        raise ValueError("training.use_distributed_optimizer: expected true/false")
+    items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
+    for e in spec.encoders:
+        if items[e.name] * e.tokens_per_item > seq:
+            raise ValueError(f"model.encoders.{e.name}: {items[e.name]:g} items of {e.tokens_per_item} tokens "
+                             f"do not fit in data.seq_length {seq}")
+    return LayoutSearch(spec, hw, Work(seq, items), g, m, precision, dist_opt), spec
+
+
+def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
+    section = raw.get("parallelism")
+    if not isinstance(section, dict):
+        raise ValueError("parallelism: required for --evaluate")
+    out = {}
+    for mod in spec.modules:
+        entry = section.get(mod.name, {} if (homogeneous and not mod.is_language) else None)
+        path = f"parallelism.{mod.name}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: required")
+        vals = {}
+        for k in ("tp", "cp", "pp", "dp"):
+            v = entry.get(k, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{path}.{k}: expected a positive integer, got {v!r}")
+            vals[k] = v
+        off = entry.get("rank_offset", 0)
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+            raise ValueError(f"{path}.rank_offset: expected a non-negative integer, got {off!r}")
+        sp = entry.get("sp", False)
+        if not isinstance(sp, bool):
+            raise ValueError(f"{path}.sp: expected true/false, got {sp!r}")
+        rec = entry.get("recompute", "none")
+        if rec not in RECOMPUTE:
+            raise ValueError(f"{path}.recompute: expected one of {', '.join(RECOMPUTE)}, got {rec!r}")
+        out[mod.name] = Par(vals["tp"], vals["cp"], vals["pp"], vals["dp"], sp, rec, off)
+    return out
+
+
+def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
+    """A complete config (DESIGN.md schema) for a searched candidate."""
+    cfg = {"model": copy.deepcopy(raw["model"])}
+    par = {}
+    for name in order:
+        p = planned.pars[name]
+        if planned.estimate.placement == "homogeneous" and name != "language":
+            # Not expressible as its own placement: the nearest config is the
+            # encoder colocated with the LLM's TP over the same GPUs.
+            size = planned.pars["language"].size
+            p = Par(p.tp, 1, 1, size // p.tp, p.sp, p.recompute, 0)
+        entry = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": 1, "rank_offset": p.rank_offset,
+                 "sp": p.sp, "recompute": p.recompute}
+        if p.pp > 1:
+            mod = searcher.spec.module(name)
+            samples = searcher.m if mod.is_language else searcher.m * planned.pars["language"].dp / p.dp
+            entry["stage_layers"] = searcher.model.chain([(mod, p, samples)], p.pp).sizes
+        par[name] = entry
+    cfg["parallelism"] = par
+    if par["language"]["cp"] > 1:
+        cfg["model"]["language"]["attention"] = "bitfield"  # CP runs on the bitfield kernel only
+    data = dict(raw.get("data") or {})
+    data.setdefault("kind", "mock")
+    data.setdefault("seq_length", searcher.work.seq_length)
+    cfg["data"] = data
+    training = {**TRAINING_DEFAULTS, **dict(raw.get("training") or {})}
+    training["global_batch_size"] = searcher.g
+    training["micro_batch_size"] = searcher.m
+    cfg["training"] = training
+    return cfg
+
+
+def _short(p: Par) -> str:
+    extra = (" sp" if p.sp else "") + (f" rc-{p.recompute}" if p.recompute != "none" else "")
+    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}{extra}"
 
 
 def main(argv=None) -> int:
     p = _Parser(description=__doc__.splitlines()[1])
-    p.add_argument("--config", required=True, help="model YAML (parallelism optional)")
-    p.add_argument("--gpus", required=True, type=int, help="GPU budget")
+    p.add_argument("--config", required=True, help="model YAML (parallelism needed only for --evaluate)")
+    p.add_argument("--gpus", type=int, help="GPU budget (search)")
     p.add_argument("--gpu", default="h100", help="h100 | h200 | a100 | cpu")
-    p.add_argument("--top", type=int, default=5, help="candidates to list")
-    p.add_argument("--out", help="write the best config here")
-    p.add_argument("--global-batch", type=int, help="override training.global_batch_size")
-    p.add_argument("--micro-batch", type=int, help="override training.micro_batch_size")
-    p.add_argument("--samples", help="JSON list of [text_tokens, images, audio_clips] to profile")
+    p.add_argument("--samples", help="JSON list of [text_tokens, images, audio_clips] per sample")
+    p.add_argument("--evaluate", action="store_true", help="cost the config's own layout")
+    p.add_argument("--homogeneous", action="store_true", help="with --evaluate: Megatron's homogeneous baseline")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--top", type=int, default=5, help="candidates to list / emit in JSON")
+    p.add_argument("--out", help="write the best config here (search)")
     args = p.parse_args(argv)
     try:
         if args.top < 1:
-            raise ValueError("--top must be >= 1")
+            raise ValueError("--top: must be >= 1")
+        if args.homogeneous and not args.evaluate:
+            raise ValueError("--homogeneous: only with --evaluate")
+        if not args.evaluate and args.gpus is None:
+            raise ValueError("--gpus: required unless --evaluate")
+        if args.gpus is not None and args.gpus < 1:
+            raise ValueError(f"--gpus: expected a positive integer, got {args.gpus}")
+        try:
+            get_gpu(args.gpu)
+        except ValueError as exc:
+            raise ValueError(f"--gpu: {exc}") from None
+        raw = load_raw(args.config)
         samples = _load_samples(args.samples) if args.samples else None
-        result = make_plan(args.config, args.gpus, args.gpu, samples=samples,
-                           global_batch=args.global_batch, micro_batch=args.micro_batch)
-        text = to_yaml(result.config)
+        searcher, spec = _searcher(raw, args.gpu, samples)
+        order = [m.name for m in spec.modules]
+        if args.evaluate:
+            pars = _read_pars(raw, spec, args.homogeneous)
+            est = searcher.evaluate(pars, homogeneous=args.homogeneous)
+            if args.gpus is not None and est.gpus > args.gpus:
+                raise ValueError(f"parallelism: layout needs {est.gpus} GPUs, more than --gpus {args.gpus}")
+            out = {"placement": est.placement, "gpus": est.gpus, "step_time_s": round(est.step_time, 6),
+                   "peak_memory_gb": round(est.peak_memory / GB, 3), "tokens_per_s": round(est.tokens_per_s, 1),
+                   "modules": {n: {"peak_memory_gb": round(est.modules[n] / GB, 3)} for n in order}}
+            if args.json:
+                print(json.dumps(out))
+            else:
+                print(f"{est.placement} on {est.gpus} x {args.gpu}: step {est.step_time:.3f} s, "
+                      f"{est.tokens_per_s:,.0f} tokens/s, peak {est.peak_memory / GB:.1f} GB per GPU")
+            return 0
+        t0 = time.perf_counter()
+        found = searcher.search(args.gpus)
+        search_time = time.perf_counter() - t0
+        cfg = _config(raw, searcher, found[0], order)
+        text = to_yaml(cfg)
         if args.out:
             with open(args.out, "w") as fh:
                 fh.write(text)
@@ -83,15 +206,19 @@ def main(argv=None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    s = result.settings
-    print(f"# {len(result.candidates)} candidates simulated for {s.gpus} x {args.gpu}, "
-          f"global batch {s.global_batch}, micro batch {s.micro_batch}, seq {s.workload.seq_length}")
-    if result.profile:
-        pr = result.profile
-        ratio = ", ".join(f"{k} {v:.2f}" for k, v in pr.ratio.items())
-        print(f"# workload ratio ({'stable' if pr.stable else 'NOT stable'} at profiling batch "
-              f"{pr.batch_size}): {ratio}")
-    print(_table(result, args.top))
+    if args.json:
+        print(json.dumps({"gpus": args.gpus, "gpu": args.gpu, "search_time_s": round(search_time, 4),
+                          "candidates": [c.as_dict(order) for c in found[:args.top]]}))
+        return 0
+    print(f"# {len(found)} layouts costed for {args.gpus} x {args.gpu} in {search_time:.2f} s, global batch "
+          f"{searcher.g}, micro batch {searcher.m}, seq {searcher.work.seq_length}")
+    print(f"# {'#':>2}  {'placement':<13}  {'step s':>8}  {'tokens/s':>11}  {'mem GB':>6}  layout")
+    for i, c in enumerate(found[:args.top], 1):
+        e = c.estimate
+        lay = " | ".join(f"{n}[{c.pars[n].rank_offset}:{c.pars[n].rank_offset + c.pars[n].size}] "
+                         f"{_short(c.pars[n])}" for n in order)
+        print(f"  {i:>2}  {e.placement:<13}  {e.step_time:8.3f}  {e.tokens_per_s:11,.0f}  "
+              f"{e.peak_memory / GB:6.1f}  {lay}")
     print()
     print("# best config" + (f" (written to {args.out})" if args.out else ""))
     print(text, end="")

@@ -163,12 +163,19 @@ class LayoutSearch:
         spec = self.spec
         encs = spec.encoders
         found: list[Planned] = []
-        recs = RECOMPUTE
+        # With fused attention ``selective`` saves no memory, so the search
+        # tries ``none`` and, only when that does not fit, ``full``.
+        recs = ("none", "full")
         for tp, cp, pp, dp in self.llm_layouts(gpus):
             for rec in recs:
                 lp = Par(tp, cp, pp, dp, tp > 1, rec, 0)
+                if rec != "none" and self.model.chain_memory(
+                        self.model.llm_chain(Par(tp, cp, pp, dp, tp > 1, "none", 0)),
+                        0, self.g // (self.m * dp), dp * cp) <= self.limit:
+                    continue
                 if encs:
-                    enc_recs = {e.name: [Par(sp=True, recompute=r) for r in ("none", "full")] for e in encs}
+                    enc_recs = {e.name: [Par(tp, cp, 1, dp, tp > 1, r, 0) for r in ("none", "full")]
+                                for e in encs}
                     h = self._best(self._with_encoders(lp, enc_recs), "homogeneous")
                     if h:
                         found.append(h)
@@ -208,7 +215,7 @@ class LayoutSearch:
                 # The LLM's memory does not depend on the encoders here:
                 # its fastest fitting recompute setting is chosen alone.
                 lp = None
-                for rec in RECOMPUTE:
+                for rec in ("none", "full"):
                     cand = Par(tp, cp, pp, dp, tp > 1, rec, 0)
                     ch = self.model.llm_chain(cand)
                     if self.model.chain_memory(ch, 0, self.g // (self.m * dp), dp * cp) <= self.limit:

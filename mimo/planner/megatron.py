@@ -109,10 +109,11 @@ class Chain:
     trainable: list[float]
     activations: list[float]    # bytes kept per in-flight microbatch
     transient: list[float]      # bytes live once (logits, a recomputed layer)
+    sizes: list[int] = field(default_factory=list)  # layers per stage (all modules)
+    total: list[float] = field(default_factory=list)  # forward + backward per stage
 
-    @property
-    def total(self) -> list[float]:
-        return [f + b for f, b in zip(self.forward, self.backward)]
+    def __post_init__(self):
+        self.total = [f + b for f, b in zip(self.forward, self.backward)]
 
 
 @dataclass
@@ -147,6 +148,8 @@ class StepModel:
         self.llm_upstream = any(not e.frozen or (e.projector_kind is not None and not e.projector_frozen)
                                 for e in spec.encoders)
         self._layers: dict[tuple, tuple] = {}
+        self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
+        self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
     # ---- collectives --------------------------------------------------------
     def _ring(self, nbytes: float, group: int, span: int) -> float:
@@ -253,6 +256,13 @@ class StepModel:
         slowest stage; pre/post layers stay with their neighbours.
         ``uniform``: Megatron's default split instead, the last module's
         layers evenly over the stages and everything before it in stage 0."""
+        key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods),
+               pp, uniform)
+        if key not in self._chains:
+            self._chains[key] = self._chain(mods, pp, uniform)
+        return self._chains[key]
+
+    def _chain(self, mods, pp: int, uniform: bool) -> Chain:
         f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []
         upstream = False
         for mod, par, samples in mods:
@@ -278,7 +288,7 @@ class StepModel:
             sizes = partition(_sum_lists(f_all, b_all), pp)
         return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),
                      _stages(tr_all, sizes), _stages(a_all, sizes),
-                     [max(x_all[i:j], default=0.0) for i, j in _bounds(sizes)])
+                     [max(x_all[i:j], default=0.0) for i, j in _bounds(sizes)], list(sizes))
 
     # ---- memory ---------------------------------------------------------------
     def stage_memory(self, ch: Chain, i: int, in_flight: int, shard: int) -> float:
@@ -288,8 +298,12 @@ class StepModel:
             + self.gpu.reserved_bytes
 
     def chain_memory(self, ch: Chain, behind: int, mb: int, shard: int) -> float:
-        p = len(ch.forward)
-        return max(self.stage_memory(ch, i, max(1, min(p - i + behind, mb)), shard) for i in range(p))
+        key = (id(ch), behind, mb, shard)
+        if key not in self._memory:
+            p = len(ch.forward)
+            self._memory[key] = max(self.stage_memory(ch, i, max(1, min(p - i + behind, mb)), shard)
+                                    for i in range(p))
+        return self._memory[key]
 
     # ---- time -----------------------------------------------------------------
     def update_time(self, ch: Chain, par: Par) -> float:

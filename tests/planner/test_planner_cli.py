@@ -45,11 +45,16 @@ def test_plan_llava_example_8_gpus_emits_full_config():
 
 
 def test_plan_with_profiled_samples(tmp_path):
-    samples = tmp_path / "samples.json"
-    samples.write_text(json.dumps([[100, 1, 0], [20, 2, 1], [60, 0, 2]] * 5))
-    r = _plan("--config", TINY, "--gpus", "4", "--gpu", "cpu", "--samples", str(samples))
-    assert r.returncode == 0, r.stderr
-    assert "workload ratio" in r.stdout
+    # --samples sets the encoder workload: more images per sample, slower best step
+    light, heavy = tmp_path / "light.json", tmp_path / "heavy.json"
+    light.write_text(json.dumps([[100, 0, 0], [60, 1, 0]] * 5))
+    heavy.write_text(json.dumps([[20, 2, 1], [60, 1, 2]] * 5))
+    times = []
+    for path in (light, heavy):
+        r = _plan("--config", TINY, "--gpus", "4", "--gpu", "cpu", "--samples", str(path), "--json")
+        assert r.returncode == 0, r.stderr
+        times.append(json.loads(r.stdout)["candidates"][0]["step_time_s"])
+    assert times[0] < times[1]
 
 
 @pytest.mark.parametrize("args", [
