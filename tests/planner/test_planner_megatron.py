@@ -1,0 +1,201 @@
+"""The Megatron-faithful step model, plan.py --json / --evaluate, and the paper check."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from itertools import combinations
+
+import pytest
+import yaml
+
+from mimo.planner.hardware import get_gpu
+from mimo.planner.layout_search import LayoutSearch
+from mimo.planner.megatron import Par, Work, partition
+from mimo.planner.spec import read_model
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LLAVA = os.path.join(ROOT, "examples", "planner", "llava_like.yaml")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import paper_check  # noqa: E402
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def _paper_searcher(seq=65536, vis=75, gbs=4, mb=1):
+    return paper_check._searcher("1B+7B", seq, vis, gbs, mb, "h100")
+
+
+def _write(tmp_path, cfg, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _paper_config(parallelism, seq=65536, gbs=4, mb=1):
+    return {"model": paper_check.model_config("1B", "7B"), "parallelism": parallelism,
+            "data": {"kind": "mock", "seq_length": seq},
+            "training": {"global_batch_size": gbs, "micro_batch_size": mb, "precision": "bf16"}}
+
+
+def test_partition_is_optimal():
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        pp = rng.randint(1, n)
+        costs = [float(rng.randint(0, 3)) if rng.random() < 0.3 else rng.uniform(0, 10) for _ in range(n)]
+        sizes = partition(costs, pp)
+        assert len(sizes) == pp and min(sizes) >= 1 and sum(sizes) == n
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (n,)))
+                   for c in combinations(range(1, n), pp - 1))
+        got, i = 0.0, 0
+        for s in sizes:
+            got = max(got, sum(costs[i:i + s]))
+            i += s
+        assert got == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_memory_knobs_move_memory_and_time_the_right_way():
+    s = _paper_searcher(seq=16384, gbs=8)
+    m = s.model
+    lang = m.spec.language
+    base = Par(2, 2, 1, 4, False, "none")
+    mem = lambda p: m.chain_memory(m.llm_chain(p), 0, 2, p.dp * p.cp)  # noqa: E731
+    t = lambda p: sum(m.llm_chain(p).total)  # noqa: E731
+    sp = Par(2, 2, 1, 4, True, "none")
+    full = Par(2, 2, 1, 4, True, "full")
+    assert mem(sp) < mem(base)
+    assert mem(full) < mem(sp) and t(full) > t(sp) * 1.2
+    sel = Par(2, 2, 1, 4, True, "selective")
+    assert t(sp) < t(sel) < t(full)
+    # distributed optimizer: Adam state divided over DP x CP
+    no_dist = LayoutSearch(m.spec, get_gpu("h100"), m.work, 8, 1, "bf16", distributed_optimizer=False).model
+    assert no_dist.chain_memory(no_dist.llm_chain(sp), 0, 2, 8) > mem(sp)
+    assert lang.num_layers == 32
+
+
+def test_homogeneous_encoder_inherits_llm_cp_and_is_slower():
+    # Table A3's mechanism: the encoder split by the LLM's CP across nodes
+    s = _paper_searcher()
+    h = s.evaluate({"language": Par(2, 8, 1, 2, True), "images": Par(sp=True)}, homogeneous=True)
+    c = s.evaluate({"language": Par(2, 8, 1, 2, True), "images": Par(1, 1, 1, 32, False, "none", 0)})
+    assert h.placement == "homogeneous" and c.placement == "colocated"
+    assert h.step_time > c.step_time
+
+
+def test_search_json_keys_and_types(tmp_path):
+    r = _plan("--config", LLAVA, "--gpus", "16", "--json", "--top", "4")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"gpus", "gpu", "search_time_s", "candidates"}
+    assert out["gpus"] == 16 and out["gpu"] == "h100" and isinstance(out["search_time_s"], float)
+    cands = out["candidates"]
+    assert 1 <= len(cands) <= 4
+    assert [c["step_time_s"] for c in cands] == sorted(c["step_time_s"] for c in cands)
+    for c in cands:
+        assert set(c) == {"placement", "step_time_s", "peak_memory_gb", "tokens_per_s", "parallelism"}
+        assert c["placement"] in ("homogeneous", "colocated", "non-colocated")
+        assert c["peak_memory_gb"] <= get_gpu("h100").memory_bytes / 1e9
+        assert list(c["parallelism"]) == ["language", "images"]
+        for entry in c["parallelism"].values():
+            assert set(entry) == {"tp", "cp", "pp", "dp", "sp", "recompute", "rank_offset"}
+            assert isinstance(entry["sp"], bool) and entry["recompute"] in ("none", "selective", "full")
+            assert entry["rank_offset"] + entry["tp"] * entry["cp"] * entry["pp"] * entry["dp"] <= 16
+
+
+def test_evaluate_json_and_homogeneous(tmp_path):
+    cfg = _paper_config({"language": {"tp": 2, "cp": 8, "pp": 1, "dp": 2, "sp": True},
+                         "images": {"tp": 1, "cp": 1, "pp": 1, "dp": 32}})
+    path = _write(tmp_path, cfg)
+    samples = tmp_path / "s.json"
+    samples.write_text(json.dumps([[16384, 48, 0]] * 4))  # 75% vision at 64K
+    r = _plan("--config", path, "--evaluate", "--samples", str(samples), "--json")
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    assert set(c) == {"placement", "gpus", "step_time_s", "peak_memory_gb", "tokens_per_s", "modules"}
+    assert c["placement"] == "colocated" and c["gpus"] == 32
+    assert set(c["modules"]) == {"language", "images"} and "peak_memory_gb" in c["modules"]["images"]
+    assert c["tokens_per_s"] == pytest.approx(4 * 65536 / c["step_time_s"], rel=1e-4)
+    # the paper's homogeneous 4/8/1/1: encoder degrees may be left out
+    cfg_h = _paper_config({"language": {"tp": 4, "cp": 8, "pp": 1, "dp": 1, "sp": True},
+                           "images": {"sp": True}}, mb=2)
+    r = _plan("--config", _write(tmp_path, cfg_h, "h.yaml"), "--evaluate", "--homogeneous",
+              "--samples", str(samples), "--json")
+    assert r.returncode == 0, r.stderr
+    h = json.loads(r.stdout)
+    assert h["placement"] == "homogeneous" and h["gpus"] == 32
+    assert h["step_time_s"] > c["step_time_s"]
+    # encoder DP over items: 32 encoder ranks for 4 samples is a valid layout (no sample-level rule)
+    cfg_nc = _paper_config({"language": {"tp": 2, "cp": 8, "pp": 1, "dp": 2, "sp": True},
+                            "images": {"tp": 1, "dp": 3, "rank_offset": 32}})
+    r = _plan("--config", _write(tmp_path, cfg_nc, "nc.yaml"), "--evaluate", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["placement"] == "non-colocated"
+
+
+@pytest.mark.parametrize("case", ["gpu", "llm_dp", "overlap", "nofit", "recompute", "samples"])
+def test_bad_inputs_one_error_line_exit_2(tmp_path, case):
+    good = {"language": {"tp": 2, "cp": 8, "pp": 1, "dp": 2, "sp": True}, "images": {"dp": 32}}
+    args = ["--evaluate", "--json"]
+    if case == "gpu":
+        path, args = _write(tmp_path, _paper_config(good)), ["--gpus", "8", "--gpu", "tpu"]
+    elif case == "llm_dp":
+        path = _write(tmp_path, _paper_config({**good, "language": {**good["language"], "dp": 3}}))
+    elif case == "overlap":
+        path = _write(tmp_path, _paper_config({**good, "images": {"dp": 32, "rank_offset": 16}}))
+    elif case == "recompute":
+        path = _write(tmp_path, _paper_config({**good, "images": {"dp": 32, "recompute": "some"}}))
+    elif case == "samples":
+        path = _write(tmp_path, _paper_config(good))
+        bad = tmp_path / "bad.json"
+        bad.write_text("[[1, 2]]")
+        args = ["--gpus", "8", "--samples", str(bad)]
+    else:
+        cfg = {"model": paper_check.model_config("12B", "120B"), "data": {"seq_length": 8192},
+               "training": {"global_batch_size": 8}}
+        path, args = _write(tmp_path, cfg), ["--gpus", "1"]
+    r = _plan("--config", path, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and not r.stdout
+
+
+def test_paper_check_acceptance_metrics_for_table_a3():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "paper_check.py"), "--table", "A3", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["A3"]["metrics"]
+    assert m["rows"] == 16
+    assert m["big_gains_predicted"]
+    assert m["spearman_gain"] >= 0.5
+    assert 0.6 <= m["step_ratio_median"] <= 1.6 and m["step_ratio_within_0.5_2"] >= 0.75
+    assert m["memory_within_40pct"] >= 0.75 and m["max_predicted_memory_gb"] <= 100
+
+
+def test_search_long_context_picks_heterogeneous_cp():
+    # 1B + 7B at 64K, 75% vision, 32 GPUs: encoder CP 1, LLM CP >= 2, no slower than the paper's C
+    s = _paper_searcher()
+    best = s.search(32)[0]
+    assert best.estimate.placement != "homogeneous"
+    assert best.pars["images"].cp == 1 and best.pars["language"].cp >= 2
+    paper_c = s.evaluate({"language": Par(2, 8, 1, 2, True), "images": Par(1, 1, 1, 32, False, "none", 0)})
+    assert best.estimate.step_time <= paper_c.step_time
+    short = _paper_searcher(seq=8192, gbs=64).search(32)[0]
+    assert short.pars["language"].cp == 1
+
+
+def test_llava_example_256_gpus_no_cp_shallow_pipeline():
+    r = _plan("--config", LLAVA, "--gpus", "256", "--json", "--top", "1")
+    assert r.returncode == 0, r.stderr
+    llm = json.loads(r.stdout)["candidates"][0]["parallelism"]["language"]
+    assert llm["cp"] == 1 and llm["pp"] <= 8
+
+
+def test_spec_reads_paper_shapes():
+    spec = read_model(paper_check.model_config("12B", "120B"))
+    assert spec.language.num_layers == 96 and spec.encoders[0].tokens_per_item == 1024
+    assert Work(8192, {"images": 4}).items("images") == 4
