@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--top", type=int, default=5, help="candidates to list / emit in JSON")
     p.add_argument("--out", help="write the best config here (search)")
+    p.add_argument("--global-batch", type=int, help="override training.global_batch_size")
+    p.add_argument("--micro-batch", type=int, help="override training.micro_batch_size")
     args = p.parse_args(argv)
     try:
         if args.top < 1:
@@ -177,6 +179,12 @@ def main(argv=None) -> int:
         except ValueError as exc:
             raise ValueError(f"--gpu: {exc}") from None
         raw = load_raw(args.config)
+        training = dict(raw.get("training") or {})
+        if args.global_batch is not None:
+            training["global_batch_size"] = args.global_batch
+        if args.micro_batch is not None:
+            training["micro_batch_size"] = args.micro_batch
+        raw["training"] = training
         samples = _load_samples(args.samples) if args.samples else None
         searcher, spec = _searcher(raw, args.gpu, samples)
         order = [m.name for m in spec.modules]

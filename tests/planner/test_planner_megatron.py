@@ -144,7 +144,8 @@ def test_bad_inputs_one_error_line_exit_2(tmp_path, case):
     if case == "gpu":
         path, args = _write(tmp_path, _paper_config(good)), ["--gpus", "8", "--gpu", "tpu"]
     elif case == "llm_dp":
-        path = _write(tmp_path, _paper_config({**good, "language": {**good["language"], "dp": 3}}))
+        path = _write(tmp_path, _paper_config({**good, "language": {**good["language"], "dp": 3},
+                                               "images": {"dp": 48}}))
     elif case == "overlap":
         path = _write(tmp_path, _paper_config({**good, "images": {"dp": 32, "rank_offset": 16}}))
     elif case == "recompute":
