@@ -51,6 +51,7 @@ Placements:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -452,10 +453,12 @@ def _stages(values, sizes) -> list[float]:
 
 def partition(costs: list[float], pp: int) -> list[int]:
     """Contiguous split into ``pp`` non-empty stages with the smallest possible
-    slowest stage (exact). The optimum is one of the contiguous range sums; a
-    greedy sweep from the back decides feasibility of a bound, so a binary
-    search over the sorted candidate sums finds it. Stages fill from the back,
-    leaving the early stages (which hold more 1F1B microbatches) the lightest."""
+    slowest stage (optimal to 1e-12 relative). A greedy sweep from the back
+    (each stage as long as the bound allows) decides whether a bound is
+    feasible; bisection on the bound between ``max(max cost, total / pp)``
+    and that plus the largest cost (always feasible) finds the optimum. Stages
+    fill from the back, leaving the early stages (which hold more 1F1B
+    microbatches) the lightest."""
     n = len(costs)
     if pp < 1 or pp > n:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
@@ -468,25 +471,25 @@ def partition(costs: list[float], pp: int) -> list[int]:
     def cut(bound: float) -> list[int] | None:
         sizes, j = [], n
         for s in range(pp, 0, -1):
-            i = j - 1  # at least one layer
-            while i > s - 1 and pre[j] - pre[i - 1] <= bound:
-                i -= 1
+            # earliest start leaving s - 1 layers before it and one in it
+            i = bisect_left(pre, pre[j] - bound, s - 1, j - 1)
             if pre[j] - pre[i] > bound:
                 return None
             sizes.append(j - i)
             j = i
         return sizes[::-1] if j == 0 else None
 
-    lo_bound = max(max(costs), pre[n] / pp)
-    cands = sorted({pre[j] - pre[i] for i in range(n) for j in range(i + 1, n + 1)
-                    if pre[j] - pre[i] >= lo_bound * (1 - 1e-12)})
-    lo, hi = 0, len(cands) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cut(cands[mid] * (1 + 1e-12)) is not None:
-            hi = mid
+    peak = max(costs)
+    lo = max(peak, pre[n] / pp)
+    hi = lo + peak
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        if cut(mid) is None:
+            lo = mid
         else:
-            lo = mid + 1
-    sizes = cut(cands[lo] * (1 + 1e-12))
+            hi = mid
+    sizes = cut(hi)
     assert sizes is not None
     return sizes
