@@ -117,6 +117,7 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
 def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     """A complete config (DESIGN.md schema) for a searched candidate."""
     cfg = {"model": copy.deepcopy(raw["model"])}
+    cfg["model"]["language"].setdefault("max_sequence_length", searcher.work.seq_length)
     par = {}
     for name in order:
         p = planned.pars[name]

@@ -200,3 +200,14 @@ def test_spec_reads_paper_shapes():
     spec = read_model(paper_check.model_config("12B", "120B"))
     assert spec.language.num_layers == 96 and spec.encoders[0].tokens_per_item == 1024
     assert Work(8192, {"images": 4}).items("images") == 4
+
+
+def test_emitted_config_passes_config_check(tmp_path):
+    out = tmp_path / "planned.yaml"
+    r = _plan("--config", LLAVA, "--gpus", "8", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(out.read_text())
+    assert all({"sp", "recompute"} <= set(e) for e in cfg["parallelism"].values())
+    chk = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(out), "--world-size", "8"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert chk.returncode == 0 and chk.stdout.strip() == "ok", chk.stderr
