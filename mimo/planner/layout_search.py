@@ -17,12 +17,11 @@ cached per module layout, so a 1024-GPU search takes about a second.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from mimo.planner.hardware import GpuSpec
-from mimo.planner.megatron import PLACEMENTS, RECOMPUTE, Estimate, Par, StepModel, Work
+from mimo.planner.megatron import RECOMPUTE, Estimate, Par, StepModel, Work
 from mimo.planner.rules import divisors, tp_ok
 from mimo.planner.spec import ModelSpec
 
@@ -230,12 +229,3 @@ class LayoutSearch:
                 if best:
                     found.append(best)
         return found
-
-
-def timed_search(searcher: LayoutSearch, gpus: int) -> tuple[list[Planned], float]:
-    t0 = time.perf_counter()
-    out = searcher.search(gpus)
-    return out, time.perf_counter() - t0
-
-
-__all__ = ["LayoutSearch", "Planned", "PLACEMENTS", "layout_rule_errors", "placement_of", "timed_search"]

@@ -164,7 +164,7 @@ class StepModel:
 
     # ---- one module's layers ----------------------------------------------------
     def module_layers(self, mod: ModuleSpec, par: Par, tokens: float, span: float,
-                      out_hidden: int) -> tuple[list[LayerCost], list[float], list[float], list[float], float]:
+                      out_hidden: int) -> tuple[list[LayerCost], list[float], list[float], list[float]]:
         """Per layer (pre, transformer x L, post): cost, params per rank,
         activation bytes per microbatch, transient bytes; for ``tokens`` tokens
         of one microbatch on one DP replica, attending ``span`` keys each."""
@@ -241,7 +241,7 @@ class StepModel:
             weights.append(p)
             acts.append(t * (h + out_hidden) * bpe)
             trans.append(0.0)
-        result = (costs, weights, acts, trans, 0.0)
+        result = (costs, weights, acts, trans)
         self._layers[key] = result
         return result
 
@@ -268,7 +268,7 @@ class StepModel:
         upstream = False
         for mod, par, samples in mods:
             tokens, span = self._tokens(mod, samples)
-            costs, weights, acts, trans, _ = self.module_layers(
+            costs, weights, acts, trans = self.module_layers(
                 mod, par, tokens, span, self.spec.language.hidden_size)
             up = self.llm_upstream if mod.is_language else False
             up = up or upstream
