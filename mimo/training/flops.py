@@ -22,9 +22,9 @@ Backward counts what autograd actually runs. Walking a module's parts from its
 input (stem, layers, head / projector): a part's weight gradient (= its forward
 matmul FLOPs) runs when the part trains; its input gradient (= its forward
 matmul FLOPs, plus twice the attention core) runs when anything before it trains
-(an earlier part, or an upstream module for the LLM), or when the part itself
-trains and is not the module's stem (its own QKV weights need the gradient
-through the attention core). A frozen encoder under a trainable projector so
+(an earlier part, or an upstream module for the LLM). A trainable transformer
+stack always has a trainable part before it (patch / frame embedding, token
+embedding), so its attention backward is always counted. A frozen encoder under a trainable projector so
 costs forward only; a frozen LLM under trainable projectors still pays its
 input gradients.
 """
@@ -126,7 +126,6 @@ class Part:
     linear: float     # forward matmul FLOPs
     attention: float  # forward attention-core FLOPs
     trains: bool
-    stem: bool = False
 
 
 @dataclass
@@ -147,7 +146,7 @@ def walk(parts: List[Part], upstream_trains: bool) -> ModuleFlops:
         fwd += p.linear + p.attention
         if p.trains:
             bwd += p.linear  # weight gradients
-        if before or (p.trains and not p.stem):
+        if before:
             bwd += p.linear + 2 * p.attention  # input gradients (attention: dQ, dK, dV)
         before = before or p.trains
     return ModuleFlops(fwd, bwd)
@@ -171,7 +170,7 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
         he = enc.hidden_size
         proj = he * h_llm + h_llm * h_llm if enc.projector.kind == "mlp" else he * h_llm
         layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size)
-        parts = [Part(2 * n * t * stem_in * he, 0, not enc.frozen, stem=True),
+        parts = [Part(2 * n * t * stem_in * he, 0, not enc.frozen),
                  Part(enc.num_layers * n * t * layer, enc.num_layers * attention_core_flops(n * t * t, he),
                       not enc.frozen),
                  Part(2 * n * t * proj, 0, not enc.projector.frozen)]
@@ -180,7 +179,7 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
     h, P = lang.hidden_size, work.positions
     layer = layer_linear_flops(h, lang.num_attention_heads, lang.num_query_groups, lang.ffn_hidden_size)
     trains = not lang.frozen
-    parts = [Part(0, 0, trains, stem=True),  # embedding lookup: free, but its weights want gradients
+    parts = [Part(0, 0, trains),  # embedding lookup: free, but its weights want gradients
              Part(lang.num_layers * P * layer, lang.num_layers * attention_core_flops(work.llm_attention_pairs, h),
                   trains),
              Part(2 * P * h * lang.vocab_size, 0, trains)]
