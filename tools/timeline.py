@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Dict, List, NamedTuple, Tuple
+from typing import List, NamedTuple, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +73,6 @@ def simulate(config: str, gpu: str) -> Tuple[List[Box], List[str]]:
     from mimo.planner.simulator import chain, simulate_1f1b
     from mimo.planner.spec import read_model
     from mimo.planner.stages import Layout
-
     from mimo.planner.api import load_raw
 
     cfg = load_config(config)
@@ -116,11 +115,12 @@ def simulate(config: str, gpu: str) -> Tuple[List[Box], List[str]]:
     t0 = 0.0
     # Phase 1 / phase 3 of colocated encoders: each streams its chunks through its stages.
     passes = {}
+    full = Planner(spec, hw, settings)  # colocated encoders are planned against the whole model
     for n in colocated:
         p = par[n]
         per_replica = G // p.dp
         chunk = m if per_replica % m == 0 else 1
-        plan = planner_full(spec, hw, settings).plan(spec.module(n), lay(p), chunk)
+        plan = full.plan(spec.module(n), lay(p), chunk)
         passes[n] = (plan, per_replica // chunk)
     for n, (plan, chunks) in passes.items():
         res = simulate_1f1b(chain(f"{n}.", plan.stage_forward, [0.0] * len(plan.stage_forward)), chunks, record=True)
@@ -144,12 +144,6 @@ def simulate(config: str, gpu: str) -> Tuple[List[Box], List[str]]:
     order = [f"{n} stage {s}" for n in colocated for s in range(par[n].pp)]
     order += [stage_row(s.name)[0] for s in graph]
     return boxes, list(dict.fromkeys(order))
-
-
-def planner_full(spec, hw, settings):
-    from mimo.planner.search import Planner
-
-    return Planner(spec, hw, settings)
 
 
 # -- drawing ------------------------------------------------------------------------------------------
