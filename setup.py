@@ -21,9 +21,14 @@ setup(
         "numpy>=1.26,<3",
         # megatron-core's HyperCommGrid needs einops but does not declare it.
         "einops==0.8.1",
+        # Progress bar of examples/pretrain_mimo.py on an interactive terminal.
+        "tqdm==4.70.1",
     ],
     extras_require={
-        "test": ["pytest==9.0.3"],
+        # The metrics tests write TensorBoard events and draw timelines.
+        "test": ["pytest==9.0.3", "tensorboard==2.21.0", "matplotlib==3.11.2"],
+        # training.tensorboard_dir, training.wandb_project, tools/timeline.py
+        "metrics": ["tensorboard==2.21.0", "wandb==0.23.1", "matplotlib==3.11.2"],
         "gpu": ["transformer-engine[pytorch]==2.20.2"],
     },
 )

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 examples/pretrain_mimo.py --config examples/configs/cpu_demo.yaml
     python examples/pretrain_mimo.py --config CONFIG.yaml        # single process, if the layout needs 1 rank
 
-Rank 0 prints one line per step: step, loss, tokens/s, step time.
+Rank 0 prints one line per step: step, loss, tokens/s, step time, grad norm, TFLOPS/GPU, MFU and memory
+(a progress bar instead on an interactive terminal); `--log-json FILE` appends one JSON object per step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def parse_args(argv=None):
                    help="auto: CUDA + NCCL when available, else CPU + gloo")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a config field, e.g. --set training.lr=1e-4 (repeatable)")
+    p.add_argument("--log-json", metavar="FILE", default=None,
+                   help="append one JSON object per step to FILE (same as training.log_json)")
     return p.parse_args(argv)
 
 
@@ -44,11 +47,14 @@ def main(argv=None) -> int:
     # Everything about the config is checked before any process group exists.
     try:
         cfg = load_config(args.config, args.set, world_size=world)
+        if args.log_json:
+            cfg.training.log_json = args.log_json
         from mimo.training import layout_problems
+        from mimo.training.metrics import missing_packages
 
-        problems = layout_problems(cfg)
+        problems = [tuple(p.split(": ", 1)) for p in layout_problems(cfg)] + missing_packages(cfg)
         if problems:
-            raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
+            raise ConfigError(problems)
     except ConfigError as exc:
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
@@ -62,6 +68,7 @@ def main(argv=None) -> int:
 
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
     from mimo.training import make_trainer
+    from mimo.training.metrics import StepReporter
 
     try:
         runtime = select_runtime(args.device)
@@ -70,14 +77,11 @@ def main(argv=None) -> int:
         trainer = make_trainer(cfg, runtime)
         if rank == 0:
             describe(cfg, trainer, runtime)
-        tr = cfg.training
-        for step in range(tr.train_iters):
-            res = trainer.train_step(step)
-            if rank == 0 and (step % tr.log_interval == 0 or step == tr.train_iters - 1):
-                tps = res.tokens / res.step_time_s
-                print(f"step {step + 1}/{tr.train_iters} | loss {res.loss:.4f} | tokens/s {tps:.0f} | "
-                      f"step_time {res.step_time_s * 1e3:.1f} ms | tokens/s/rank {tps / world:.0f} | "
-                      f"grad_norm {res.grad_norm:.3f}", flush=True)
+        reporter = StepReporter(cfg, trainer, runtime)
+        for step in range(cfg.training.train_iters):
+            reporter.before_step(step)
+            reporter.after_step(step, trainer.train_step(step))
+        reporter.close()
         shutdown()
         return 0
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks

@@ -146,6 +146,15 @@ class TrainingConfig:
     # Colocated encoders on the three-phase schedule: release their weights'
     # device memory while the LLM runs (phase 2), restore them for phase 3.
     offload_encoders: bool = False
+    # Metrics (see README "Watching a run"): one JSON object per step appended to this file (rank 0).
+    log_json: Optional[str] = None
+    # Dense bf16 peak of one device in TFLOPS for `mfu`; default from the device name (unknown: mfu null).
+    peak_tflops: Optional[float] = None
+    tensorboard_dir: Optional[str] = None     # needs the tensorboard package
+    wandb_project: Optional[str] = None       # needs the wandb package; WANDB_MODE=offline works
+    # Chrome trace of one step (every rank's schedule actions), written by rank 0.
+    timeline: Optional[str] = None
+    timeline_step: int = 2
 
 
 @dataclass

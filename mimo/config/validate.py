@@ -81,6 +81,13 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         add("training.clip_grad", "must be >= 0 (0 disables clipping)")
     if not tr.timeout_minutes > 0:
         add("training.timeout_minutes", "must be > 0")
+    if tr.peak_tflops is not None and not tr.peak_tflops > 0:
+        add("training.peak_tflops", f"must be > 0, got {tr.peak_tflops}")
+    if tr.timeline is not None and isinstance(tr.timeline_step, int) and tr.timeline_step > tr.train_iters:
+        add("training.timeline_step", f"step {tr.timeline_step} is after the last step (train_iters = {tr.train_iters})")
+    for key in ("log_json", "tensorboard_dir", "wandb_project", "timeline"):
+        if getattr(tr, key) == "":
+            add(f"training.{key}", "must not be empty (leave the field out to disable it)")
 
     _check_parallelism(cfg, world_size, add)
     return problems

@@ -53,3 +53,19 @@ def manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
     if cuda_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def device_name(runtime: Runtime):
+    """The accelerator's marketing name (e.g. "NVIDIA H100 80GB HBM3"), None on CPU."""
+    if not runtime.is_cuda:
+        return None
+    return torch.cuda.get_device_name(runtime.device)
+
+
+def peak_memory_bytes(runtime: Runtime) -> int:
+    """Peak memory of this process so far: device allocations on a GPU, resident host memory on CPU."""
+    if runtime.is_cuda:
+        return torch.cuda.max_memory_allocated(runtime.device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -9,12 +9,16 @@ stage's work is given as a callable, so the same engine serves any module:
 
 Activations live only between a microbatch's forward and its backward; at
 most `p - s` are held at once, as in 1F1B.
+
+`span(action, microbatch)`, if given, returns a context manager around each
+forward ("F") and backward ("B") computation (timing; no communication inside).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -32,31 +36,38 @@ def _backward(output: torch.Tensor, grad: Optional[torch.Tensor], inp: Optional[
 
 
 def run_1f1b(num_microbatches: int, stage: int, num_stages: int, peers: StagePeers,
-             forward_step: Callable[[int, Optional[torch.Tensor]], torch.Tensor]) -> None:
+             forward_step: Callable[[int, Optional[torch.Tensor]], torch.Tensor],
+             span: Optional[Callable[[str, int], ContextManager]] = None) -> None:
+    span = span or (lambda action, mb: nullcontext())
     last = stage == num_stages - 1
     warmup = min(num_stages - stage - 1, num_microbatches)
     in_flight = deque()  # (input, output) of microbatches awaiting backward
 
     for mb in range(warmup):
         x = peers.recv_forward()
-        y = forward_step(mb, x)
+        with span("F", mb):
+            y = forward_step(mb, x)
         peers.send_forward(y)
         in_flight.append((x, y))
 
     steady = num_microbatches - warmup
     x = peers.recv_forward() if steady > 0 else None
     for i in range(steady):
-        y = forward_step(warmup + i, x)
+        with span("F", warmup + i):
+            y = forward_step(warmup + i, x)
         grad = None if last else peers.send_forward_recv_backward(y)
         in_flight.append((x, y))
         x0, y0 = in_flight.popleft()
-        gx = _backward(y0, grad, x0)
+        with span("B", i):
+            gx = _backward(y0, grad, x0)
         if i == steady - 1:
             peers.send_backward(gx)
         else:
             x = peers.send_backward_recv_forward(gx)
 
-    for _ in range(warmup):
+    for i in range(steady, num_microbatches):
         x0, y0 = in_flight.popleft()
         grad = peers.recv_backward()
-        peers.send_backward(_backward(y0, grad, x0))
+        with span("B", i):
+            gx = _backward(y0, grad, x0)
+        peers.send_backward(gx)

@@ -102,6 +102,43 @@ def encoder_trainable(cfg: MimoConfig, name: str) -> bool:
     return not (enc.frozen and enc.projector.frozen)
 
 
+class TimedComm:
+    """A boundary communicator whose calls are recorded as `comm` spans of the encoder's edge."""
+
+    def __init__(self, comm, timer, name: str):
+        self.comm, self.timer, self.name = comm, timer, name
+        self.calls = 0
+
+    def __getattr__(self, key):  # received_counts and the rest
+        return getattr(self.comm, key)
+
+    def _run(self, fn, *args):
+        with self.timer.span(self.name, "comm", self.calls):
+            self.calls += 1
+            return fn(*args)
+
+    def forward(self, tensor, counts):
+        return self._run(self.comm.forward, tensor, counts)
+
+    def backward(self, grad):
+        return self._run(self.comm.backward, grad)
+
+
+class TimedPass:
+    """A three-phase encoder pass (WholePass / StagedPass) whose phases are recorded as F / B spans."""
+
+    def __init__(self, inner, timer, name: str):
+        self.inner, self.timer, self.name = inner, timer, name
+
+    def forward(self):
+        with self.timer.span(self.name, "F", 0):
+            return self.inner.forward()
+
+    def backward(self, grad) -> None:
+        with self.timer.span(self.name, "B", 0):
+            self.inner.backward(grad)
+
+
 class HeterogeneousTrainer(TrainerBase):
     def __init__(self, cfg: MimoConfig, runtime: Runtime):
         self._start(cfg, runtime, heterogeneous_problems(cfg))
@@ -162,6 +199,7 @@ class HeterogeneousTrainer(TrainerBase):
                                                window[name], cfg.model.language.hidden_size, self.dtype,
                                                device=runtime.device)
                       for name in self.encoders}
+        self.comms = {name: TimedComm(c, self.timer, name) for name, c in self.comms.items()}
 
     def _batch(self, step: int, indices) -> Dict[str, torch.Tensor]:
         G = self.cfg.training.global_batch_size
@@ -289,7 +327,8 @@ class HeterogeneousTrainer(TrainerBase):
         if stage > 0:
             up = link
         down = link if not last else None
-        run_node(self.num_microbatches, pp - 1 - stage, up, down, forward_step, backward_step)
+        run_node(self.num_microbatches, pp - 1 - stage, up, down, self._timed(LANGUAGE, "F", forward_step),
+                 self._timed(LANGUAGE, "B", backward_step))
 
     def _run_llm_rank(self, step: int) -> None:
         join = None
@@ -319,7 +358,7 @@ class HeterogeneousTrainer(TrainerBase):
             return sliced
 
         edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.colocated]
-        passes = {n: self._colocated_pass(step, n) for n in self.colocated}
+        passes = {n: TimedPass(self._colocated_pass(step, n), self.timer, n) for n in self.colocated}
         run_three_phase(edges, passes, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad)
 
     # Encoder stages (shared by both placements) -----------------------------------------------
@@ -400,7 +439,8 @@ class HeterogeneousTrainer(TrainerBase):
 
         down = (BoundarySource(self.comms[name], lambda mb: self._token_counts(batch(mb), name)) if last
                 else link)
-        return Member(name, forward_step, backward_step, None if first else link, down, trainable)
+        return Member(name, self._timed(name, "F", forward_step), self._timed(name, "B", backward_step),
+                      None if first else link, down, trainable)
 
     def _run_encoder_rank(self, step: int) -> None:
         """A rank away from the LLM: its non-colocated encoder stage node(s)."""

@@ -25,16 +25,17 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
-from mimo.model import MultimodalModel, build_encoder, build_llm
+from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
 from mimo.model.transformer_config import dtype_of
 from mimo.model.stages import build_llm_stage, stage_layer_offset
-from mimo.runtime import Runtime, synchronize
+from mimo.runtime import Runtime, StepTimer, synchronize
 from mimo.schedule.one_f_one_b import run_1f1b
 from mimo.schedule.p2p import StagePeers
 from mimo.topology import Topology, build_topology
 
 from .grad_sync import allreduce_gradients, clip_by_global_norm, local_grad_sq_norm, trainable
+from .metrics import StepTimes, reduce_step
 from .optim import build_optimizer
 
 
@@ -70,6 +71,7 @@ class StepResult:
     tokens: int          # sequence positions in the global batch
     loss_tokens: int     # positions that carry a loss
     step_time_s: float
+    times: Optional[StepTimes] = None  # per-module times, peak memory, skipped samples (max over ranks)
 
 
 class TrainerBase:
@@ -85,6 +87,15 @@ class TrainerBase:
         self.cfg, self.runtime = cfg, runtime
         self.dtype = dtype_of(cfg.training.precision)
         self.topo: Topology = build_topology(cfg, backend=runtime.backend)
+        # Spans of the schedule's actions in the current step (module times, timeline).
+        self.timer = StepTimer(runtime)
+
+    def _timed(self, module: str, action: str, fn):
+        """fn(mb, ...) recorded as a span of `module`'s `action` (F / B / comm) for microbatch mb."""
+        def run(mb, *args):
+            with self.timer.span(module, action, mb):
+                return fn(mb, *args)
+        return run
 
     def _init(self, name: str, build, pgs: ProcessGroupCollection, layer_offset: int = 0) -> torch.nn.Module:
         """Build this rank's part of a module, initialised as `training.init` says.
@@ -126,6 +137,7 @@ class TrainerBase:
     def train_step(self, step: int) -> StepResult:
         synchronize(self.runtime)
         start = time.perf_counter()
+        self.timer.reset()
         for params in self.params.values():
             for p in params:
                 p.grad = None
@@ -135,9 +147,12 @@ class TrainerBase:
             if opt is not None:
                 opt.step()
         synchronize(self.runtime)
+        elapsed = time.perf_counter() - start
         tr = self.cfg.training
+        # The data side may count records it skipped (cumulative); mock data skips none.
+        times = reduce_step(self.timer, self.cfg, self.runtime, getattr(self.dataset, "skipped_samples", 0))
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          time.perf_counter() - start)
+                          elapsed, times)
 
 
 class Trainer(TrainerBase):
@@ -203,8 +218,8 @@ class Trainer(TrainerBase):
             return loss
 
         if self.num_stages == 1 and self.cp == 1:
-            for b in batches:
-                loss_of(self.model(b), b).backward()
+            for mb, b in enumerate(batches):
+                self._microbatch(mb, b, loss_of)
         else:
             self._pipeline(batches, loss_of)
         # Only the last stage's TP-rank-0 ranks hold the loss; one world sum gives the global loss.
@@ -212,6 +227,30 @@ class Trainer(TrainerBase):
         total = loss_sum if last else torch.zeros_like(loss_sum)
         dist.all_reduce(total)
         return float(total), int(n_tokens.item())
+
+    def _microbatch(self, mb: int, b, loss_of) -> None:
+        """Forward and backward of one microbatch through every module, timed per module.
+
+        One backward call covers all modules; the LLM's part of it ends when the gradient
+        reaches the first encoder output, each encoder's part starts when its own output's
+        gradient arrives (an approximate split: autograd may interleave encoders)."""
+        t = self.timer
+        tokens = {}
+        for name in self.cfg.model.encoders:
+            with t.span(name, "F", mb):
+                tokens[name] = encode(self.model.encoders[name], b.get(name))
+        with t.span(LANGUAGE, "F", mb):
+            loss = loss_of(self.model(b, tokens), b)
+        arrivals = []
+        for name, y in tokens.items():
+            if y.requires_grad:
+                y.register_hook(lambda g, name=name: arrivals.append((name, t.now())))
+        start = t.now()
+        loss.backward()
+        end = t.now()
+        marks = [(LANGUAGE, start)] + arrivals + [(None, end)]
+        for (name, a), (_, b_) in zip(marks, marks[1:]):
+            t.add(name, "B", mb, a, b_)
 
     def _cp_local(self, b):
         """This CP rank's slots of a microbatch: the assignment is computed from the
@@ -247,4 +286,5 @@ class Trainer(TrainerBase):
                           labels=labels)
             return loss_of(out, v) if last else out
 
-        run_1f1b(len(batches), self.stage, self.num_stages, peers, forward_step)
+        run_1f1b(len(batches), self.stage, self.num_stages, peers, forward_step,
+                 span=lambda action, mb: self.timer.span(LANGUAGE, action, mb))

@@ -1,0 +1,192 @@
+"""Model FLOPs of one training step: one formula per module kind.
+
+Counted: matrix multiplies only, 2 FLOPs per multiply-add; norms, activations,
+softmax, biases, rotary embedding and embedding lookups are left out (they are
+a few percent at most). With n positions through a layer (hidden h, heads a,
+query groups g, head dim d = h / a, FFN width f):
+
+* dense transformer layer, forward: 2 n h (a d + 2 g d)  (QKV)  +  2 n a d h  (output
+  projection)  +  4 n h f  (MLP, two matrices; mimo's layers are not gated);
+* attention core, forward: 4 P a d, where P is the number of (query, key) pairs the
+  mask allows: s (s + 1) / 2 per sample for causal SDPA, the real count of the
+  bitfield mask for `attention: bitfield` (modality tokens see their whole span,
+  padding sees nothing), t^2 per item for an encoder (bidirectional over its t tokens);
+* embeddings / LM head: lookups are free; the LM head is 2 n h V over every position;
+* encoder stem: vision patch embedding 2 t (C p^2) h_e, audio frame embedding
+  2 t (frames_per_token mel) h_e per item;
+* projector: mlp 2 t (h_e h + h h), linear 2 t h_e h per item (h: the LLM's width).
+
+Every position of the LLM counts, padding included: the LLM computes it.
+
+Backward counts what autograd actually runs. Walking a module's parts from its
+input (stem, layers, head / projector): a part's weight gradient (= its forward
+matmul FLOPs) runs when the part trains; its input gradient (= its forward
+matmul FLOPs, plus twice the attention core) runs when anything before it trains
+(an earlier part, or an upstream module for the LLM). A trainable transformer
+stack always has a trainable part before it (patch / frame embedding, token
+embedding), so its attention backward is always counted. A frozen encoder under a trainable projector so
+costs forward only; a frozen LLM under trainable projectors still pays its
+input gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mimo.attention.mask import CAUSAL, LOW, build_bitfield_mask
+from mimo.config import LANGUAGE, MimoConfig
+
+PAD_ID = 0
+
+# Dense bf16 peak of one device, TFLOPS (datasheet, no sparsity), matched against the CUDA device name.
+PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
+    ("H100 PCIE", 756.0),
+    ("H100", 989.0),   # SXM
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+
+
+def peak_tflops(device_name: Optional[str], override: Optional[float] = None) -> Optional[float]:
+    """`training.peak_tflops` if set, else the table's entry for the device; None when unknown (CPU)."""
+    if override is not None:
+        return override
+    if not device_name:
+        return None
+    name = device_name.upper()
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops
+    return None
+
+
+@dataclass
+class StepWork:
+    """What a step's global batch asks of the model."""
+
+    samples: int
+    positions: int                # LLM sequence positions, padding included
+    tokens: int                   # non-padding positions
+    items: Dict[str, int]         # encoder -> images / clips in the step
+    llm_attention_pairs: int      # (query, key) pairs the LLM's mask allows, summed over samples
+
+
+def attention_pairs(bits: torch.Tensor) -> int:
+    """Allowed (query, key) pairs of a bitfield mask [b, s] (positions = index order, no documents)."""
+    low = bits & LOW
+    total = 0
+    for value in torch.unique(bits).tolist():
+        if value == 0:
+            continue
+        queries = bits == value
+        v_low = value & LOW
+        if value & CAUSAL:
+            visible = (low & v_low) != 0
+            total += int((torch.cumsum(visible.to(torch.int64), dim=1) * queries).sum())
+        else:
+            visible = low == v_low
+            total += int((queries.sum(dim=1) * visible.sum(dim=1)).sum())
+    return total
+
+
+def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
+    """StepWork of a global batch (a list of `mimo.data` samples with `input_ids` [s] and `items`)."""
+    ids = torch.stack([s.input_ids for s in samples])
+    items = {n: sum(int(s.items[n].shape[0]) for s in samples if n in s.items) for n in cfg.model.encoders}
+    lang = cfg.model.language
+    b, seq = ids.shape
+    if lang.attention == "bitfield":
+        # The same mask as the model's (mimo.model.MultimodalModel.attention_mask).
+        modality = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
+        sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
+        text_sees = {i + 1 for i, n in enumerate(cfg.model.encoders) if n in sees}
+        pairs = attention_pairs(build_bitfield_mask(ids, modality, text_sees, pad_id=PAD_ID))
+    else:
+        pairs = b * seq * (seq + 1) // 2
+    return StepWork(samples=b, positions=b * seq, tokens=int((ids != PAD_ID).sum()), items=items,
+                    llm_attention_pairs=pairs)
+
+
+def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int) -> int:
+    """Forward matmul FLOPs of one dense transformer layer, per position."""
+    d = hidden // heads
+    return 2 * hidden * (heads * d + 2 * groups * d) + 2 * heads * d * hidden + 4 * hidden * ffn
+
+
+def attention_core_flops(pairs: int, hidden: int) -> int:
+    """Forward FLOPs of QK^T and PV over `pairs` allowed pairs (all heads: a d = hidden)."""
+    return 4 * pairs * hidden
+
+
+@dataclass
+class Part:
+    linear: float     # forward matmul FLOPs
+    attention: float  # forward attention-core FLOPs
+    trains: bool
+
+
+@dataclass
+class ModuleFlops:
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def walk(parts: List[Part], upstream_trains: bool) -> ModuleFlops:
+    """Forward and the backward autograd runs, over a module's parts in input order."""
+    fwd = bwd = 0.0
+    before = upstream_trains
+    for p in parts:
+        fwd += p.linear + p.attention
+        if p.trains:
+            bwd += p.linear  # weight gradients
+        if before:
+            bwd += p.linear + 2 * p.attention  # input gradients (attention: dQ, dK, dV)
+        before = before or p.trains
+    return ModuleFlops(fwd, bwd)
+
+
+def encoder_trains(cfg: MimoConfig, name: str) -> bool:
+    enc = cfg.model.encoders[name]
+    return not (enc.frozen and enc.projector.frozen)
+
+
+def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
+    """Forward and backward FLOPs of the step, per module (encoders include their projector)."""
+    out: Dict[str, ModuleFlops] = {}
+    h_llm = cfg.model.language.hidden_size
+    for name, enc in cfg.model.encoders.items():
+        t, n = enc.tokens_per_item, work.items.get(name, 0)
+        if enc.kind == "vision":
+            stem_in = enc.num_channels * enc.patch_size ** 2
+        else:
+            stem_in = enc.frames_per_token * enc.num_mel_bins
+        he = enc.hidden_size
+        proj = he * h_llm + h_llm * h_llm if enc.projector.kind == "mlp" else he * h_llm
+        layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size)
+        parts = [Part(2 * n * t * stem_in * he, 0, not enc.frozen),
+                 Part(enc.num_layers * n * t * layer, enc.num_layers * attention_core_flops(n * t * t, he),
+                      not enc.frozen),
+                 Part(2 * n * t * proj, 0, not enc.projector.frozen)]
+        out[name] = walk(parts, upstream_trains=False)
+    lang = cfg.model.language
+    h, P = lang.hidden_size, work.positions
+    layer = layer_linear_flops(h, lang.num_attention_heads, lang.num_query_groups, lang.ffn_hidden_size)
+    trains = not lang.frozen
+    parts = [Part(0, 0, trains),  # embedding lookup: free, but its weights want gradients
+             Part(lang.num_layers * P * layer, lang.num_layers * attention_core_flops(work.llm_attention_pairs, h),
+                  trains),
+             Part(2 * P * h * lang.vocab_size, 0, trains)]
+    upstream = any(encoder_trains(cfg, n) for n in cfg.model.encoders)
+    out[LANGUAGE] = walk(parts, upstream)
+    return out
+
+
+def step_flops(cfg: MimoConfig, work: StepWork) -> float:
+    return sum(m.total for m in module_flops(cfg, work).values())

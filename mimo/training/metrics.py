@@ -1,0 +1,277 @@
+"""Per-step metrics: the end-of-step reduction, the JSONL record and its writers, the progress bar,
+and the one-step timeline (Chrome trace).
+
+Everything that needs other ranks happens in `reduce_step` (one all-reduce of a
+few floats at the end of a step) and `gather_timeline` (one gather, on the
+timeline step only); the writers run on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mimo.config import MimoConfig
+from mimo.runtime import Runtime, Span, StepTimer, peak_memory_bytes
+
+from .flops import StepWork, peak_tflops, step_flops
+
+GB = 1e9
+
+# Config field -> (package to import, pip name).
+OPTIONAL_PACKAGES = {"tensorboard_dir": ("torch.utils.tensorboard", "tensorboard"),
+                     "wandb_project": ("wandb", "wandb")}
+
+
+def missing_packages(cfg: MimoConfig) -> List[tuple]:
+    """(`training.<field>`, reason) for each configured writer whose package is not installed.
+
+    Checked before any process group exists, so a missing package is a config error."""
+    problems = []
+    for key, (module, pip_name) in OPTIONAL_PACKAGES.items():
+        if getattr(cfg.training, key) is None:
+            continue
+        top = "tensorboard" if pip_name == "tensorboard" else module
+        if importlib.util.find_spec(top) is None:
+            problems.append((f"training.{key}", f"needs the {pip_name} package, which is not installed "
+                                                f"(pip install {pip_name}, or pip install -e '.[metrics]')"))
+    return problems
+
+
+@dataclass
+class StepTimes:
+    """Per-step figures reduced over ranks (max)."""
+
+    module_time_s: Dict[str, float] = field(default_factory=dict)    # forward + backward compute
+    boundary_time_s: Dict[str, float] = field(default_factory=dict)  # encoder -> boundary communication
+    max_memory_gb: float = 0.0
+    skipped_samples: int = 0
+
+
+def reduce_step(timer: StepTimer, cfg: MimoConfig, runtime: Runtime, skipped_samples: int) -> StepTimes:
+    """One all-reduce (max) over the world of this rank's per-module times, peak memory and skip count.
+
+    A rank contributes zero for modules it does not hold, so the max is the max over that module's ranks.
+    Call after the step's device work is synchronised."""
+    modules, encoders = cfg.modules, list(cfg.model.encoders)
+    totals = timer.totals()
+    values = [totals.get((m, "F"), 0.0) + totals.get((m, "B"), 0.0) for m in modules]
+    values += [totals.get((e, "comm"), 0.0) for e in encoders]
+    values += [peak_memory_bytes(runtime) / GB, float(skipped_samples)]
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = t.tolist()
+    k = len(modules)
+    return StepTimes(dict(zip(modules, v[:k])), dict(zip(encoders, v[k:k + len(encoders)])),
+                     v[-2], int(v[-1]))
+
+
+def step_record(cfg: MimoConfig, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
+                work: StepWork, times: StepTimes, world_size: int, peak: Optional[float]) -> dict:
+    """The JSONL object of one step (DESIGN.md, "Metrics, progress and traces"). `step` is 1-based."""
+    tflops = step_flops(cfg, work) / step_time_s / world_size / 1e12
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": work.tokens,
+        "samples": work.samples,
+        "step_time_s": step_time_s,
+        "tokens_per_s": work.tokens / step_time_s,
+        "tflops_per_gpu": tflops,
+        "mfu": None if peak is None else tflops / peak,
+        "max_memory_gb": times.max_memory_gb,
+        "skipped_samples": times.skipped_samples,
+        "module_time_s": times.module_time_s,
+        "boundary_time_s": times.boundary_time_s,
+    }
+
+
+def human_line(rec: dict, train_iters: int, positions: int, world_size: int) -> str:
+    """The step line: its original fields (tokens/s over every sequence position), then TFLOPS, MFU, memory."""
+    tps = positions / rec["step_time_s"]
+    mfu = "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.1f}%"
+    return (f"step {rec['step']}/{train_iters} | loss {rec['loss']:.4f} | tokens/s {tps:.0f} | "
+            f"step_time {rec['step_time_s'] * 1e3:.1f} ms | tokens/s/rank {tps / world_size:.0f} | "
+            f"grad_norm {rec['grad_norm']:.3f} | TFLOPS/GPU {rec['tflops_per_gpu']:.3g} | MFU {mfu} | "
+            f"mem {rec['max_memory_gb']:.2f} GB")
+
+
+class Progress:
+    """A tqdm bar (step, ETA, latest loss) when `stream` is an interactive terminal; plain lines otherwise."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream if stream is not None else sys.stdout
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True)
+
+    def step(self, loss: float, line: Optional[str]) -> None:
+        if self.bar is None:
+            if line is not None:
+                print(line, file=self.stream, flush=True)
+            return
+        if line is not None:
+            self.bar.write(line, file=self.stream)
+        self.bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsWriters:
+    """Rank 0's sinks for step records: JSONL file, TensorBoard, Weights & Biases (each if configured)."""
+
+    def __init__(self, cfg: MimoConfig, log_json: Optional[str] = None):
+        tr = cfg.training
+        self.json = None
+        path = log_json or tr.log_json
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.json = open(path, "a")
+        self.tb = None
+        if tr.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tr.tensorboard_dir)
+        self.wandb = None
+        if tr.wandb_project:
+            import wandb  # honours WANDB_MODE=offline
+
+            self.wandb = wandb.init(project=tr.wandb_project, config={"training": vars(tr)})
+
+    def write(self, rec: dict) -> None:
+        if self.json is not None:
+            self.json.write(json.dumps(rec) + "\n")
+            self.json.flush()
+        scalars = flat_scalars(rec)
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, rec["step"])
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=rec["step"])
+
+    def close(self) -> None:
+        if self.json is not None:
+            self.json.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def flat_scalars(rec: dict) -> Dict[str, float]:
+    """The record's numbers as `name` / `group/name` scalars (nulls left out)."""
+    out = {}
+    for key, value in rec.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, dict):
+            out.update({f"{key}/{k}": float(v) for k, v in value.items()})
+        else:
+            out[key] = float(value)
+    return out
+
+
+# -- timeline -------------------------------------------------------------------------------------
+
+def gather_timeline(timer: StepTimer) -> Optional[List[List[Span]]]:
+    """Every rank's spans of the step, on rank 0 (None elsewhere). Collective over the world."""
+    spans = timer.spans()
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(spans, out, dst=0)
+    return out
+
+
+def chrome_trace(spans_by_rank: Sequence[Sequence[Span]], step: int) -> dict:
+    """Chrome trace format: one process per rank, complete ("X") events in microseconds."""
+    events = []
+    for rank, spans in enumerate(spans_by_rank):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        for s in spans:
+            events.append({"name": f"{s.module} {s.action} {s.microbatch}", "cat": s.module, "ph": "X",
+                           "pid": rank, "tid": 0, "ts": s.start_s * 1e6, "dur": s.dur_s * 1e6,
+                           "args": {"module": s.module, "action": s.action, "microbatch": s.microbatch}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"step": step}}
+
+
+def write_timeline(path: str, spans_by_rank, step: int) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(chrome_trace(spans_by_rank, step), fh)
+
+
+def peak_of(cfg: MimoConfig, name: Optional[str]) -> Optional[float]:
+    return peak_tflops(name, cfg.training.peak_tflops)
+
+
+# -- the training loop's reporter -------------------------------------------------------------------
+
+class StepReporter:
+    """What the training loop calls around each step; every rank calls it (the timeline step gathers).
+
+    Rank 0 turns each step into a record (`step_record`), writes it to the configured sinks and
+    prints the step line, or advances the progress bar on an interactive terminal.
+    """
+
+    def __init__(self, cfg: MimoConfig, trainer, runtime: Runtime, log_json: Optional[str] = None, stream=None):
+        from mimo.runtime import device_name
+
+        self.cfg, self.trainer = cfg, trainer
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.writers = self.progress = None
+        if self.rank == 0:
+            self.peak = peak_of(cfg, device_name(runtime))
+            self.writers = MetricsWriters(cfg, log_json)
+            self.progress = Progress(cfg.training.train_iters, stream)
+
+    def _timeline_step(self, step: int) -> bool:
+        tr = self.cfg.training
+        return tr.timeline is not None and step + 1 == tr.timeline_step
+
+    def before_step(self, step: int) -> None:
+        """`step` is 0-based. The timeline step starts together on every rank, so times line up."""
+        if self._timeline_step(step):
+            dist.barrier()
+
+    def after_step(self, step: int, res) -> Optional[dict]:
+        """The step's record on rank 0 (None elsewhere)."""
+        tr = self.cfg.training
+        if self._timeline_step(step):
+            spans = gather_timeline(self.trainer.timer)
+            if self.rank == 0:
+                write_timeline(tr.timeline, spans, step + 1)
+        if self.rank != 0:
+            return None
+        from .flops import step_work
+
+        G = tr.global_batch_size
+        work = step_work(self.cfg, [self.trainer.dataset.sample(step * G + i) for i in range(G)])
+        opts = [o for o in self.trainer.optimizers.values() if o is not None]
+        lr = opts[0].param_groups[0]["lr"] if opts else tr.lr
+        rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, lr, res.step_time_s, work, res.times,
+                          self.world, self.peak)
+        self.writers.write(rec)
+        show = step % tr.log_interval == 0 or step == tr.train_iters - 1
+        line = human_line(rec, tr.train_iters, res.tokens, self.world) if show else None
+        self.progress.step(res.loss, line)
+        return rec
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.writers is not None:
+            self.writers.close()
