@@ -124,14 +124,17 @@ def test_colocated_tp2_sp_full_recompute(reference):
     check_knobs(reference, knobs(raw, True, "full"), world)
 
 
-def test_noncolocated_llm_pp2_sp_selective_recompute(reference):
+def test_noncolocated_llm_pp2_sp_selective_recompute_of_bitfield_attention(bitfield_reference):
+    # Selective recompute re-runs mimo's own core attention (bitfield masks in tensor form).
     raw, world = noncolocated_pp2()
-    check_knobs(reference, knobs(raw, True, "selective"), world)
-
-
-def test_bitfield_attention_selective_recompute_with_sp(bitfield_reference):
-    raw, world = colocated_tp2()
     check_knobs(bitfield_reference, knobs(bitfield(raw), True, "selective"), world)
+
+
+@pytest.mark.slow
+def test_bitfield_attention_colocated_tp2(bitfield_reference):
+    raw, world = colocated_tp2()
+    for sp, recompute in COMBOS:
+        check_knobs(bitfield_reference, knobs(bitfield(raw), sp, recompute), world)
 
 
 def test_parity_catches_missing_tp_sum_of_sequence_parallel_gradients(reference):
