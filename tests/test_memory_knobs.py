@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
 from mimo.training.parity import compare, record_run
-from test_heterogeneous_parity import STEPS, _merge, layout
+from test_heterogeneous_parity import STEPS, _merge, deeper, layout
 from test_training_parity import assert_same_run
 
 COMBOS = [(sp, rc) for sp, rc in itertools.product((False, True), ("none", "selective", "full"))
@@ -93,6 +93,11 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def deeper_reference():
+    return run_on_ranks(_train, 1, deeper(), STEPS)[0]
+
+
+@pytest.fixture(scope="module")
 def bitfield_reference():
     return run_on_ranks(_train, 1, bitfield(trainable(layout())), STEPS)[0]
 
@@ -157,3 +162,12 @@ def test_every_combination(reference, make, sp, recompute):
 def test_every_combination_cp2_bitfield(bitfield_reference, sp, recompute):
     raw, world = cp2_bitfield()
     check_knobs(bitfield_reference, knobs(raw, sp, recompute), world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp,recompute", [(True, "full"), (True, "selective")])
+def test_pipelined_encoders_exchange_sequence_shards(deeper_reference, sp, recompute):
+    # LLM tp2 on ranks 0-1; images and audio both pp2 x tp2 on ranks 2-5 (lock-step stage nodes):
+    # between encoder stages each item travels as its tokens / tp shard.
+    raw = deeper(language=dict(tp=2), images=dict(pp=2, tp=2, rank_offset=2), audio=dict(pp=2, tp=2, rank_offset=2))
+    check_knobs(deeper_reference, knobs(raw, sp, recompute), 6)

@@ -12,8 +12,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from .sequence_parallel import full_sequence, shard_sequence
 from .norm import block_spec
+from .sequence_parallel import full_sequence, shard_sequence
 from .specs import encoder_layer_spec
 
 
@@ -23,8 +23,8 @@ class _Encoder(MegatronModule):
         self.tokens = tokens
         self.tp_group = pg_collection.tp
         self.position_embeddings = torch.nn.Parameter(torch.randn(tokens, config.hidden_size) * config.init_method_std)
-        self.block = TransformerBlock(config=config, spec=block_spec(encoder_layer_spec(attention), config.num_layers), pre_process=True,
-                                      post_process=True, pg_collection=pg_collection)
+        self.block = TransformerBlock(config=config, spec=block_spec(encoder_layer_spec(attention), config.num_layers),
+                                      pre_process=True, post_process=True, pg_collection=pg_collection)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

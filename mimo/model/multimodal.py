@@ -18,10 +18,10 @@ from mimo.data import PAD_ID
 from mimo.topology import Layout
 
 from .assembly import assemble_embeddings
-from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
 from .encoders import AudioEncoder, VisionEncoder
-from .projector import build_projector, project
 from .norm import block_spec
+from .projector import build_projector, project
+from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
 from .specs import llm_layer_spec
 from .transformer_config import transformer_config
 
@@ -61,7 +61,8 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
 def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
     config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE])
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(llm_layer_spec(lang.attention), config.num_layers),
+    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=True, post_process=True, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",

@@ -57,7 +57,8 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
     counts = stage_layer_counts(lang.num_layers, par)
     stage_layout = dataclasses.replace(layout, pp=1)
     config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par)
-    model = GPTModel(config=config, transformer_layer_spec=block_spec(llm_layer_spec(lang.attention), config.num_layers),
+    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
