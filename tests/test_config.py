@@ -232,3 +232,23 @@ def test_no_bad_value_anywhere_causes_a_traceback():
                 load_config(raw, world_size=2)
             except ConfigError as exc:
                 assert exc.problems and all(isinstance(p, str) and r for p, r in exc.problems)
+
+
+def test_memory_knobs_bad_values_are_one_line_errors(tmp_path):
+    cfg = load_config(with_(with_(tiny(tp=2), "parallelism.images.sp", True), "parallelism.language.recompute", "full"))
+    assert cfg.parallelism["images"].sp is True and cfg.parallelism["language"].recompute == "full"
+    assert cfg.parallelism["audio"].sp is False and cfg.parallelism["audio"].recompute == "none"
+    for field, value, message in [
+            ("parallelism.language.recompute", "everything",
+             "error: parallelism.language.recompute: must be one of none, selective, full"),
+            ("parallelism.images.sp", "yes", "error: parallelism.images.sp: "),
+            # 48 tokens over tp 2 x cp 1 is fine, but audio items have 4 tokens: tp 8 cannot split them.
+            ("parallelism.audio.sp", True, None)]:
+        raw = with_(tiny(), field, value)
+        if message is None:
+            raw = with_(with_(raw, "parallelism.audio.tp", 8), "model.encoders.audio.num_attention_heads", 8)
+            raw["model"]["encoders"]["audio"]["hidden_size"] = 64
+            message = "error: parallelism.audio.sp: needs the encoder's tokens per item (4) divisible by tp (8)"
+        r = _cli(tmp_path, raw)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert any(line.startswith(message) for line in r.stderr.strip().splitlines()), r.stderr

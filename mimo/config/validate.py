@@ -162,6 +162,7 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
     for name in modules:
         par, mod, path = cfg.parallelism[name], _module(cfg, name), f"parallelism.{name}"
         _check_module_layout(name, par, mod, path, add)
+        _check_sequence_parallel(cfg, name, par, mod, f"{path}.sp", add)
 
     # Rank ranges: identical (colocated) or disjoint (non-colocated), inside the world.
     for i, a in enumerate(modules):
@@ -210,6 +211,19 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
             add(f"{path}.stage_layers", "every stage needs at least one layer")
         elif sum(sl) != mod.num_layers:
             add(f"{path}.stage_layers", f"must sum to num_layers ({mod.num_layers}), got {sum(sl)}")
+
+
+def _check_sequence_parallel(cfg: MimoConfig, name: str, par: ParallelConfig, mod, path: str, add) -> None:
+    """Sequence parallelism splits each sequence (an LLM sample's CP share, an encoder item's tokens)
+    into tp equal shards."""
+    if par.sp is not True or not isinstance(par.tp, int) or par.tp <= 1:
+        return
+    if name == LANGUAGE:
+        n, what = cfg.data.seq_length, "data.seq_length"
+        if isinstance(n, int) and isinstance(par.cp, int) and par.cp >= 1 and n % (par.tp * par.cp):
+            add(path, f"needs {what} ({n}) divisible by tp * cp ({par.tp} * {par.cp})")
+    elif _tokens_ok(mod) and mod.tokens_per_item % par.tp:
+        add(path, f"needs the encoder's tokens per item ({mod.tokens_per_item}) divisible by tp ({par.tp})")
 
 
 def _check_batch(cfg: MimoConfig, add) -> None:

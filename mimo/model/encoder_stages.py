@@ -6,7 +6,8 @@ the last applies the final layernorm and the projector. Parameter names match
 the whole `EncoderWithProjector` up to the layer offset, so reference init
 (`load_shard`) and full-state gathering work unchanged.
 
-Activations between stages are sequence-first [tokens_per_item, n_items, hidden].
+Activations between stages are sequence-first [tokens_per_item, n_items, hidden]
+([tokens_per_item / tp, ...] with sequence parallelism).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class EncoderStage(torch.nn.Module):
         """First stage: raw items [n, ...]; later stages: [tokens, n, hidden] from the previous stage."""
         if self.first:
             x = (self.encoder.embed(x) + self.encoder.position_embeddings).transpose(0, 1).contiguous()
-        h = self.encoder.block(x, attention_mask=None)
+        h = self.encoder.run_block(x, self.first, self.last)
         if not self.last:
             return h
         return project(self.projector, h.transpose(0, 1))

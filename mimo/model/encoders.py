@@ -1,7 +1,9 @@
 """Modality encoders: an input embedding, learned positions, a megatron TransformerBlock.
 
 Both return [n_items, tokens_per_item, hidden] (batch-first), replicated
-across the encoder's tensor-parallel ranks.
+across the encoder's tensor-parallel ranks. With sequence parallelism the
+transformer block sees each item's tokens split across TP ranks (megatron is
+sequence-first: [tokens, items, hidden]), and its output is gathered back.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from .norm import block_spec
+from .sequence_parallel import full_sequence, shard_sequence
 from .specs import encoder_layer_spec
 
 
@@ -17,17 +21,26 @@ class _Encoder(MegatronModule):
     def __init__(self, config, tokens: int, attention: str, pg_collection):
         super().__init__(config=config)
         self.tokens = tokens
+        self.tp_group = pg_collection.tp
         self.position_embeddings = torch.nn.Parameter(torch.randn(tokens, config.hidden_size) * config.init_method_std)
-        self.block = TransformerBlock(config=config, spec=encoder_layer_spec(attention), pre_process=True,
-                                      post_process=True, pg_collection=pg_collection)
+        self.block = TransformerBlock(config=config, spec=block_spec(encoder_layer_spec(attention), config.num_layers),
+                                      pre_process=True, post_process=True, pg_collection=pg_collection)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) + self.position_embeddings  # [n, tokens, hidden]
-        h = self.block(h.transpose(0, 1).contiguous(), attention_mask=None)  # megatron is sequence-first
+        h = self.run_block(h.transpose(0, 1).contiguous(), first=True, last=True)  # megatron is sequence-first
         return h.transpose(0, 1)
+
+    def run_block(self, h: torch.Tensor, first: bool, last: bool) -> torch.Tensor:
+        """The transformer block on [tokens, n, hidden]: whole tokens in at the first stage and
+        out at the last; between pipeline stages the sequence-parallel shards travel as they are."""
+        if first:
+            h = shard_sequence(h, self.config, self.tp_group)
+        h = self.block(h, attention_mask=None)
+        return full_sequence(h, self.config, self.tp_group) if last else h
 
 
 class VisionEncoder(_Encoder):

@@ -13,13 +13,15 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from mimo.attention import BitfieldMask, build_bitfield_mask
-from mimo.config import MimoConfig
+from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID
 from mimo.topology import Layout
 
 from .assembly import assemble_embeddings
 from .encoders import AudioEncoder, VisionEncoder
+from .norm import block_spec
 from .projector import build_projector, project
+from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
 from .specs import llm_layer_spec
 from .transformer_config import transformer_config
 
@@ -38,14 +40,15 @@ class EncoderWithProjector(torch.nn.Module):
 def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> EncoderWithProjector:
     enc = cfg.model.encoders[name]
     precision = cfg.training.precision
-    ecfg = transformer_config(enc, layout, precision)
+    ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name])
     if enc.kind == "vision":
         encoder = VisionEncoder(ecfg, enc.image_size, enc.patch_size, enc.num_channels, enc.attention, pg_collection)
     else:
         encoder = AudioEncoder(ecfg, enc.clip_frames, enc.frames_per_token, enc.num_mel_bins, enc.attention,
                                pg_collection)
     # The projector lives with its encoder (same ranks, same TP group) but
-    # speaks the LLM's width.
+    # speaks the LLM's width. It runs on the encoder's gathered output (no
+    # sequence parallelism: its rows are packed items, not one sequence).
     lcfg = transformer_config(cfg.model.language, layout, precision)
     projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp)
     module = EncoderWithProjector(encoder, projector)
@@ -57,14 +60,15 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
 
 def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
-    config = transformer_config(lang, layout, cfg.training.precision)
-    model = GPTModel(config=config, transformer_layer_spec=llm_layer_spec(lang.attention),
+    config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE])
+    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=True, post_process=True, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      pg_collection=pg_collection)
     set_frozen(model, lang.frozen)
-    return model
+    return tensor_masks_when_recomputing(model)
 
 
 def set_frozen(module: torch.nn.Module, frozen: bool) -> None:
@@ -121,8 +125,19 @@ def encode(path: EncoderWithProjector, items: Optional[torch.Tensor]) -> torch.T
 
 def llm_loss(llm: GPTModel, batch: Dict[str, torch.Tensor], tokens_by_id: Dict[int, torch.Tensor]) -> torch.Tensor:
     input_ids = batch["input_ids"]
-    text = llm.embedding(input_ids=input_ids, position_ids=batch["position_ids"])  # [s, b, h]
+    text = embed_text(llm, input_ids, batch["position_ids"])  # [s, b, h], whole sequence
     fused = assemble_embeddings(text.transpose(0, 1), input_ids,
                                 {i: t.to(text.device) for i, t in tokens_by_id.items()})
     return llm(input_ids=input_ids, position_ids=batch["position_ids"], attention_mask=batch.get("attention_mask"),
-               decoder_input=fused.transpose(0, 1).contiguous(), labels=batch["labels"])
+               decoder_input=llm_input_layout(llm, fused.transpose(0, 1).contiguous()), labels=batch["labels"])
+
+
+def embed_text(llm: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The LLM's text embeddings of the whole sequence [s, b, h], on every TP rank.
+
+    With sequence parallelism megatron's embedding returns this rank's
+    sequence shard; modality tokens go to arbitrary positions, so they are
+    merged into the whole sequence, which `llm_input_layout` shards again.
+    """
+    text = llm.embedding(input_ids=input_ids, position_ids=position_ids)
+    return full_sequence(text, llm.config, llm.pg_collection.tp)

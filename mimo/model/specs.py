@@ -8,10 +8,10 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from .norm import TorchNorm
 from .sdpa_attention import SDPACoreAttention
 
 
@@ -35,7 +35,7 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
+            input_layernorm=TorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.no_mask},
@@ -46,7 +46,7 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchNorm,
+            pre_mlp_layernorm=TorchNorm,
             mlp=mlp_spec(),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -57,4 +57,7 @@ def llm_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     """megatron's local GPT layer with the core attention swapped for ours."""
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(attention)
+    # torch norms that may run sequence parallel (see mimo.model.norm)
+    spec.submodules.input_layernorm = TorchNorm
+    spec.submodules.pre_mlp_layernorm = TorchNorm
     return spec

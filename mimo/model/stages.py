@@ -17,6 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.config import MimoConfig, ParallelConfig
 
+from .norm import block_spec
 from .specs import llm_layer_spec
 from .transformer_config import transformer_config
 
@@ -50,15 +51,17 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
                     self_group, num_layers_total: Optional[int] = None) -> GPTModel:
     """The LLM layers of one pipeline stage as a megatron GPTModel."""
     from .multimodal import set_frozen
+    from .sequence_parallel import tensor_masks_when_recomputing
 
     lang = cfg.model.language
     counts = stage_layer_counts(lang.num_layers, par)
     stage_layout = dataclasses.replace(layout, pp=1)
-    config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage])
-    model = GPTModel(config=config, transformer_layer_spec=llm_layer_spec(lang.attention),
+    config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par)
+    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      pg_collection=single_stage_groups(pgs, self_group))
     set_frozen(model, lang.frozen)
-    return model
+    return tensor_masks_when_recomputing(model)

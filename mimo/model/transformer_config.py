@@ -12,13 +12,31 @@ def dtype_of(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
-def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: int = None) -> TransformerConfig:
+def memory_knobs(par, tp: int) -> dict:
+    """megatron settings for `parallelism.<module>.sp` and `.recompute` (see docs/memory.md).
+
+    Sequence parallelism only exists inside a TP group, so with tp = 1 it is off.
+    `full` recomputes every layer from its input (uniform, one layer per chunk),
+    `selective` only the core attention.
+    """
+    sp = bool(par is not None and par.sp and tp > 1)
+    kind = "none" if par is None else par.recompute
+    recompute = {"none": dict(recompute_granularity=None),
+                 "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                 "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                 }[kind]
+    return dict(sequence_parallel=sp, **recompute)
+
+
+def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: int = None,
+                       par=None) -> TransformerConfig:
     """The megatron config of one module.
 
     Always CPU initialisation: megatron then draws each TP-split weight from
     the full master weight, so the initial model is the same whatever the
     tensor-parallel size (the precondition for layout-independent parity).
-    Dropout is off so runs are deterministic and comparable.
+    Dropout is off so runs are deterministic and comparable. `par` (the
+    module's ParallelConfig) supplies the memory knobs `sp` and `recompute`.
     """
     dtype = dtype_of(precision)
     return TransformerConfig(
@@ -30,7 +48,6 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         tensor_model_parallel_size=layout.tp,
         context_parallel_size=layout.cp,
         pipeline_model_parallel_size=layout.pp,
-        sequence_parallel=False,
         use_cpu_initialization=True,
         perform_initialization=True,
         params_dtype=dtype,
@@ -53,4 +70,5 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         # instead of megatron's global parallel state.
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
+        **memory_knobs(par, layout.tp),
     )

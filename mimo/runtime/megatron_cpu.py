@@ -13,6 +13,15 @@ megatron-core assumes a GPU in three places we reach:
    ``initialize_model_parallel``; we create it ourselves because mimo builds
    its process groups without ``initialize_model_parallel``. Thanks to (1) it
    allocates on the CPU.
+4. Activation recompute (``tensor_parallel.checkpoint``, used by
+   ``recompute_granularity`` selective and full) snapshots the host RNG, the
+   current GPU's RNG and the tracker's states before the forward and restores
+   them before recomputing, so that dropout draws the same numbers twice. The
+   GPU part (``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` in
+   ``megatron/core/tensor_parallel/random.py``) calls ``torch.cuda`` and fails
+   on a CPU-only build. On a CPU rank there is no GPU generator to keep: the
+   host RNG and our CPU tracker (2) already hold every state dropout reads, so
+   those two functions become no-ops here.
 
 Everything is idempotent and undone by :func:`restore` (used by tests).
 """
@@ -62,11 +71,21 @@ def _cpu_device():
     return torch.device("cpu")
 
 
+def _no_gpu_rng_state(*args, **kwargs):
+    """Stands for both reading (nothing to read) and setting (nothing to set) the GPU RNG state."""
+    return None
+
+
 def adapt_for_cpu(seed: int = 0) -> None:
     """Install the CPU adaptations (see module docstring). Call once per process."""
     if "current_device" not in _saved:
         _saved["current_device"] = torch.cuda.current_device
         torch.cuda.current_device = _cpu_device
+    if "get_cuda_rng_state" not in _saved:
+        _saved["get_cuda_rng_state"] = mcore_random._get_cuda_rng_state
+        _saved["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
+        mcore_random._get_cuda_rng_state = _no_gpu_rng_state
+        mcore_random._set_cuda_rng_state = _no_gpu_rng_state
     tracker = CPURNGStatesTracker()
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
@@ -79,6 +98,9 @@ def restore() -> None:
     """Undo :func:`adapt_for_cpu` (tests run several configurations per process)."""
     if "current_device" in _saved:
         torch.cuda.current_device = _saved.pop("current_device")
+    if "get_cuda_rng_state" in _saved:
+        mcore_random._get_cuda_rng_state = _saved.pop("get_cuda_rng_state")
+        mcore_random._set_cuda_rng_state = _saved.pop("set_cuda_rng_state")
     mcore_random._CUDA_RNG_STATE_TRACKER = None
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     parallel_state._GLOBAL_MEMORY_BUFFER = None

@@ -36,6 +36,26 @@ def allreduce_gradients(params: List[torch.nn.Parameter], group: Optional[dist.P
         offset += n
 
 
+def allreduce_sequence_parallel_gradients(params: List[torch.nn.Parameter],
+                                          group: Optional[dist.ProcessGroup]) -> None:
+    """Sum, over the module's TP group, the gradients of weights replicated across TP but fed
+    only this rank's sequence shard under sequence parallelism (layernorms, row-parallel biases;
+    megatron marks them `sequence_parallel`). Afterwards every TP rank holds the whole gradient."""
+    sp = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if not sp or group is None or dist.get_world_size(group) == 1:
+        return
+    for p in sp:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in sp])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in sp:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
 def local_grad_sq_norm(params: List[torch.nn.Parameter], tp_rank: int, dp_cp_rank: int) -> torch.Tensor:
     """This rank's share of the global squared gradient norm, counting each element once.
 

@@ -32,6 +32,8 @@ from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
+from mimo.model.multimodal import embed_text
+from mimo.model.sequence_parallel import llm_input_layout, shard_len
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import ParameterOffload, Runtime
 from mimo.schedule.fused import Member, fuse
@@ -291,11 +293,12 @@ class HeterogeneousTrainer(TrainerBase):
                 # Assemble the whole fused sequence (every CP rank received the whole
                 # boundary shard), then keep this rank's slots of it.
                 full = b["full"]
-                text = llm.embedding(input_ids=full["input_ids"], position_ids=full["position_ids"])
+                text = embed_text(llm, full["input_ids"], full["position_ids"])
                 fused = assemble_embeddings(text.transpose(0, 1), full["input_ids"], tokens_by_id)
                 local = cp_view(full, fused.transpose(0, 1).contiguous())
                 out = llm(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                          attention_mask=local["attention_mask"], decoder_input=local["decoder_input"], labels=labels)
+                          attention_mask=local["attention_mask"],
+                          decoder_input=llm_input_layout(llm, local["decoder_input"]), labels=labels)
             elif stage == 0:
                 out = llm_loss(llm, {**b, "labels": labels}, tokens_by_id)
             else:
@@ -319,8 +322,8 @@ class HeterogeneousTrainer(TrainerBase):
                         for n, t in x.items() if self.trainable_edge[n]}
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        shape = lambda mb: (batch(mb)["input_ids"].shape[1], self.cfg.training.micro_batch_size,  # noqa: E731
-                            self.cfg.model.language.hidden_size)
+        shape = lambda mb: (shard_len(batch(mb)["input_ids"].shape[1], llm.config),  # noqa: E731
+                            self.cfg.training.micro_batch_size, self.cfg.model.language.hidden_size)
         neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
         link = StageLink(neighbour(stage - 1) if stage > 0 else None, neighbour(stage + 1) if not last else None,
                          shape, shape, self.dtype, self.runtime.device)
@@ -370,7 +373,8 @@ class HeterogeneousTrainer(TrainerBase):
         stage, pp = g.coords["pp"], g.layout.pp
         first, last = stage == 0, stage == pp - 1
         enc = self.cfg.model.encoders[name]
-        tokens, hidden = tokens_per_item(self.cfg, name), enc.hidden_size
+        # Between pipeline stages an item travels as this rank's sequence-parallel shard.
+        tokens, hidden = shard_len(tokens_per_item(self.cfg, name), part.encoder.config), enc.hidden_size
 
         def items(mb) -> int:
             x = batch_of(mb).get(name)

@@ -28,13 +28,15 @@ from mimo.data import MockMultimodalDataset, collate, move, shard_indices
 from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
 from mimo.model.transformer_config import dtype_of
+from mimo.model.sequence_parallel import shard_len
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import Runtime, StepTimer, synchronize
 from mimo.schedule.one_f_one_b import run_1f1b
 from mimo.schedule.p2p import StagePeers
 from mimo.topology import Topology, build_topology
 
-from .grad_sync import allreduce_gradients, clip_by_global_norm, local_grad_sq_norm, trainable
+from .grad_sync import (allreduce_gradients, allreduce_sequence_parallel_gradients, clip_by_global_norm,
+                        local_grad_sq_norm, trainable)
 from .metrics import StepTimes, reduce_step
 from .optim import build_optimizer
 
@@ -128,6 +130,7 @@ class TrainerBase:
         local = torch.zeros((), dtype=torch.float64)
         for name, params in self.params.items():
             g = self.topo.grid(name)
+            allreduce_sequence_parallel_gradients(params, g.groups["tp"])
             allreduce_gradients(params, g.groups["dp_cp"])
             c = g.coords
             local += local_grad_sq_norm(params, c["tp"], c["dp"] * g.layout.cp + c["cp"])
@@ -267,7 +270,8 @@ class Trainer(TrainerBase):
         views = [self._cp_local(b) for b in batches] if self.cp > 1 else [
             {**b, "attention_mask": self.model.attention_mask(b["input_ids"])} for b in batches]
         hidden = self.cfg.model.language.hidden_size
-        shape = lambda mb: (views[mb]["input_ids"].shape[1], views[mb]["input_ids"].shape[0], hidden)  # noqa: E731
+        shape = lambda mb: (shard_len(views[mb]["input_ids"].shape[1], llm.config),  # noqa: E731
+                            views[mb]["input_ids"].shape[0], hidden)
         neighbour = lambda s: lay.rank(**{**c, "pp": s})  # noqa: E731
         peers = StagePeers(neighbour(self.stage - 1) if self.stage > 0 else None,
                            neighbour(self.stage + 1) if self.stage < self.num_stages - 1 else None,

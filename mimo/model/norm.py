@@ -1,0 +1,33 @@
+"""Layer norms that run under megatron-core's sequence parallelism without apex or Transformer Engine.
+
+megatron's CPU-capable norm (`WrappedTorchNorm`) refuses sequence parallelism
+because nothing would sum its weight gradients across the TP group: each TP
+rank normalises only its sequence shard, so each holds a partial gradient.
+megatron's fused norms mark such weights `sequence_parallel` and its training
+loop sums them; mimo's gradient sync does the same
+(`allreduce_sequence_parallel_gradients`), so a plain torch norm with that
+mark is all that is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+
+class TorchNorm:
+    """torch LayerNorm / RMSNorm per `config.normalization`, megatron's norm constructor signature."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization must be one of {', '.join(kinds)}, got {config.normalization!r}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def block_spec(layer_spec, num_layers: int) -> TransformerBlockSubmodules:
+    """A TransformerBlock of `num_layers` layers whose final norm is `TorchNorm`."""
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
