@@ -186,9 +186,9 @@ def test_more_item_layouts(case, deeper_small_reference, small_reference):
         raw["model"]["encoders"]["audio"].update(frozen=True)
         raw["model"]["encoders"]["audio"]["projector"]["frozen"] = True
         ref_raw = copy.deepcopy(raw)
-        ref_raw["parallelism"] = {}
+        ref_raw["parallelism"] = {m: {} for m in ("language", "images", "audio")}
         return _check(run_on_ranks(_train, 1, ref_raw, STEPS)[0], raw, 6)
-    if case == "colocated_tp_fan":  # LLM tp2 x dp2, images dp4 = samples... of a step of 2 samples
+    if case == "colocated_tp_fan":  # LLM tp2 x dp2; images dp4 and audio dp4 for a step of 2 samples
         raw = small(layout(language=dict(tp=2, dp=2), images=dict(dp=4), audio=dict(dp=4)), gbs=2)
         ref = run_on_ranks(_train, 1, small(layout(), gbs=2), STEPS)[0]
         return _check(ref, raw, 4)
@@ -197,8 +197,8 @@ def test_more_item_layouts(case, deeper_small_reference, small_reference):
         ref_raw = frozen_images(small(layout()))
         return _check(run_on_ranks(_train, 1, ref_raw, STEPS)[0], raw, 5)
     if case == "noncolocated_pipelined":  # images pp2 x dp3 on ranks 2-7 feeding LLM pp2 (dp1, microbatch 1)
-        raw = small(deeper(language=dict(pp=2), images=dict(pp=2, dp=3, rank_offset=2)))
+        raw = small(deeper(language=dict(pp=2), images=dict(pp=2, dp=3, rank_offset=2), audio=dict(pp=2)))
         return _check(deeper_small_reference, raw, 8)
-    # images dp4 away from LLM tp2 x dp2 (4 ranks for 2 samples per microbatch), audio dp3
-    raw = small(layout(language=dict(tp=2, dp=2), images=dict(dp=4, rank_offset=4), audio=dict(dp=3, rank_offset=8)))
-    _check(small_reference, raw, 11)
+    # images dp4 and audio dp4 on ranks 4-7, away from LLM tp2 x dp2 (4 ranks for 2 samples per microbatch)
+    raw = small(layout(language=dict(tp=2, dp=2), images=dict(dp=4, rank_offset=4), audio=dict(dp=4, rank_offset=4)))
+    _check(small_reference, raw, 8)

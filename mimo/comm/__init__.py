@@ -1,9 +1,10 @@
 """Boundary communicators: move an encoder -> LLM boundary tensor between two layouts.
 
-A boundary step moves one *batch window* of B samples (see :mod:`mimo.comm.plan`
-for the exact batch semantics): forward materialises each LLM DP shard's
-samples on the LLM's first-stage TP x CP ranks; backward returns each
-encoder DP shard's gradient to the encoder's last-stage TP ranks.
+A boundary step moves one *batch window* of B units -- items (images, clips) in
+training, divided over the encoder's DP ranks (see :mod:`mimo.comm.plan` for the
+exact batch semantics): forward materialises each LLM DP shard's units on the
+LLM's first-stage TP x CP ranks; backward returns each encoder DP rank's
+gradient to the encoder's last-stage TP ranks.
 
     comm = build_communicator(src_layout, dst_layout, batch_window, hidden,
                               dtype=torch.float32, wire_dtype=torch.bfloat16)
