@@ -1,13 +1,15 @@
 """Boundary communicators: move an encoder -> LLM boundary tensor between two layouts.
 
-A boundary step moves one *batch window* of B samples (see :mod:`mimo.comm.plan`
-for the exact batch semantics): forward materialises each LLM DP shard's
-samples on the LLM's first-stage TP x CP ranks; backward returns each
-encoder DP shard's gradient to the encoder's last-stage TP ranks.
+A boundary step moves one *batch window* of B units -- items (images, clips) in
+training, divided over the encoder's DP ranks (see :mod:`mimo.comm.plan` for the
+exact batch semantics): forward materialises each LLM DP shard's units on the
+LLM's first-stage TP x CP ranks; backward returns each encoder DP rank's
+gradient to the encoder's last-stage TP ranks.
 
     comm = build_communicator(src_layout, dst_layout, batch_window, hidden,
                               dtype=torch.float32, wire_dtype=torch.bfloat16)
-    out = comm.forward(x_or_None, counts_or_None)   # packed [tokens, hidden] + per-sample counts
+    out = comm.forward(x_or_None, counts_or_None, window)  # packed [tokens, hidden] + per-unit counts;
+                                                           # window: this call's plan (plan.for_window)
     counts = comm.received_counts                   # destination shard's counts
     g = comm.backward(grad_or_None)                 # source-layout gradient, or None
 
@@ -31,15 +33,13 @@ from .noncolocated import NonColocatedCommunicator
 from .plan import COLOCATED, EQUAL, FAN_IN, FAN_OUT, NON_COLOCATED, EdgePlan, Piece, RankRole, Route, make_plan
 from .traffic import Traffic
 
-_edges_built = [0]
-
-
-def build_communicator(src_layout: Layout, dst_layout: Layout, batch_window: int, hidden: int,
+def build_communicator(src_layout: Layout, dst_layout: Layout, batch_window: Optional[int], hidden: int,
                        dtype: torch.dtype = torch.float32, wire_dtype: Optional[torch.dtype] = None,
                        plan: Optional[EdgePlan] = None, device: Optional[torch.device] = None) -> BoundaryCommunicator:
     """Collective: build this rank's communicator for the edge src_layout -> dst_layout.
 
-    `batch_window`: samples moved per forward call (B above); `hidden`: the
+    `batch_window`: samples moved per forward call (B above), or None when every
+    call passes its own window plan (item-level encoder DP); `hidden`: the
     boundary tensor's last dim; `dtype`: compute dtype on both sides;
     `wire_dtype`: dtype on the wire (default `dtype`); `plan`: a precomputed
     plan (tests use it to inject deliberately broken routings); `device`: where
@@ -58,10 +58,8 @@ def build_communicator(src_layout: Layout, dst_layout: Layout, batch_window: int
     for _, rank_lists in sorted(plan.groups().items()):
         for ranks in rank_lists:
             groups[tuple(ranks)] = get_group(ranks)
-    edge_id = _edges_built[0]
-    _edges_built[0] += 1
     cls = ColocatedCommunicator if plan.placement == COLOCATED else NonColocatedCommunicator
-    return cls(plan, hidden, dtype, wire_dtype, edge_id, groups, device)
+    return cls(plan, hidden, dtype, wire_dtype, groups, device)
 
 
 __all__ = [

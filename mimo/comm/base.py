@@ -17,9 +17,6 @@ import torch.distributed as dist
 from .plan import EdgePlan, Piece
 from .traffic import Traffic
 
-# Tag offsets within an edge's tag block: gloo matches P2P messages by (peer, tag).
-TAG_META, TAG_FWD, TAG_BWD, TAGS_PER_EDGE = 0, 1, 2, 4
-_INT64_BYTES = 8
 
 _group_cache: Dict[Tuple[int, ...], object] = {}
 _group_cache_world = [None]
@@ -52,7 +49,9 @@ def cumulative(counts: torch.Tensor) -> List[int]:
 class BoundaryCommunicator:
     """One rank's view of one edge. Built collectively by :func:`mimo.comm.build_communicator`.
 
-    ``forward(tensor, counts)``: source ranks (holders of a source shard) pass
+    ``forward(tensor, counts, window=None)``: ``window`` is the edge plan of
+    this call (:meth:`EdgePlan.for_window`, the same on every rank of the
+    edge; default: the static plan the communicator was built with). Source ranks (holders of a source shard) pass
     their packed shard and its per-sample counts; every other rank passes
     ``(None, None)``. Destination ranks (first-stage ranks of a destination
     shard, every TP x CP rank) get their packed shard, other ranks ``None``;
@@ -72,7 +71,7 @@ class BoundaryCommunicator:
     """
 
     def __init__(self, plan: EdgePlan, hidden: int, dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                 edge_id: int, groups: Dict[Tuple[int, ...], object], device: Optional[torch.device] = None):
+                 groups: Dict[Tuple[int, ...], object], device: Optional[torch.device] = None):
         self.plan = plan
         self.hidden = hidden
         self.dtype = dtype
@@ -81,7 +80,6 @@ class BoundaryCommunicator:
         self.role = plan.role(self.rank)
         self.traffic = Traffic()
         self.received_counts: Optional[torch.Tensor] = None
-        self._tag = edge_id * TAGS_PER_EDGE
         self._groups = groups
         self._saved = deque()
         if device is None:  # NCCL moves device tensors only; gloo moves host tensors
@@ -106,7 +104,14 @@ class BoundaryCommunicator:
         return self._groups[tuple(ranks)]
 
     # -- validation (before any communication, so a bad call fails with a clear message) ---
-    def _check_source(self, tensor, counts) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, window: Optional[EdgePlan]) -> EdgePlan:
+        if window is None:
+            return self.plan
+        if window.src != self.plan.src or window.dst != self.plan.dst:
+            raise ValueError(f"rank {self.rank}: window plan is for another edge ({window.describe()})")
+        return window
+
+    def _check_source(self, tensor, counts, plan: EdgePlan) -> Tuple[torch.Tensor, torch.Tensor]:
         if not self.is_source:
             if tensor is not None:
                 raise ValueError(f"rank {self.rank} holds no source shard of this edge but was given a tensor")
@@ -114,12 +119,13 @@ class BoundaryCommunicator:
         where = f"rank {self.rank} (source shard {self.role.src_shard})"
         if tensor is None or counts is None:
             raise ValueError(f"{where} must pass its boundary tensor and per-sample token counts")
-        n = self.plan.batch_window // self.plan.src.dp
+        a, b = plan.src_interval(self.role.src_shard)
+        n = b - a
         if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.dim() != 1:
             raise ValueError(f"{where}: counts must be a 1-D int64 tensor")
         if counts.numel() != n:
-            raise ValueError(f"{where}: counts has {counts.numel()} entries but the shard holds {n} samples "
-                             f"(batch window {self.plan.batch_window} / source DP {self.plan.src.dp})")
+            raise ValueError(f"{where}: counts has {counts.numel()} entries but the shard holds {n} units "
+                             f"(units [{a}, {b}) of the batch window)")
         if bool((counts < 0).any()):
             raise ValueError(f"{where}: counts must be non-negative")
         if tensor.dim() != 2 or tensor.shape[1] != self.hidden:
@@ -178,12 +184,20 @@ class BoundaryCommunicator:
         a, b = p.start - shard_start, p.stop - shard_start
         return a, b, cum[a], cum[b]
 
-    # -- P2P helpers (gloo tags separate metadata, activations and gradients) ---------
-    def isend(self, t: torch.Tensor, dst: int, tag: int):
-        return dist.isend(t, dst=dst, tag=self._tag + tag)
+    # -- P2P: one batch_isend_irecv per exchange, no tags ---------------------------------
+    def exchange(self, sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]]) -> None:
+        """Post every send and receive of one exchange together and wait for all of them.
 
-    def irecv(self, t: torch.Tensor, src: int, tag: int):
-        return dist.irecv(t, src=src, tag=self._tag + tag)
+        Both ends list their transfers in piece order, derived from the same
+        plan, and a pair of ranks exchanges at most one message per piece, so
+        messages match by order alone (NCCL ignores tags). Empty tensors are
+        skipped on both sides alike (their size is known to both).
+        """
+        ops = ([dist.P2POp(dist.isend, t, peer) for t, peer in sends if t.numel() > 0]
+               + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs if t.numel() > 0])
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def scope(self, a: int, b: int) -> str:
         same = ((self.plan.src.contains(a) and self.plan.src.contains(b))

@@ -12,6 +12,12 @@ one); the destination leader concatenates in batch order and broadcasts the
 counts, then the payload, within its TP x CP group. Every CP rank therefore
 holds the full shard and cuts out the part of the fused sequence it needs.
 
+Forward and backward transfers of a rank are each one ``batch_isend_irecv``
+(forward: counts first, then payloads), listed in piece order on both ends.
+The pieces come from the window's plan: with item-level encoder DP a source
+leader sends only the runs of its own items, to the leaders of the LLM
+shards holding their samples, and gets exactly their gradients back.
+
 Backward: on each destination shard the CP partial gradients of the TP-rank-0
 replica are summed onto the leader (TP replicas are identical: megatron
 all-reduces the input gradient of the first layer over TP); the leader splits
@@ -27,51 +33,47 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .base import TAG_BWD, TAG_FWD, TAG_META, BoundaryCommunicator, cumulative
+from .base import BoundaryCommunicator, cumulative
 
 
 class NonColocatedCommunicator(BoundaryCommunicator):
-    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        tensor, counts = self._check_source(tensor, counts)
-        plan, role, ctx = self.plan, self.role, {}
+    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor],
+                window=None) -> Optional[torch.Tensor]:
+        plan = self._window(window)
+        tensor, counts = self._check_source(tensor, counts, plan)
+        role, ctx = self.role, {"plan": plan}
         if self.is_source:
             i = role.src_shard
             ctx["src"] = (tuple(tensor.shape), counts)
             if role.is_src_leader:
-                s0, cum, works, keep = plan.src_interval(i)[0], cumulative(counts), [], []
+                s0, cum, metas, payloads = plan.src_interval(i)[0], cumulative(counts), [], []
                 for p in plan.pieces_of_src(i):
                     a, b, t0, t1 = self.piece_range(p, s0, cum)
                     dst = plan.dst_leader(p.j)
-                    meta = counts[a:b].contiguous()
-                    keep.append(meta)
-                    works.append(self.isend(meta, dst, TAG_META))
+                    metas.append((counts[a:b].contiguous(), dst))
+                    payloads.append((self.to_wire(tensor[t0:t1]), dst))
+                self.exchange(metas, [])
+                self.exchange(payloads, [])
+                for (meta, dst), (payload, _) in zip(metas, payloads):
                     self.traffic.add("fwd", self.scope(self.rank, dst), "meta", meta.numel() * 8)
-                    if t1 > t0:
-                        payload = self.to_wire(tensor[t0:t1])
-                        keep.append(payload)
-                        works.append(self.isend(payload, dst, TAG_FWD))
+                    if payload.numel():
                         self.traffic.add("fwd", self.scope(self.rank, dst), "payload", self.wire_bytes(payload))
-                for w in works:
-                    w.wait()
         out = None
         if self.is_destination:
             j = role.dst_shard
             receivers = plan.dst_receivers(j)
             leader = plan.dst_leader(j)
-            n = plan.batch_window // plan.dst.dp
+            d0, d1 = plan.dst_interval(j)
             if role.is_dst_leader:
                 pieces = plan.pieces_of_dst(j)
                 metas = [self.empty_counts(p.samples) for p in pieces]
-                for w in [self.irecv(m, plan.src_leader(p.i), TAG_META) for m, p in zip(metas, pieces)]:
-                    w.wait()
+                self.exchange([], [(m, plan.src_leader(p.i)) for m, p in zip(metas, pieces)])
                 bufs = [self.empty_wire(int(m.sum())) for m in metas]
-                works = [self.irecv(buf, plan.src_leader(p.i), TAG_FWD)
-                         for buf, p in zip(bufs, pieces) if buf.numel() > 0]
-                for w in works:
-                    w.wait()
-                dst_counts, wire = torch.cat(metas), torch.cat(bufs)
+                self.exchange([], [(buf, plan.src_leader(p.i)) for buf, p in zip(bufs, pieces)])
+                dst_counts = torch.cat(metas) if metas else self.empty_counts(0)
+                wire = torch.cat(bufs) if bufs else self.empty_wire(0)
             else:
-                dst_counts = self.empty_counts(n)
+                dst_counts = self.empty_counts(d1 - d0)
             if len(receivers) > 1:
                 self.broadcast(dst_counts, leader, receivers, "fwd", "meta")
                 if not role.is_dst_leader:
@@ -85,7 +87,7 @@ class NonColocatedCommunicator(BoundaryCommunicator):
 
     def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         ctx, grad = self._pop_checked(grad)
-        plan, role = self.plan, self.role
+        plan, role = ctx["plan"], self.role
         if self.is_destination:
             dst_counts = ctx["dst"]
             j = role.dst_shard
@@ -98,17 +100,14 @@ class NonColocatedCommunicator(BoundaryCommunicator):
                     if self.rank != leader:
                         self.traffic.add("bwd", "intra", "payload", grad.numel() * grad.element_size())
                 if role.is_dst_leader:
-                    d0, cum, works, keep = plan.dst_interval(j)[0], cumulative(dst_counts), [], []
+                    d0, cum, sends = plan.dst_interval(j)[0], cumulative(dst_counts), []
                     for p in plan.pieces_of_dst(j):
                         _, _, t0, t1 = self.piece_range(p, d0, cum)
-                        if t1 > t0:
-                            src = plan.src_leader(p.i)
-                            payload = self.to_wire(grad[t0:t1])
-                            keep.append(payload)
-                            works.append(self.isend(payload, src, TAG_BWD))
+                        sends.append((self.to_wire(grad[t0:t1]), plan.src_leader(p.i)))
+                    self.exchange(sends, [])
+                    for payload, src in sends:
+                        if payload.numel():
                             self.traffic.add("bwd", self.scope(self.rank, src), "payload", self.wire_bytes(payload))
-                    for w in works:
-                        w.wait()
         if not self.is_source:
             return None
         shape, counts = ctx["src"]
@@ -116,16 +115,12 @@ class NonColocatedCommunicator(BoundaryCommunicator):
         holders = plan.src_holders(i)
         if role.is_src_leader:
             s0, cum = plan.src_interval(i)[0], cumulative(counts)
-            bufs, works = [], []
+            bufs = []
             for p in plan.pieces_of_src(i):
                 _, _, t0, t1 = self.piece_range(p, s0, cum)
-                buf = self.empty_wire(t1 - t0)
-                bufs.append(buf)
-                if buf.numel() > 0:
-                    works.append(self.irecv(buf, plan.dst_leader(p.j), TAG_BWD))
-            for w in works:
-                w.wait()
-            wire = torch.cat(bufs) if bufs else self.empty_wire(0)
+                bufs.append((self.empty_wire(t1 - t0), plan.dst_leader(p.j)))
+            self.exchange([], bufs)
+            wire = torch.cat([b for b, _ in bufs]) if bufs else self.empty_wire(0)
         else:
             wire = self.empty_wire(shape[0])
         if len(holders) > 1:

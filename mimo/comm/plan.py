@@ -6,22 +6,29 @@ sends what to whom without exchanging any routing information.
 
 Batch semantics
 ---------------
-One call of a communicator moves one *batch window* of ``B`` samples.
+One call of a communicator moves one *batch window* of ``B`` units, in batch
+order. A unit is whatever the encoder's DP divides: an item (image, audio
+clip) in training, a sample in the static default plan.
 
-* non-colocated edge: ``B = micro_batch_size * dL`` -- one LLM microbatch
-  across all LLM DP shards;
-* colocated edge: ``B`` = the samples the shared ranks hold for the phase
-  (e.g. every sample of the step for the three-phase schedule).
+* non-colocated edge: the window is one LLM microbatch across all LLM DP
+  shards (its ``micro_batch_size * dL`` samples' items);
+* colocated edge: the window is what the shared ranks hold for the phase
+  (every item of the step for the three-phase schedule).
 
-Source DP shard ``i`` of ``dE`` owns samples ``[i*B/dE, (i+1)*B/dE)``;
-destination DP shard ``j`` of ``dL`` owns ``[j*B/dL, (j+1)*B/dL)``. The
-relation is *equal* (dE == dL), *fan-in* (dE > dL: dE/dL source shards are
-concatenated in batch order into one destination shard) or *fan-out*
-(dE < dL: one source shard is split into dL/dE destination shards). Either DP
-must divide the other; other ratios are rejected.
+Source DP shard ``i`` owns units ``[src_bounds[i], src_bounds[i+1])`` and
+destination DP shard ``j`` owns ``[dst_bounds[j], dst_bounds[j+1])``; any
+bounds are allowed, empty shards included, so the two DP sizes need not
+divide each other. Training derives the bounds per window from the data
+(``mimo.data.items``: items divided over encoder ranks by tokens, the LLM
+shard's samples' items on the other side), identically on every rank, and
+makes the window's plan with :meth:`EdgePlan.for_window`. Without bounds the
+plan divides ``B`` equally on both sides -- the sample-level relations
+*equal*, *fan-in* (dE > dL) and *fan-out* (dE < dL) are that special case.
 
 A *piece* is the intersection of one source interval with one destination
-interval: the unit that is moved. Pieces are listed in batch order.
+interval: the unit that is moved. Pieces are listed in batch order. Every
+route (who sends which piece to whom, forward and backward) is derived from
+the pieces, so both ends of every transfer agree on it without messages.
 
 Where the tensor lives: a source shard is held by every TP rank of that DP
 shard on the source's *last* PP stage (encoders run with CP = EP = 1); a
@@ -91,6 +98,8 @@ class EdgePlan:
     src: Layout
     dst: Layout
     batch_window: int
+    src_bounds: Optional[List[int]] = None  # dp + 1 unit offsets; default: equal intervals
+    dst_bounds: Optional[List[int]] = None
     placement: str = field(init=False)
     relation: str = field(init=False)
     ratio: int = field(init=False)
@@ -102,14 +111,18 @@ class EdgePlan:
             raise ValueError(f"source layout must have cp=1 and ep=1 at a boundary (got cp={s.cp}, ep={s.ep})")
         if d.ep != 1:
             raise ValueError(f"destination layout must have ep=1 at a boundary (got ep={d.ep})")
-        if b <= 0:
+        if b < 0 or (b == 0 and self.src_bounds is None):
             raise ValueError(f"batch window must be positive (got {b})")
-        for name, dp in (("source", s.dp), ("destination", d.dp)):
-            if b % dp:
-                raise ValueError(f"batch window {b} is not divisible by the {name} DP size {dp}")
-        if s.dp % d.dp and d.dp % s.dp:
-            raise ValueError(f"source DP {s.dp} and destination DP {d.dp}: one must divide the other "
-                             "(equal, fan-in or fan-out)")
+        for name, dp, attr in (("source", s.dp, "src_bounds"), ("destination", d.dp, "dst_bounds")):
+            bounds = getattr(self, attr)
+            if bounds is None:
+                if b % dp:
+                    raise ValueError(f"batch window {b} is not divisible by the {name} DP size {dp}")
+                setattr(self, attr, [k * (b // dp) for k in range(dp + 1)])
+            elif (len(bounds) != dp + 1 or bounds[0] != 0 or bounds[-1] != b
+                  or any(x > y for x, y in zip(bounds, bounds[1:]))):
+                raise ValueError(f"{name} bounds {list(bounds)} must be {dp + 1} non-decreasing offsets "
+                                 f"from 0 to the batch window {b}")
         self.placement = placement_of(s, d)
         if s.dp == d.dp:
             self.relation, self.ratio = EQUAL, 1
@@ -121,12 +134,14 @@ class EdgePlan:
 
     # -- intervals ---------------------------------------------------------
     def src_interval(self, i: int) -> Tuple[int, int]:
-        n = self.batch_window // self.src.dp
-        return i * n, (i + 1) * n
+        return self.src_bounds[i], self.src_bounds[i + 1]
 
     def dst_interval(self, j: int) -> Tuple[int, int]:
-        n = self.batch_window // self.dst.dp
-        return j * n, (j + 1) * n
+        return self.dst_bounds[j], self.dst_bounds[j + 1]
+
+    def for_window(self, src_bounds: List[int], dst_bounds: List[int]) -> "EdgePlan":
+        """The same edge for one window whose units are divided by the given bounds."""
+        return type(self)(self.src, self.dst, src_bounds[-1], list(src_bounds), list(dst_bounds))
 
     def _pieces(self) -> List[Piece]:
         out = []
@@ -197,7 +212,6 @@ class EdgePlan:
         dst_cp:  first-stage CP ranks of a destination shard (per-CP partial gradients are summed):
                  non-colocated, only the leader's (TP rank 0) -- the other TP replicas are identical;
                  colocated, one per TP coordinate, since any replica may serve a gradient piece;
-        fwd_gather / bwd_gather: colocated all-gather groups (see colocated_gathers).
         """
         out: Dict[str, List[List[int]]] = {}
         if self.placement == NON_COLOCATED:
@@ -206,8 +220,6 @@ class EdgePlan:
             out["dst_cp"] = [self.dst_cp_group(j, 0) for j in range(self.dst.dp)]
         else:
             out["dst_cp"] = [self.dst_cp_group(j, t) for j in range(self.dst.dp) for t in range(self.dst.tp)]
-            for d in ("fwd", "bwd"):
-                out[f"{d}_gather"] = [members for members, _ in (self.colocated_gathers(d) or [])]
         return {k: [g for g in v if len(g) > 1] for k, v in out.items()}
 
     # -- routes -------------------------------------------------------------------
@@ -222,12 +234,10 @@ class EdgePlan:
         """(transfers, local copies) that give every destination receiver its pieces.
 
         A receiver that holds the piece's source shard itself copies it locally
-        (equal DP and fan-out are then entirely rank-local); otherwise one
-        holder is chosen deterministically, spreading receivers over holders.
-        For aligned fan-in the transfers are exactly the all-gather among the
-        ranks whose source intervals form one destination shard; with a
-        destination PP > 1 they also carry shards held on later-stage ranks to
-        the first-stage ranks.
+        (with sample-level equal DP and fan-out everything is rank-local);
+        otherwise one holder is chosen deterministically, spreading receivers
+        over holders. With a destination PP > 1 the transfers also carry
+        shards held on later-stage ranks to the first-stage ranks.
         """
         moves, local = [], []
         for j in range(self.dst.dp):
@@ -259,56 +269,16 @@ class EdgePlan:
                         moves.append(Route(p.index, receivers[k % len(receivers)], s))
         return moves, local
 
-    def colocated_gathers(self, direction: str) -> Optional[List[Tuple[List[int], Dict[int, int]]]]:
-        """The transfers of `direction` ("fwd" / "bwd") as disjoint all-gathers, if they are exactly that.
-
-        Returns [(sorted member ranks, {member: piece it contributes})] when
-        the transfers split into groups in which every member sends one piece
-        (the same to every other member, pieces of equal sample count) and
-        receives every other member's piece -- the aligned fan-in forward and
-        fan-out backward. Otherwise None, and point-to-point transfers are
-        used (e.g. destination PP > 1, where stage-1 ranks only send).
-        """
-        if self.placement != COLOCATED:
-            return None
-        moves = (self.colocated_forward_routes() if direction == "fwd" else self.colocated_backward_routes())[0]
-        if not moves:
-            return []
-        parent: Dict[int, int] = {}
-
-        def find(x):
-            while parent.setdefault(x, x) != x:
-                x = parent[x]
-            return x
-
-        for m in moves:
-            parent[find(m.src)] = find(m.dst)
-        comps: Dict[int, List[int]] = {}
-        for r in sorted(parent):
-            comps.setdefault(find(r), []).append(r)
-        out = []
-        for members in sorted(comps.values()):
-            inside = [m for m in moves if m.src in members]
-            sent: Dict[int, set] = {}
-            for m in inside:
-                sent.setdefault(m.src, set()).add(m.piece)
-            if set(sent) != set(members) or any(len(v) != 1 for v in sent.values()):
-                return None
-            contrib = {r: next(iter(v)) for r, v in sent.items()}
-            expected = {(contrib[a], a, b) for a in members for b in members if a != b}
-            if {(m.piece, m.src, m.dst) for m in inside} != expected or len(inside) != len(expected):
-                return None
-            if len({self.pieces[p].samples for p in contrib.values()}) != 1:
-                return None
-            out.append((members, contrib))
-        return out
-
     def describe(self) -> str:
-        rel = {EQUAL: "equal", FAN_IN: f"fan-in {self.ratio}:1", FAN_OUT: f"fan-out 1:{self.ratio}"}[self.relation]
+        rel = f"dp {self.src.dp}:{self.dst.dp}"
         s, d = self.src, self.dst
         return (f"{self.placement} {rel} src(tp{s.tp} dp{s.dp} pp{s.pp} @{s.rank_offset}) -> "
                 f"dst(tp{d.tp} cp{d.cp} dp{d.dp} pp{d.pp} @{d.rank_offset}) B={self.batch_window}")
 
 
-def make_plan(src: Layout, dst: Layout, batch_window: int) -> EdgePlan:
+def make_plan(src: Layout, dst: Layout, batch_window: Optional[int] = None) -> EdgePlan:
+    """The edge's static plan: equal sample intervals over a window of `batch_window` samples,
+    or, with None, an empty window (every call then passes its own plan, `for_window`)."""
+    if batch_window is None:
+        return EdgePlan(src, dst, 0, [0] * (src.dp + 1), [0] * (dst.dp + 1))
     return EdgePlan(src, dst, batch_window)

@@ -233,17 +233,8 @@ def _check_batch(cfg: MimoConfig, add) -> None:
         return  # already reported as non-positive; the arithmetic below would divide by zero
     if g % (m * dl):
         add("training.global_batch_size", f"must be divisible by micro_batch_size * language dp ({m} * {dl} = {m * dl})")
-    for name in cfg.model.encoders:
-        pe, path = cfg.parallelism[name], f"parallelism.{name}.dp"
-        de = pe.dp
-        if de % dl and dl % de:
-            add(path, f"encoder dp ({de}) and language dp ({dl}) must divide one another")
-            continue
-        if placement(pe, pl) == "colocated":
-            if g % de:
-                add(path, f"colocated encoder dp ({de}) must divide training.global_batch_size ({g})")
-        elif de > dl and (m * dl) % de:
-            add(path, f"fan-in needs micro_batch_size * language dp ({m * dl}) divisible by encoder dp ({de})")
+    # Encoder DP divides a step's (colocated) or a microbatch's (non-colocated) items, not its
+    # samples, so no rule ties an encoder's dp to the batch sizes or to the LLM's dp.
 
 
 def _ranges(xs: List[int]) -> str:

@@ -86,11 +86,11 @@ class StageLink(Upstream, Downstream):
 class BoundarySource(Downstream):
     """An encoder's last stage: forward sends the packed shard, backward receives its gradient."""
 
-    def __init__(self, comm, counts_of: Callable[[int], torch.Tensor]):
-        self.comm, self.counts_of = comm, counts_of
+    def __init__(self, comm, counts_of: Callable[[int], torch.Tensor], window_of: Callable[[int], object]):
+        self.comm, self.counts_of, self.window_of = comm, counts_of, window_of
 
     def send_forward(self, mb, out):
-        self.comm.forward(out.detach(), self.counts_of(mb))
+        self.comm.forward(out.detach(), self.counts_of(mb), self.window_of(mb))
 
     def recv_backward(self, mb):
         return self.comm.backward(None)
@@ -101,7 +101,8 @@ class BoundaryJoin(Upstream):
 
     `edges`: (encoder name, communicator, whether gradients flow back). A frozen
     encoder + projector gets no boundary backward: both ends know it from the config.
-    `expect_counts(mb)` -> {name: per-sample token counts} the data implies, checked on receipt.
+    `expect(mb)` -> {name: (window plan of the edge, per-unit token counts the data implies)};
+    the counts are checked on receipt.
     `on_grad` lets tests tamper with a boundary gradient before it is sent.
     `all_at_once`: edges whose producers run all forwards before any backward
     (`run_island`); the first `recv_forward` takes every microbatch of them, in
@@ -109,29 +110,30 @@ class BoundaryJoin(Upstream):
     """
 
     def __init__(self, edges: List[Tuple[str, object, bool]],
-                 expect_counts: Optional[Callable[[int], Dict[str, torch.Tensor]]] = None, on_grad=None,
+                 expect: Callable[[int], Dict[str, Tuple[object, torch.Tensor]]], on_grad=None,
                  all_at_once: Sequence[str] = (), num_microbatches: int = 0):
-        self.edges, self.expect_counts, self.on_grad = edges, expect_counts, on_grad
+        self.edges, self.expect, self.on_grad = edges, expect, on_grad
         self.all_at_once, self.num_microbatches = set(all_at_once), num_microbatches
         self.buffered: Optional[Dict[Tuple[str, int], torch.Tensor]] = None
 
     def _receive(self, mb, name, comm, trainable, want):
-        t = comm.forward(None, None)
-        if want is not None and not torch.equal(comm.received_counts.cpu(), want[name].cpu()):
+        window, counts = want[name]
+        t = comm.forward(None, None, window)
+        if not torch.equal(comm.received_counts.cpu(), counts.cpu()):
             raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered token counts "
-                               f"{comm.received_counts.tolist()} but the batch needs {want[name].tolist()}")
+                               f"{comm.received_counts.tolist()} but the batch needs {counts.tolist()}")
         return t.requires_grad_() if trainable else t
 
     def recv_forward(self, mb):
         if self.buffered is None and self.all_at_once:
             self.buffered = {}
             for k in range(self.num_microbatches):
-                want = self.expect_counts(k) if self.expect_counts else None
+                want = self.expect(k)
                 for edge in self.edges:
                     if edge[0] in self.all_at_once:
                         self.buffered[(edge[0], k)] = self._receive(k, *edge, want)
         out = {}
-        want = self.expect_counts(mb) if self.expect_counts else None
+        want = self.expect(mb)
         for edge in self.edges:
             name = edge[0]
             out[name] = (self.buffered.pop((name, mb)) if name in self.all_at_once

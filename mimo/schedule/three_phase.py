@@ -25,7 +25,7 @@ from .graph import Upstream
 class SlicedBoundary(Upstream):
     """The LLM first stage's upstream in phase 2: microbatch slices of the received boundary tensors.
 
-    `received`: {name: packed tensor of this LLM DP shard's samples, microbatch order};
+    `received`: {name: packed tensor of this LLM DP shard's items, microbatch order};
     `offsets`: {name: token offset of each microbatch, M + 1 entries}. Gradients of
     the slices are written into one buffer per trainable encoder.
     """
@@ -58,9 +58,9 @@ def microbatch_offsets(counts: torch.Tensor, samples_per_microbatch: int) -> Lis
 
 
 class WholePass:
-    """Phase 1 / phase 3 of a single-stage encoder: one forward over all of the rank's samples.
+    """Phase 1 / phase 3 of a single-stage encoder: one forward over all of the rank's items.
 
-    `run()` -> (packed output, per-sample counts), or (None, None) without a shard.
+    `run()` -> (packed output, per-unit counts), or (None, None) without a shard.
     """
 
     def __init__(self, run: Callable[[], Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]):
@@ -78,7 +78,7 @@ class WholePass:
 
 
 class StagedPass:
-    """Phase 1 / phase 3 of a pipelined encoder: its stages stream chunks of the rank's samples.
+    """Phase 1 / phase 3 of a pipelined encoder: its stages stream chunks of the rank's items.
 
     Phase 1 runs every chunk forward, stage after stage (GPipe order, so stage
     s + 1 works on chunk c while stage s works on chunk c + 1); the last stage
@@ -89,7 +89,7 @@ class StagedPass:
 
     forward_chunk(c, x) -> output of chunk c (x: None on the first stage);
     `link`: StageLink to the neighbouring stages; counts(): the per-sample
-    counts of the last stage's packed output.
+    unit counts of the last stage's packed output.
     """
 
     def __init__(self, num_chunks: int, forward_chunk: Callable[[int, Any], torch.Tensor], link, first: bool,
@@ -128,10 +128,11 @@ class StagedPass:
 
 def run_three_phase(edges: List[Tuple[str, object, bool]], passes: Dict[str, Any],
                     llm_phase: Callable[[Dict[str, torch.Tensor], Dict[str, torch.Tensor]], Optional[SlicedBoundary]],
-                    offload=None, on_grad=None) -> None:
+                    offload=None, on_grad=None, windows: Optional[Dict[str, Any]] = None) -> None:
     """One step. `edges`: (encoder, communicator, trainable) in config order (every rank, same order).
 
     passes[name]: this rank's `WholePass` or `StagedPass` of the encoder;
+    windows[name]: the edge's plan for this step's items (`EdgePlan.for_window`; default the static plan);
     llm_phase(received, counts) runs phase 2 and returns the SlicedBoundary of
     a first-stage rank (else None). `offload`: object with `to_host()` /
     `to_device()` for the encoder parameters.
@@ -140,7 +141,7 @@ def run_three_phase(edges: List[Tuple[str, object, bool]], passes: Dict[str, Any
     for name, comm, trainable in edges:
         with torch.set_grad_enabled(trainable):
             y, counts = passes[name].forward()
-        got = comm.forward(None if y is None else y.detach(), counts)
+        got = comm.forward(None if y is None else y.detach(), counts, (windows or {}).get(name))
         if got is not None:
             received[name], recv_counts[name] = got, comm.received_counts
     if offload is not None:

@@ -2,14 +2,15 @@
 
 * non-colocated encoders (ranks disjoint from the LLM's): the module graph is
   expanded into pipeline-stage nodes and every rank runs 1F1B over its node
-  (mimo.schedule.graph); boundary communicators move one LLM microbatch
-  (batch window m * dL) per call. Encoders that share a rank range among
+  (mimo.schedule.graph); boundary communicators move one LLM microbatch's
+  items per call, divided over the encoder's DP ranks by tokens. Encoders that share a rank range among
   themselves run their nodes in lock-step on those ranks (mimo.schedule.fused),
   or, with different pp, all forwards then all backwards (an island, `run_island`).
 * colocated encoders (on the LLM's ranks, under a different logical grid): the
-  three-phase schedule (mimo.schedule.three_phase) with the whole global batch
-  as batch window, in LLM-major sample order; a pipelined encoder streams its
-  samples through its stages in chunks of one microbatch.
+  three-phase schedule (mimo.schedule.three_phase): the step's items, in
+  LLM-major sample order, are divided over the encoder's DP ranks by tokens
+  and move in one call; a pipelined encoder streams its items through its
+  stages in one chunk per LLM microbatch.
 * both kinds in one model: the LLM ranks run the three-phase schedule for the
   colocated encoders, and in phase 2 the LLM's first stage also joins the live
   boundary communicators of the non-colocated ones.
@@ -30,6 +31,7 @@ from mimo.attention import enable_context_parallel_rope, plan_context_parallel, 
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.data.items import divide_items, sample_item_bounds
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.multimodal import embed_text
@@ -119,8 +121,8 @@ class TimedComm:
             self.calls += 1
             return fn(*args)
 
-    def forward(self, tensor, counts):
-        return self._run(self.comm.forward, tensor, counts)
+    def forward(self, tensor, counts, window=None):
+        return self._run(self.comm.forward, tensor, counts, window)
 
     def backward(self, grad):
         return self._run(self.comm.backward, grad)
@@ -194,11 +196,10 @@ class HeterogeneousTrainer(TrainerBase):
                                              for p in self.parts[n].parameters()], runtime)
 
         # Collective: every rank builds every edge, in config order. A colocated edge moves
-        # the whole step at once (phase 1), a non-colocated one an LLM microbatch per call.
-        window = {n: tr.global_batch_size if n in self.colocated else tr.micro_batch_size * lang_par.dp
-                  for n in self.encoders}
+        # the step's items at once (phase 1), a non-colocated one an LLM microbatch's per call;
+        # each call gets the plan of its window's items (`_window`).
         self.comms = {name: build_communicator(Layout.from_config(cfg.parallelism[name]), Layout.from_config(lang_par),
-                                               window[name], cfg.model.language.hidden_size, self.dtype,
+                                               None, cfg.model.language.hidden_size, self.dtype,
                                                device=runtime.device)
                       for name in self.encoders}
         self.comms = {name: TimedComm(c, self.timer, name) for name, c in self.comms.items()}
@@ -215,31 +216,62 @@ class HeterogeneousTrainer(TrainerBase):
         tr, c = self.cfg.training, self.llm_grid.coords
         return shard_indices(tr.global_batch_size, tr.micro_batch_size, c["dp"], self.llm_grid.layout.dp)
 
-    def _encoder_window_indices(self, name: str, mb: int) -> List[int]:
-        """Non-colocated: encoder DP shard i's samples of LLM microbatch window mb (its i-th slice)."""
-        tr = self.cfg.training
-        W = tr.micro_batch_size * self.cfg.parallelism[LANGUAGE].dp
-        g = self.topo.grid(name)
-        n = W // g.layout.dp
-        start = mb * W + g.coords["dp"] * n
-        return list(range(start, start + n))
+    def _window_order(self, name: str, mb: int) -> List[int]:
+        """The samples of a boundary window, in the order the LLM DP shards hold them (shard-major).
 
-    def _colocated_encoder_indices(self, name: str) -> List[int]:
-        """Colocated: LLM-major order, so that after the transform LLM DP shard j holds its own
-        microbatches back to back; encoder shard i takes the i-th contiguous slice of that order."""
-        tr = self.cfg.training
-        G, dL = tr.global_batch_size, self.cfg.parallelism[LANGUAGE].dp
-        order = [i for j in range(dL) for mb in shard_indices(G, tr.micro_batch_size, j, dL) for i in mb]
-        g = self.topo.grid(name)
-        n = G // g.layout.dp
-        return order[g.coords["dp"] * n:(g.coords["dp"] + 1) * n]
+        Non-colocated: LLM microbatch mb (window of m * dL samples). Colocated (mb ignored): the
+        whole step in LLM-major order, so that LLM DP shard j receives its own microbatches
+        back to back."""
+        tr, dL = self.cfg.training, self.cfg.parallelism[LANGUAGE].dp
+        if name in self.colocated:
+            return [i for j in range(dL) for m in shard_indices(tr.global_batch_size, tr.micro_batch_size, j, dL)
+                    for i in m]
+        W = tr.micro_batch_size * dL
+        return list(range(mb * W, (mb + 1) * W))
+
+    def _window(self, name: str, mb: int = 0):
+        """(edge plan, step-batch item ids in window order) of one boundary window of `name`.
+
+        Every rank derives it from the step's data alone: the window's items, in batch order,
+        are divided over the encoder's DP ranks by tokens (`divide_items`); LLM DP shard j
+        owns the items of its samples."""
+        key = (name, mb)
+        if key not in self._windows:
+            counts = self._item_counts[name]
+            first = [0]
+            for c in counts:
+                first.append(first[-1] + int(c))
+            order = self._window_order(name, mb)
+            ids = [first[s] + k for s in order for k in range(int(counts[s]))]
+            dE, dL = self.cfg.parallelism[name].dp, self.cfg.parallelism[LANGUAGE].dp
+            per_shard = len(order) // dL
+            src = divide_items([tokens_per_item(self.cfg, name)] * len(ids), dE)
+            dst = sample_item_bounds([counts[s] for s in order], [j * per_shard for j in range(dL + 1)])
+            self._windows[key] = (self.comms[name].plan.for_window(src, dst), ids)
+        return self._windows[key]
+
+    def _encoder_items(self, name: str, mb: int = 0, chunk: slice = slice(None)):
+        """{name: raw inputs} of this encoder rank's items of a window (optionally one chunk of them)."""
+        plan, ids = self._window(name, mb)
+        a, b = plan.src_interval(self.topo.grid(name).coords["dp"])
+        mine = ids[a:b][chunk]
+        return {name: self._step_batch[name][torch.tensor(mine, dtype=torch.long, device=self.runtime.device)]}
+
+    def _unit_counts(self, name: str, items: int) -> torch.Tensor:
+        """Per-item token counts of a packed boundary tensor of `items` items."""
+        return torch.full((items,), tokens_per_item(self.cfg, name), dtype=torch.int64, device=self.runtime.device)
 
     # -- one step ---------------------------------------------------------------------------
 
     def forward_backward(self, step: int):
         G = self.cfg.training.global_batch_size
         # Every rank can load any sample, so the global normaliser needs no communication.
-        n_tokens = float(self._batch(step, range(G))["loss_mask"].sum())
+        host = collate([self.dataset.sample(step * G + i) for i in range(G)], self.cfg.placeholder_ids)
+        # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
+        self._item_counts = {n: host[f"{n}_counts"].tolist() for n in self.encoders}
+        self._step_batch = move(host, self.runtime.device, self.dtype)
+        self._windows = {}
+        n_tokens = float(self._step_batch["loss_mask"].sum())
         if n_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
@@ -336,11 +368,13 @@ class HeterogeneousTrainer(TrainerBase):
     def _run_llm_rank(self, step: int) -> None:
         join = None
         if self.llm_grid.coords["pp"] == 0 and self.remote:
-            indices = self._llm_indices()
-
             def expect(mb):
-                b = self._batch(step, indices[mb])
-                return {n: self._token_counts(b, n) for n in self.remote}
+                out = {}
+                for n in self.remote:
+                    plan, _ = self._window(n, mb)
+                    a, b = plan.dst_interval(self.llm_grid.coords["dp"])
+                    out[n] = (plan, self._unit_counts(n, b - a))
+                return out
 
             join = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.remote], expect,
                                 self.on_boundary_grad, all_at_once=self.island,
@@ -352,7 +386,9 @@ class HeterogeneousTrainer(TrainerBase):
         def llm_phase(received, counts):
             ports, sliced = [], None
             if received:  # a first LLM stage: the colocated boundary tensors arrived in phase 1
-                offsets = {n: microbatch_offsets(c, m) for n, c in counts.items()}
+                mine = [i for mb in self._llm_indices() for i in mb]  # this shard's samples, in order
+                offsets = {n: microbatch_offsets(self._token_counts(self._step_batch, n)[mine], m)
+                           for n in received}
                 sliced = SlicedBoundary(received, offsets, self.trainable_edge)
                 ports.append((list(received), sliced))
             if join is not None:
@@ -362,7 +398,8 @@ class HeterogeneousTrainer(TrainerBase):
 
         edges = [(n, self.comms[n], self.trainable_edge[n]) for n in self.colocated]
         passes = {n: TimedPass(self._colocated_pass(step, n), self.timer, n) for n in self.colocated}
-        run_three_phase(edges, passes, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad)
+        run_three_phase(edges, passes, llm_phase, offload=self.offload, on_grad=self.on_boundary_grad,
+                        windows={n: self._window(n)[0] for n in self.colocated})
 
     # Encoder stages (shared by both placements) -----------------------------------------------
 
@@ -398,24 +435,26 @@ class HeterogeneousTrainer(TrainerBase):
         return forward_step, link, first, last
 
     def _colocated_pass(self, step: int, name: str):
-        indices = self._colocated_encoder_indices(name)
         if self.topo.grid(name).layout.pp == 1:
             def run():
-                b = self._batch(step, indices)
-                return encode(self.parts[name], b.get(name)), self._token_counts(b, name)
+                x = self._encoder_items(name)[name]
+                return encode(self.parts[name], x), self._unit_counts(name, x.shape[0])
             return WholePass(run)
-        m = self.cfg.training.micro_batch_size
-        chunks = [indices[i:i + m] for i in range(0, len(indices), m)]
+        # One chunk per LLM microbatch (some may be empty); every stage of this encoder
+        # pipeline holds the same items, so all of them cut the same chunks.
+        plan, _ = self._window(name)
+        a, b = plan.src_interval(self.topo.grid(name).coords["dp"])
+        k = self.num_microbatches
+        cuts = [(c * (b - a)) // k for c in range(k + 1)]
         cache: Dict[int, Dict[str, torch.Tensor]] = {}
 
         def batch(c):
             if c not in cache:
-                cache[c] = self._batch(step, chunks[c])
+                cache[c] = self._encoder_items(name, chunk=slice(cuts[c], cuts[c + 1]))
             return cache[c]
 
         forward_step, link, first, last = self._stage(name, batch)
-        counts = lambda: torch.cat([self._token_counts(batch(c), name) for c in range(len(chunks))])  # noqa: E731
-        return StagedPass(len(chunks), forward_step, link, first, last, counts)
+        return StagedPass(k, forward_step, link, first, last, lambda: self._unit_counts(name, b - a))
 
     def _encoder_member(self, step: int, name: str) -> Member:
         """This rank's stage node of non-colocated encoder `name`, over LLM microbatch windows."""
@@ -423,7 +462,7 @@ class HeterogeneousTrainer(TrainerBase):
 
         def batch(mb):
             if mb not in cache:
-                cache[mb] = self._batch(step, self._encoder_window_indices(name, mb))
+                cache[mb] = self._encoder_items(name, mb)
             return cache[mb]
 
         stage_forward, link, first, last = self._stage(name, batch)
@@ -441,7 +480,8 @@ class HeterogeneousTrainer(TrainerBase):
                 return None
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        down = (BoundarySource(self.comms[name], lambda mb: self._token_counts(batch(mb), name)) if last
+        down = (BoundarySource(self.comms[name], lambda mb: self._unit_counts(name, batch(mb)[name].shape[0]),
+                               lambda mb: self._window(name, mb)[0]) if last
                 else link)
         return Member(name, self._timed(name, "F", forward_step), self._timed(name, "B", backward_step),
                       None if first else link, down, trainable)

@@ -242,7 +242,7 @@ def _validation_errors(comm, role, src_part):
     if role.src_shard is not None:
         counts, x, _ = src_part(0)
         expect(ValueError, "must pass", comm.forward, None, None)
-        expect(ValueError, "samples", comm.forward, x, counts[:-1])
+        expect(ValueError, "units", comm.forward, x, counts[:-1])
         expect(ValueError, "counts sum", comm.forward, torch.zeros(x.shape[0] + 1, HIDDEN), counts)
         expect(ValueError, f"[tokens, {HIDDEN}]", comm.forward, x[:, :-1], counts)
         expect(ValueError, "dtype", comm.forward, x.double(), counts)

@@ -49,7 +49,7 @@ def test_colocated_equal_is_rank_local():
     assert moves == [] and bmoves == [] and len(local) == 4
 
 
-def test_colocated_fan_in_is_sibling_all_gather_and_local_backward():
+def test_colocated_fan_in_moves_siblings_and_backward_is_local():
     p = make_plan(Layout(dp=4), Layout(tp=2, dp=2), 8)
     moves, _ = p.colocated_forward_routes()
     # Ranks {0,1} form destination shard 0 and exchange their intervals; same for {2,3}.
@@ -57,7 +57,7 @@ def test_colocated_fan_in_is_sibling_all_gather_and_local_backward():
     assert p.colocated_backward_routes()[0] == []
 
 
-def test_colocated_fan_out_is_local_forward_and_sibling_gather_backward():
+def test_colocated_fan_out_is_local_forward_and_sibling_backward():
     p = make_plan(Layout(tp=2), Layout(dp=2), 4)
     assert p.colocated_forward_routes()[0] == []
     assert sorted((m.src, m.dst) for m in p.colocated_backward_routes()[0]) == [(0, 1), (1, 0)]
@@ -75,7 +75,6 @@ def test_colocated_destination_pp2_ships_later_stage_shards():
 
 @pytest.mark.parametrize("src,dst,B,words", [
     (Layout(dp=2), Layout(dp=2, rank_offset=1), 4, "partially overlap"),
-    (Layout(dp=3), Layout(dp=2, rank_offset=3), 6, "one must divide the other"),
     (Layout(dp=4), Layout(dp=2, rank_offset=4), 6, "not divisible by the source DP"),
     (Layout(cp=2), Layout(dp=2, rank_offset=2), 4, "cp=1"),
     (Layout(dp=2), Layout(dp=2, rank_offset=2), 0, "positive"),
@@ -85,16 +84,18 @@ def test_invalid_edges_are_rejected(src, dst, B, words):
         make_plan(src, dst, B)
 
 
-def test_colocated_gathers_recognise_aligned_all_gathers_only():
-    fan_in = make_plan(Layout(tp=2, dp=4), Layout(tp=4, dp=2), 8)
-    groups = fan_in.colocated_gathers("fwd")
-    # One all-gather per (destination shard, source TP replica), each over one holder of each source shard.
-    assert [m for m, _ in groups] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert all(sorted(fan_in.pieces[k].i for k in c.values()) in ([0, 1], [2, 3]) for _, c in groups)
-    assert fan_in.colocated_gathers("bwd") == []
-    fan_out = make_plan(Layout(tp=4), Layout(dp=4), 8)
-    assert [m for m, _ in fan_out.colocated_gathers("bwd")] == [[0, 1, 2, 3]]
-    assert fan_out.groups()["bwd_gather"] == [[0, 1, 2, 3]]
-    # Destination PP > 1: later-stage ranks only send, so this is no all-gather.
-    assert make_plan(Layout(dp=4), Layout(dp=2, pp=2), 4).colocated_gathers("fwd") is None
-    assert make_plan(Layout(dp=2), Layout(dp=2, rank_offset=2), 4).colocated_gathers("fwd") is None
+def test_window_plans_route_items_whatever_the_dp_sizes():
+    # 7 items over encoder dp 3 (ranks 2-4) and LLM dp 2 (ranks 0-1) whose samples hold items [0, 4) and [4, 7).
+    base = make_plan(Layout(dp=3, rank_offset=2), Layout(dp=2), None)
+    p = base.for_window([0, 2, 5, 7], [0, 4, 7])
+    assert [(q.i, q.j, q.start, q.stop) for q in p.pieces] == [(0, 0, 0, 2), (1, 0, 2, 4), (1, 1, 4, 5), (2, 1, 5, 7)]
+    assert [(r.src, r.dst) for r in p.leader_routes()] == [(2, 0), (3, 0), (3, 1), (4, 1)]
+    # An encoder rank with no item has no piece and no route.
+    q = base.for_window([0, 0, 1, 1], [0, 0, 1])
+    assert [(x.i, x.j) for x in q.pieces] == [(1, 1)] and q.pieces_of_src(0) == []
+    with pytest.raises(ValueError, match="bounds"):
+        base.for_window([0, 2, 1, 3], [0, 1, 3])
+    # The static sample-level plan is the special case of equal bounds (fan-in 2:1 here).
+    fan_in = make_plan(Layout(dp=4), Layout(dp=2, rank_offset=4), 8)
+    assert fan_in.src_bounds == [0, 2, 4, 6, 8] and fan_in.dst_bounds == [0, 4, 8]
+    assert [(x.i, x.j) for x in fan_in.pieces] == [(0, 0), (1, 0), (2, 1), (3, 1)]
