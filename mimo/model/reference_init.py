@@ -28,6 +28,9 @@ def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
         return full
     if getattr(param, "partition_stride", 1) != 1:
         raise NotImplementedError("strided tensor-parallel partitions are not supported")
+    if getattr(param, "mimo_gated", False):
+        # A gated MLP's rank holds [gate_t; up_t] (see mimo.model.architecture.mark_gated).
+        return torch.cat([h.chunk(tp_size, dim=0)[tp_rank] for h in full.chunk(2, dim=0)], dim=0)
     return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
 
 

@@ -331,7 +331,8 @@ class HeterogeneousTrainer(TrainerBase):
         stage, pp = g.coords["pp"], g.layout.pp
         first, last = stage == 0, stage == pp - 1
         enc = self.cfg.model.encoders[name]
-        tokens, hidden = tokens_per_item(self.cfg, name), enc.hidden_size
+        # Between stages a vision class token travels with the patches (the last stage drops it).
+        tokens, hidden = tokens_per_item(self.cfg, name) + (1 if enc.class_token else 0), enc.hidden_size
 
         def items(mb) -> int:
             x = batch_of(mb).get(name)

@@ -14,9 +14,16 @@ def unshard(t: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tenso
         return t.detach().clone()
     if getattr(param, "partition_stride", 1) != 1:
         raise NotImplementedError("strided tensor-parallel partitions are not re-assembled")
+    if getattr(param, "mimo_gated", False):
+        # [gate_t; up_t] on each rank -> the full [gate; up].
+        return torch.cat([_gather(h, tp_group, 0) for h in t.detach().chunk(2, dim=0)], dim=0)
+    return _gather(t.detach(), tp_group, param.partition_dim)
+
+
+def _gather(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
 
 
 def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], grads: bool = False,
