@@ -49,7 +49,10 @@ def main(argv=None) -> int:
         problems = layout_problems(cfg)
         if problems:
             raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
-    except ConfigError as exc:
+        from mimo.hf import HFWeightsError, check_hf_weights
+
+        check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)
+    except (ConfigError, HFWeightsError) as exc:
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
         else:

@@ -78,6 +78,11 @@ class Source:
             raise HFWeightsError(self.directory, f"missing tensor {key}")
         return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype:
+        from .convert import _DTYPES
+
+        return _DTYPES[self._handle(self.files[key]).get_slice(key).get_dtype()]
+
     def read(self, key: str, rows: Optional[Tuple[int, int]] = None, dim: int = 0) -> torch.Tensor:
         """The tensor, or only rows [a, b) along `dim` (read from the mapped file, nothing else)."""
         sl = self._handle(self.files[key]).get_slice(key)

@@ -8,7 +8,7 @@ models set them from their config.json (mimo.config.hf_arch).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
@@ -74,23 +74,3 @@ def finish_llm(model: torch.nn.Module, lang) -> None:
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is not None and lang.rope_scaling is not None:
         rope.inv_freq = llama3_inv_freq(rope.inv_freq, lang.rope_scaling)
-    mark_gated(model)
-
-
-def mark_gated(module: torch.nn.Module) -> None:
-    """Tag the fused [gate; up] weights of gated MLPs.
-
-    A TP rank holds [gate_t; up_t], not a contiguous chunk of the full
-    [gate; up]; sharding and unsharding (reference init, full-state gathers,
-    HF import/export) read this tag to split and join the halves.
-    """
-    for name, p in module.named_parameters():
-        if ".mlp.linear_fc1." in f".{name}" and getattr(_owner_config(module, name), "gated_linear_unit", False):
-            p.mimo_gated = True
-
-
-def _owner_config(module: torch.nn.Module, name: str) -> Optional[object]:
-    owner = module
-    for part in name.split(".")[:-1]:
-        owner = getattr(owner, part)
-    return getattr(owner, "config", None)

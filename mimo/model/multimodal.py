@@ -17,7 +17,7 @@ from mimo.config import MimoConfig
 from mimo.data import PAD_ID
 from mimo.topology import Layout
 
-from .architecture import finish_llm, gpt_model_kwargs, mark_gated
+from .architecture import finish_llm, gpt_model_kwargs
 from .assembly import assemble_embeddings
 from .encoders import AudioEncoder, VisionEncoder
 from .projector import build_projector, project
@@ -50,7 +50,6 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
     projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp, enc.projector.activation)
     module = EncoderWithProjector(encoder, projector)
     module.to(ecfg.params_dtype)
-    mark_gated(module)
     set_frozen(module.encoder, enc.frozen)
     set_frozen(module.projector, enc.projector.frozen)
     return module

@@ -12,12 +12,9 @@ def unshard(t: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tenso
     """Re-assemble a tensor-parallel shard along its partition dim (megatron's param attributes)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_group is None or dist.get_world_size(tp_group) == 1:
         return t.detach().clone()
-    if getattr(param, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided tensor-parallel partitions are not re-assembled")
-    if getattr(param, "mimo_gated", False):
-        # [gate_t; up_t] on each rank -> the full [gate; up].
-        return torch.cat([_gather(h, tp_group, 0) for h in t.detach().chunk(2, dim=0)], dim=0)
-    return _gather(t.detach(), tp_group, param.partition_dim)
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    # Strided (megatron's gated MLP: [gate_r; up_r] on rank r): gather each part, then join.
+    return torch.cat([_gather(piece, tp_group, dim) for piece in t.detach().chunk(stride, dim=dim)], dim=dim)
 
 
 def _gather(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
