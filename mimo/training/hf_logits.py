@@ -69,19 +69,22 @@ def logits_config(raw: Dict, batch: int, seq: int) -> Dict:
     return raw
 
 
-def _rank_logits(raw: Dict, inputs: Dict[str, torch.Tensor]):
-    cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
-    trainer.dataset = FixedSamples(split_inputs(cfg, inputs))
+def trainer_logits(trainer, samples: List[Sample]) -> Dict[int, torch.Tensor]:
+    """Sample index -> float32 [S, V] logits, on the LLM's last-stage TP-rank-0 ranks (empty elsewhere).
+
+    Runs one forward and backward; the gradients are left unused (no optimizer step)."""
+    trainer.dataset = FixedSamples(samples)
     captured: List[torch.Tensor] = []
     llm = trainer.parts.get(LANGUAGE)
     last = llm is not None and getattr(llm, "post_process", False)
+    hook = None
     if last:
         # A copy: the fused cross-entropy that follows works in place on the logits.
-        llm.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach().clone()))
+        hook = llm.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach().clone()))
     trainer.forward_backward(0)
     if not last:
         return {}
+    hook.remove()
     grid = trainer.topo.grid(LANGUAGE)
     tp = grid.groups["tp"]
     out = {}
@@ -94,6 +97,18 @@ def _rank_logits(raw: Dict, inputs: Dict[str, torch.Tensor]):
     return out
 
 
+def _rank_logits(raw: Dict, inputs: Dict[str, torch.Tensor]):
+    cfg = load_config(raw)
+    return trainer_logits(make_trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
+
+
+def merge_logits(per_rank: List[Dict[int, torch.Tensor]], batch: int) -> torch.Tensor:
+    merged = {}
+    for r in per_rank:
+        merged.update(r)
+    return torch.stack([merged[i] for i in range(batch)])
+
+
 def hf_logits(raw: Dict, inputs: Dict[str, torch.Tensor], timeout_s: float = 900.0) -> torch.Tensor:
     """float32 [B, S, V] logits of the config's model for LLaVA-style `inputs`."""
     batch = inputs["input_ids"].shape[0]
@@ -102,7 +117,4 @@ def hf_logits(raw: Dict, inputs: Dict[str, torch.Tensor], timeout_s: float = 900
     if cfg.parallelism[LANGUAGE].cp != 1:
         raise ValueError("parallelism.language.cp: logits are taken with cp = 1")
     split_inputs(cfg, inputs)  # bad inputs fail here, before any rank starts
-    merged = {}
-    for r in run_on_ranks(_rank_logits, cfg.world_size, raw, inputs, timeout_s=timeout_s):
-        merged.update(r)
-    return torch.stack([merged[i] for i in range(batch)])
+    return merge_logits(run_on_ranks(_rank_logits, cfg.world_size, raw, inputs, timeout_s=timeout_s), batch)
