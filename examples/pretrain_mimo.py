@@ -28,6 +28,8 @@ def parse_args(argv=None):
                    help="auto: CUDA + NCCL when available, else CPU + gloo")
     p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="override a config field, e.g. --set training.lr=1e-4 (repeatable)")
+    p.add_argument("--hf-export", default=None, metavar="DIR",
+                   help="after training, write the model as a Hugging Face directory (configs with model.hf)")
     return p.parse_args(argv)
 
 
@@ -52,6 +54,13 @@ def main(argv=None) -> int:
         from mimo.hf import HFWeightsError, check_hf_weights
 
         check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)
+        if args.hf_export:
+            from mimo.hf import hf_modules
+            from mimo.training.hf_export import export_problems
+
+            problem = export_problems(cfg, hf_modules(cfg))
+            if problem:
+                raise ConfigError([tuple(problem.split(": ", 1))])
     except (ConfigError, HFWeightsError) as exc:
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
@@ -81,6 +90,12 @@ def main(argv=None) -> int:
                 print(f"step {step + 1}/{tr.train_iters} | loss {res.loss:.4f} | tokens/s {tps:.0f} | "
                       f"step_time {res.step_time_s * 1e3:.1f} ms | tokens/s/rank {tps / world:.0f} | "
                       f"grad_norm {res.grad_norm:.3f}", flush=True)
+        if args.hf_export:
+            from mimo.training.hf_export import export_hf
+
+            export_hf(trainer, args.hf_export)
+            if rank == 0:
+                print(f"exported to {args.hf_export}", flush=True)
         shutdown()
         return 0
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks
