@@ -21,9 +21,13 @@ setup(
         "numpy>=1.26,<3",
         # megatron-core's HyperCommGrid needs einops but does not declare it.
         "einops==0.8.1",
+        # Hugging Face weights (mimo.hf): memory-mapped, sliced reads of *.safetensors.
+        "safetensors==0.8.0",
     ],
     extras_require={
-        "test": ["pytest==9.0.3"],
+        # transformers builds the tiny reference models of the HF tests and reloads exports.
+        "test": ["pytest==9.0.3", "transformers==5.23.0"],
+        "hf": ["transformers==5.23.0"],
         "gpu": ["transformer-engine[pytorch]==2.20.2"],
     },
 )
