@@ -139,6 +139,7 @@ def vision_fields(vc: Dict[str, Any], field: str, feature_layer: Any, strategy: 
         # LLaVA's features are a layer's output, before any post-layernorm.
         "final_norm": False,
         "patch_bias": not clip,
+        "_notes": {"num_layers": f"the {used} of {layers} tower layers up to vision_feature_layer {feature_layer}"},
     }
 
 
@@ -204,12 +205,16 @@ def _same(a, b) -> bool:
 def _fill(section: Dict[str, Any], fields: Dict[str, Any], path: str, source: str,
           problems: List[Problem]) -> None:
     """Write `fields` into the raw YAML `section`; a value the YAML already gives must agree."""
+    notes = fields.get("_notes", {})
     for key, value in fields.items():
+        if key == "_notes":
+            continue
         if isinstance(value, dict) and isinstance(section.get(key), dict) and key == "projector":
             _fill(section[key], value, f"{path}.{key}", source, problems)
             continue
         if key in section and section[key] is not None and not _same(section[key], value):
-            problems.append((f"{path}.{key}", f"{section[key]!r} disagrees with {source} ({value!r})"))
+            note = f": {notes[key]}" if key in notes else ""
+            problems.append((f"{path}.{key}", f"{section[key]!r} disagrees with {source} ({value!r}{note})"))
         else:
             section[key] = value
 
