@@ -18,6 +18,7 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.hf import HFWeightsError, check_hf_weights  # noqa: E402
 from mimo.runtime import DEVICE_CHOICES  # noqa: E402
 
 
@@ -51,8 +52,6 @@ def main(argv=None) -> int:
         problems = layout_problems(cfg)
         if problems:
             raise ConfigError([tuple(p.split(": ", 1)) for p in problems])
-        from mimo.hf import HFWeightsError, check_hf_weights
-
         check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)
         if args.hf_export:
             from mimo.hf import hf_modules
