@@ -274,3 +274,15 @@ def test_missing_and_misshaped_tensors_are_one_error_line(clip_llama, tmp_path):
     with pytest.raises(HFWeightsError) as exc:
         check_hf_weights(cfg)
     assert str(exc.value) == f"error: {bad}: no model.safetensors or model.safetensors.index.json"
+
+
+def test_tokenizer_and_processor_are_located_in_model_hf(clip_llama, tmp_path):
+    from mimo.hf import processor_dir, tokenizer_dir
+
+    d = str(tmp_path / "with_tokenizer")
+    shutil.copytree(clip_llama, d)
+    cfg = load_config(llava_config(d))
+    assert tokenizer_dir(cfg) is None and processor_dir(cfg) is None  # no such files yet
+    for f in ("tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / "with_tokenizer" / f).write_text("{}")
+    assert tokenizer_dir(cfg) == d and processor_dir(cfg) == d
