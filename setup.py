@@ -23,12 +23,16 @@ setup(
         "einops==0.8.1",
         # Progress bar of examples/pretrain_mimo.py on an interactive terminal.
         "tqdm==4.70.1",
+        # Hugging Face weights (mimo.hf): memory-mapped, sliced reads of *.safetensors.
+        "safetensors==0.8.0",
     ],
     extras_require={
-        # The metrics tests write TensorBoard events and draw timelines.
-        "test": ["pytest==9.0.3", "tensorboard==2.21.0", "matplotlib==3.11.2"],
+        # The metrics tests write TensorBoard events and draw timelines; transformers builds the
+        # tiny reference models of the HF tests and reloads exports.
+        "test": ["pytest==9.0.3", "tensorboard==2.21.0", "matplotlib==3.11.2", "transformers==5.23.0"],
         # training.tensorboard_dir, training.wandb_project, tools/timeline.py
         "metrics": ["tensorboard==2.21.0", "wandb==0.23.1", "matplotlib==3.11.2"],
+        "hf": ["transformers==5.23.0"],
         "gpu": ["transformer-engine[pytorch]==2.20.2"],
     },
 )

@@ -19,6 +19,7 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.hf import HFWeightsError, check_hf_weights  # noqa: E402
 from mimo.runtime import DEVICE_CHOICES  # noqa: E402
 
 
@@ -31,6 +32,8 @@ def parse_args(argv=None):
                    help="override a config field, e.g. --set training.lr=1e-4 (repeatable)")
     p.add_argument("--log-json", metavar="FILE", default=None,
                    help="append one JSON object per step to FILE (same as training.log_json)")
+    p.add_argument("--hf-export", default=None, metavar="DIR",
+                   help="after training, write the model as a Hugging Face directory (configs with model.hf)")
     return p.parse_args(argv)
 
 
@@ -55,7 +58,15 @@ def main(argv=None) -> int:
         problems = [tuple(p.split(": ", 1)) for p in layout_problems(cfg)] + missing_packages(cfg)
         if problems:
             raise ConfigError(problems)
-    except ConfigError as exc:
+        check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)
+        if args.hf_export:
+            from mimo.hf import hf_modules
+            from mimo.training.hf_export import export_problems
+
+            problem = export_problems(cfg, hf_modules(cfg))
+            if problem:
+                raise ConfigError([tuple(problem.split(": ", 1))])
+    except (ConfigError, HFWeightsError) as exc:
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
         else:
@@ -82,6 +93,12 @@ def main(argv=None) -> int:
             reporter.before_step(step)
             reporter.after_step(step, trainer.train_step(step))
         reporter.close()
+        if args.hf_export:
+            from mimo.training.hf_export import export_hf
+
+            export_hf(trainer, args.hf_export)
+            if rank == 0:
+                print(f"exported to {args.hf_export}", flush=True)
         shutdown()
         return 0
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks

@@ -1,5 +1,6 @@
 """Config contract: dataclasses, YAML loading and validation (no torch.distributed here)."""
 
+from .hf_arch import resolve_hf
 from .load import ConfigError, apply_overrides, build_config, read_yaml
 from .schema import (
     LANGUAGE,
@@ -23,6 +24,10 @@ def load_config(source, overrides=(), world_size=None) -> MimoConfig:
     """
     raw = read_yaml(source) if isinstance(source, str) else dict(source)
     raw = apply_overrides(raw, list(overrides))
+    # Architecture from Hugging Face config.json files (model.hf and friends) before building.
+    hf_problems = resolve_hf(raw)
+    if hf_problems:
+        raise ConfigError(hf_problems)
     cfg, problems = build_config(raw)
     problems += validate(cfg, world_size)
     if problems:

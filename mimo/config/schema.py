@@ -19,12 +19,18 @@ INIT_MODES = ("reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 DATA_KINDS = ("mock",)
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# swiglu is the gated form (silu(gate) * up) Llama, Mistral and Qwen2 use.
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "swiglu")
+AUDIO_FRONTENDS = ("linear", "conv")
 
 
 @dataclass
 class ProjectorConfig:
     kind: str = "mlp"
     frozen: bool = False
+    # mlp: the activation between its two linear layers (LLaVA: projector_hidden_act).
+    activation: str = "gelu"
 
 
 @dataclass
@@ -40,6 +46,17 @@ class LanguageConfig:
     # A Hugging Face causal-LM directory (Llama, Mistral, Qwen2): architecture and weights come from it.
     hf: Optional[str] = None
     attention: str = "sdpa"
+    # Architecture details (set from the HF config when `hf` is given; these defaults are mimo's own).
+    normalization: str = "LayerNorm"
+    norm_eps: float = 1.0e-5
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    qkv_bias: Optional[bool] = None          # default: add_bias_linear
+    kv_channels: Optional[int] = None        # head dim; default hidden_size / num_attention_heads
+    rope_theta: float = 10000.0
+    # Llama-3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
+    rope_scaling: Optional[Dict[str, float]] = None
+    tie_embeddings: bool = False
     # attention: bitfield only: encoders whose tokens text may attend to (default: all).
     text_sees: Optional[List[str]] = None
     # Context parallelism (cp > 1): how query blocks are dealt to CP ranks.
@@ -65,6 +82,17 @@ class EncoderConfig:
     # A Hugging Face tower directory (CLIP / SigLIP vision, Whisper encoder for audio).
     hf: Optional[str] = None
     attention: str = "sdpa"
+    # Token id of this encoder's placeholders in input_ids (default: the top ids of the vocabulary;
+    # LLaVA: image_token_id).
+    placeholder_id: Optional[int] = None
+    # Architecture details (set from the HF config when `hf` is given; these defaults are mimo's own).
+    norm_eps: float = 1.0e-5
+    activation: str = "gelu"
+    class_token: bool = False     # vision: a learned class token first (CLIP); LLaVA drops its output
+    pre_norm: bool = False        # a LayerNorm on the embeddings before the first layer (CLIP)
+    final_norm: bool = True       # a LayerNorm after the last layer (off for LLaVA's inner-layer features)
+    patch_bias: bool = True       # vision: bias of the patch embedding
+    frontend: str = "linear"      # audio: linear (frames_per_token frames -> token) | conv (Whisper)
     # vision
     image_size: Optional[int] = None
     patch_size: Optional[int] = None
@@ -171,9 +199,11 @@ class MimoConfig:
 
     @property
     def placeholder_ids(self) -> Dict[str, int]:
-        """Each encoder's placeholder token: the top ids of the LLM vocabulary, in config order."""
+        """Each encoder's placeholder token: its `placeholder_id`, else the top ids of the LLM
+        vocabulary, in config order."""
         v = self.model.language.vocab_size
-        return {name: v - 1 - i for i, name in enumerate(self.model.encoders)}
+        return {name: e.placeholder_id if e.placeholder_id is not None else v - 1 - i
+                for i, (name, e) in enumerate(self.model.encoders.items())}
 
     @property
     def world_size(self) -> int:

@@ -19,6 +19,9 @@ from .schema import (
     OPTIMIZERS,
     PRECISIONS,
     PROJECTOR_KINDS,
+    ACTIVATIONS,
+    AUDIO_FRONTENDS,
+    NORMALIZATIONS,
     RECOMPUTE_KINDS,
     EncoderConfig,
     LanguageConfig,
@@ -53,6 +56,14 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     if lang.text_sees is not None and lang.attention != "bitfield":
         add("model.language.text_sees", "only takes effect with model.language.attention: bitfield")
     _check_choice(lang.cp_policy, CP_POLICIES, "model.language.cp_policy", add)
+    _check_choice(lang.normalization, NORMALIZATIONS, "model.language.normalization", add)
+    _check_choice(lang.activation, ACTIVATIONS, "model.language.activation", add)
+    if lang.rope_scaling is not None:
+        keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        if set(lang.rope_scaling) != keys:
+            add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
+    if lang.tie_embeddings and cfg.parallelism.get(LANGUAGE, ParallelConfig()).pp > 1:
+        add("model.language.tie_embeddings", "tied input/output embeddings need parallelism.language.pp = 1")
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
 
@@ -117,7 +128,7 @@ def _check_choice(value, choices, path, add) -> None:
 
 
 def _check_heads(m, path: str, add) -> None:
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if getattr(m, "kv_channels", None) is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         add(f"{path}.hidden_size", f"must be divisible by num_attention_heads ({m.num_attention_heads})")
 
 
@@ -131,6 +142,13 @@ def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
     _check_choice(enc.kind, ENCODER_KINDS, f"{path}.kind", add)
     _check_choice(enc.projector.kind, PROJECTOR_KINDS, f"{path}.projector.kind", add)
     _check_choice(enc.attention, ATTENTION_KINDS, f"{path}.attention", add)
+    _check_choice(enc.activation, ACTIVATIONS, f"{path}.activation", add)
+    _check_choice(enc.projector.activation, ACTIVATIONS[:-1], f"{path}.projector.activation", add)
+    _check_choice(enc.frontend, AUDIO_FRONTENDS, f"{path}.frontend", add)
+    if enc.class_token and enc.kind != "vision":
+        add(f"{path}.class_token", "only vision encoders have a class token")
+    if enc.frontend == "conv" and (enc.kind != "audio" or enc.frames_per_token != 2):
+        add(f"{path}.frontend", "conv (Whisper) is an audio front-end with frames_per_token: 2")
     _check_heads(enc, path, add)
     if enc.kind == "vision":
         for f in ("image_size", "patch_size"):

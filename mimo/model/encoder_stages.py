@@ -6,8 +6,9 @@ the last applies the final layernorm and the projector. Parameter names match
 the whole `EncoderWithProjector` up to the layer offset, so reference init
 (`load_shard`) and full-state gathering work unchanged.
 
-Activations between stages are sequence-first [tokens_per_item, n_items, hidden]
-([tokens_per_item / tp, ...] with sequence parallelism).
+Activations between stages are sequence-first [tokens, n_items, hidden]
+([tokens / tp, ...] with sequence parallelism); tokens include a vision class
+token, which only the last stage drops.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class EncoderStage(torch.nn.Module):
         self.out_hidden = whole.projector.config.hidden_size
         self.out_dtype = whole.projector.config.params_dtype
         if not self.first:
-            for attr in ("patch_embed", "frame_embed", "position_embeddings"):
+            for attr in ("patch_embed", "frame_embed", "conv1", "conv2", "position_embeddings", "class_embedding",
+                         "pre_norm"):
                 if hasattr(self.encoder, attr):
                     delattr(self.encoder, attr)
         if not self.last:
@@ -47,11 +49,11 @@ class EncoderStage(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: raw items [n, ...]; later stages: [tokens, n, hidden] from the previous stage."""
         if self.first:
-            x = (self.encoder.embed(x) + self.encoder.position_embeddings).transpose(0, 1).contiguous()
+            x = self.encoder.input_tokens(x).transpose(0, 1).contiguous()
         h = self.encoder.run_block(x, self.first, self.last)
         if not self.last:
             return h
-        return project(self.projector, h.transpose(0, 1))
+        return project(self.projector, self.encoder.select(h.transpose(0, 1)))
 
 
 def build_encoder_stage(cfg: MimoConfig, name: str, par: ParallelConfig, layout, stage: int, pgs,

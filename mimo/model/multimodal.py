@@ -17,6 +17,7 @@ from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID
 from mimo.topology import Layout
 
+from .architecture import finish_llm, gpt_model_kwargs
 from .assembly import assemble_embeddings
 from .encoders import AudioEncoder, VisionEncoder
 from .norm import block_spec
@@ -42,15 +43,14 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
     precision = cfg.training.precision
     ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name])
     if enc.kind == "vision":
-        encoder = VisionEncoder(ecfg, enc.image_size, enc.patch_size, enc.num_channels, enc.attention, pg_collection)
+        encoder = VisionEncoder(ecfg, enc, pg_collection)
     else:
-        encoder = AudioEncoder(ecfg, enc.clip_frames, enc.frames_per_token, enc.num_mel_bins, enc.attention,
-                               pg_collection)
+        encoder = AudioEncoder(ecfg, enc, pg_collection)
     # The projector lives with its encoder (same ranks, same TP group) but
     # speaks the LLM's width. It runs on the encoder's gathered output (no
     # sequence parallelism: its rows are packed items, not one sequence).
     lcfg = transformer_config(cfg.model.language, layout, precision)
-    projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp)
+    projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp, enc.projector.activation)
     module = EncoderWithProjector(encoder, projector)
     module.to(ecfg.params_dtype)
     set_frozen(module.encoder, enc.frozen)
@@ -61,12 +61,12 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
 def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
     config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE])
-    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    spec = block_spec(llm_layer_spec(lang.attention, lang.normalization), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=True, post_process=True, parallel_output=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     pg_collection=pg_collection)
+                     pg_collection=pg_collection, **gpt_model_kwargs(lang))
+    finish_llm(model, lang)
     set_frozen(model, lang.frozen)
     return tensor_masks_when_recomputing(model)
 

@@ -9,6 +9,7 @@ from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
+from .architecture import ACTIVATION_FUNCS
 from .specs import mlp_spec
 
 
@@ -31,14 +32,17 @@ class LinearProjector(MegatronModule):
         return out
 
 
-def build_projector(llm_config, encoder_hidden: int, kind: str, tp_group) -> MegatronModule:
+def build_projector(llm_config, encoder_hidden: int, kind: str, tp_group, activation: str = "gelu") -> MegatronModule:
     """A projector that outputs the LLM hidden size.
 
     megatron's MLP takes its output width from config.hidden_size, so the
     projector gets the LLM's config (ffn width = LLM hidden, as in LLaVA's
     2-layer MLP) with the encoder's width as input size.
     """
-    cfg = dataclasses.replace(llm_config, ffn_hidden_size=llm_config.hidden_size, num_layers=1)
+    act, _ = ACTIVATION_FUNCS[activation]
+    # Biased, ungated linears whatever the LLM's own MLP looks like (LLaVA's projector).
+    cfg = dataclasses.replace(llm_config, ffn_hidden_size=llm_config.hidden_size, num_layers=1,
+                              add_bias_linear=True, gated_linear_unit=False, activation_func=act)
     if kind == "mlp":
         return MultimodalProjector(cfg, mlp_spec().submodules, "mlp", encoder_hidden, tp_group=tp_group)
     if kind == "linear":

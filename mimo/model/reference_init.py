@@ -26,8 +26,12 @@ def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
     """This TP rank's contiguous chunk along megatron's partition dim (or the whole tensor)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
-    if getattr(param, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided tensor-parallel partitions are not supported")
+    stride = getattr(param, "partition_stride", 1)
+    if stride != 1:
+        # Strided (megatron's gated MLP, stride 2): a rank holds chunk r of each of the
+        # `stride` parts of the full tensor, e.g. [gate_r; up_r].
+        pieces = full.chunk(tp_size * stride, dim=param.partition_dim)
+        return torch.cat(pieces[tp_rank::tp_size], dim=param.partition_dim)
     return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
 
 

@@ -53,9 +53,9 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     )
 
 
-def llm_layer_spec(attention: str = "sdpa") -> ModuleSpec:
+def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm") -> ModuleSpec:
     """megatron's local GPT layer with the core attention swapped for ours."""
-    spec = get_gpt_layer_local_spec(normalization="LayerNorm")
+    spec = get_gpt_layer_local_spec(normalization=normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(attention)
     # torch norms that may run sequence parallel (see mimo.model.norm)
     spec.submodules.input_layernorm = TorchNorm

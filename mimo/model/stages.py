@@ -18,6 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from mimo.config import MimoConfig, ParallelConfig
 
 from .norm import block_spec
+from .architecture import finish_llm, gpt_model_kwargs
 from .specs import llm_layer_spec
 from .transformer_config import transformer_config
 
@@ -57,11 +58,11 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
     counts = stage_layer_counts(lang.num_layers, par)
     stage_layout = dataclasses.replace(layout, pp=1)
     config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par)
-    spec = block_spec(llm_layer_spec(lang.attention), config.num_layers)
+    spec = block_spec(llm_layer_spec(lang.attention, lang.normalization), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     pg_collection=single_stage_groups(pgs, self_group))
+                     pg_collection=single_stage_groups(pgs, self_group), **gpt_model_kwargs(lang))
+    finish_llm(model, lang)
     set_frozen(model, lang.frozen)
     return tensor_masks_when_recomputing(model)

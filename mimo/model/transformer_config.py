@@ -7,6 +7,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mimo.topology import Layout
 
+from .architecture import architecture_kwargs
+
 
 def dtype_of(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
@@ -56,9 +58,8 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
-        normalization="LayerNorm",
-        add_bias_linear=True,
-        gated_linear_unit=False,
+        # Norm, activation, biases, head dim: the module's architecture fields.
+        **architecture_kwargs(module_cfg),
         # The fused kernels are CUDA-only; the unfused paths run everywhere.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,

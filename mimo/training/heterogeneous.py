@@ -410,8 +410,10 @@ class HeterogeneousTrainer(TrainerBase):
         stage, pp = g.coords["pp"], g.layout.pp
         first, last = stage == 0, stage == pp - 1
         enc = self.cfg.model.encoders[name]
-        # Between pipeline stages an item travels as this rank's sequence-parallel shard.
-        tokens, hidden = shard_len(tokens_per_item(self.cfg, name), part.encoder.config), enc.hidden_size
+        # Between pipeline stages an item travels as this rank's sequence-parallel shard; a vision
+        # class token travels with the patches (the last stage drops it).
+        tokens = shard_len(tokens_per_item(self.cfg, name) + (1 if enc.class_token else 0), part.encoder.config)
+        hidden = enc.hidden_size
 
         def items(mb) -> int:
             x = batch_of(mb).get(name)

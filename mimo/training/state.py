@@ -12,11 +12,15 @@ def unshard(t: torch.Tensor, param: torch.nn.Parameter, tp_group) -> torch.Tenso
     """Re-assemble a tensor-parallel shard along its partition dim (megatron's param attributes)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_group is None or dist.get_world_size(tp_group) == 1:
         return t.detach().clone()
-    if getattr(param, "partition_stride", 1) != 1:
-        raise NotImplementedError("strided tensor-parallel partitions are not re-assembled")
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    # Strided (megatron's gated MLP: [gate_r; up_r] on rank r): gather each part, then join.
+    return torch.cat([_gather(piece, tp_group, dim) for piece in t.detach().chunk(stride, dim=dim)], dim=dim)
+
+
+def _gather(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=param.partition_dim)
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)
 
 
 def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], grads: bool = False,

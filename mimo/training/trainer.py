@@ -25,6 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.hf import check_hf_weights, hf_modules, load_hf_part
 from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
 from mimo.model.transformer_config import dtype_of
@@ -88,6 +89,9 @@ class TrainerBase:
             raise ValueError("\n".join(problems))
         self.cfg, self.runtime = cfg, runtime
         self.dtype = dtype_of(cfg.training.precision)
+        # HF weights: every rank checks every needed tensor before building anything.
+        self.hf_modules = hf_modules(cfg)
+        self.hf_sources = check_hf_weights(cfg)
         self.topo: Topology = build_topology(cfg, backend=runtime.backend)
         # Spans of the schedule's actions in the current step (module times, timeline).
         self.timer = StepTimer(runtime)
@@ -107,11 +111,15 @@ class TrainerBase:
         seed = module_seed(self.cfg.training.seed, name)
         torch.manual_seed(seed)
         part = build(pgs)
-        if self.cfg.training.init == "reference":
+        hf = self.hf_modules.get(name)
+        if self.cfg.training.init == "reference" and not (hf and hf.complete):
             torch.manual_seed(seed)
             full = self._reference_module(name)
             grid = self.topo.grid(name)
             load_shard(part, full.state_dict(keep_vars=False), layer_offset, grid.coords["tp"], grid.layout.tp)
+        if hf:
+            grid = self.topo.grid(name)
+            load_hf_part(part, hf, self.hf_sources[hf.directory], layer_offset, grid.coords["tp"], grid.layout.tp)
         return part
 
     def _reference_module(self, name: str) -> torch.nn.Module:

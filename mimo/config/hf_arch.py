@@ -1,0 +1,270 @@
+"""Architecture fields from a Hugging Face `config.json` (no weights, no transformers import).
+
+`resolve_hf(raw)` fills the YAML fields of every module that names an HF
+directory (`model.hf`, `model.language.hf`, `model.encoders.<name>.hf`) from
+that directory's config.json. A field the YAML also gives must agree, else it
+is a config problem naming the field, so a typo cannot silently build a model
+the weights do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Tuple
+
+Problem = Tuple[str, str]
+
+LLM_TYPES = ("llama", "mistral", "qwen2")
+VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
+AUDIO_TYPES = ("whisper",)
+LLAVA_TYPES = ("llava",)
+# The encoder a LLaVA directory fills (DESIGN: model.hf -> language, images + projector).
+LLAVA_ENCODER = "images"
+
+_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "relu": "relu", "silu": "silu"}
+
+
+class HFConfigProblem(ValueError):
+    """An HF config mimo cannot use; `field` is the dotted YAML path it is reported under."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(reason)
+        self.field, self.reason = field, reason
+
+
+def read_hf_config(directory: str, field: str) -> Dict[str, Any]:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise HFConfigProblem(field, f"no such directory: {directory}")
+    if not os.path.isfile(path):
+        raise HFConfigProblem(field, f"no config.json in {directory}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HFConfigProblem(field, f"{path}: unreadable ({exc})")
+
+
+def _unsupported(field: str, kind: str, model_type, supported) -> HFConfigProblem:
+    return HFConfigProblem(field, f"{kind} model type {model_type!r} is not supported "
+                                  f"(supported: {', '.join(supported)})")
+
+
+def _rope(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
+    """RoPE theta and Llama-3 scaling, from transformers 5 `rope_parameters` or the older keys."""
+    params = dict(tc.get("rope_parameters") or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = tc.get("rope_theta", 10000.0)
+    scaling = tc.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    out = {"rope_theta": float(params["rope_theta"]), "rope_scaling": None}
+    if rope_type == "llama3":
+        out["rope_scaling"] = {k: float(params[k]) for k in
+                               ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    elif rope_type != "default":
+        raise HFConfigProblem(field, f"RoPE type {rope_type!r} is not supported (supported: default, llama3)")
+    return out
+
+
+def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
+    mt = tc.get("model_type")
+    if mt not in LLM_TYPES:
+        raise _unsupported(field, "language", mt, LLM_TYPES)
+    if tc.get("hidden_act", "silu") != "silu":
+        raise HFConfigProblem(field, f"hidden_act {tc.get('hidden_act')!r} is not supported (supported: silu)")
+    if mt == "llama" and (tc.get("attention_bias") or tc.get("mlp_bias")):
+        raise HFConfigProblem(field, "Llama with attention_bias or mlp_bias is not supported")
+    heads = tc["num_attention_heads"]
+    out = {
+        "num_layers": tc["num_hidden_layers"],
+        "hidden_size": tc["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": tc.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": tc["intermediate_size"],
+        "vocab_size": tc["vocab_size"],
+        "max_sequence_length": tc["max_position_embeddings"],
+        "normalization": "RMSNorm",
+        "norm_eps": float(tc.get("rms_norm_eps", 1e-6)),
+        "activation": "swiglu",
+        "add_bias_linear": False,
+        "qkv_bias": mt == "qwen2",
+        "tie_embeddings": bool(tc.get("tie_word_embeddings", False)),
+    }
+    head_dim = tc.get("head_dim")
+    if head_dim and head_dim != tc["hidden_size"] // heads:
+        out["kv_channels"] = head_dim
+    out.update(_rope(tc, field))
+    return out
+
+
+def vision_fields(vc: Dict[str, Any], field: str, feature_layer: Any, strategy: str) -> Dict[str, Any]:
+    mt = vc.get("model_type")
+    if mt in ("clip", "siglip"):
+        vc, mt = vc["vision_config"], vc["vision_config"].get("model_type", mt + "_vision_model")
+    if mt not in VISION_TYPES:
+        raise _unsupported(field, "vision", mt, VISION_TYPES)
+    clip = mt.startswith("clip")
+    if not isinstance(feature_layer, int):
+        raise HFConfigProblem(field, f"vision_feature_layer {feature_layer!r} is not supported (a single layer index)")
+    layers = vc["num_hidden_layers"]
+    used = layers + 1 + feature_layer if feature_layer < 0 else feature_layer
+    if not 1 <= used <= layers:
+        raise HFConfigProblem(field, f"vision_feature_layer {feature_layer} selects no transformer layer")
+    # `default` drops the first token (CLIP's class token); `full` keeps every token (SigLIP has no
+    # class token). The two other combinations change the token count and are refused.
+    want = "default" if clip else "full"
+    if strategy != want:
+        raise HFConfigProblem(field, f"vision_feature_select_strategy {strategy!r} with {mt} is not supported "
+                                     f"(supported: {want})")
+    act = vc.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh")
+    if act not in _ACTIVATIONS:
+        raise HFConfigProblem(field, f"vision hidden_act {act!r} is not supported")
+    return {
+        "kind": "vision",
+        "num_layers": used,
+        "hidden_size": vc["hidden_size"],
+        "num_attention_heads": vc["num_attention_heads"],
+        "ffn_hidden_size": vc["intermediate_size"],
+        "image_size": vc["image_size"],
+        "patch_size": vc["patch_size"],
+        "num_channels": vc.get("num_channels", 3),
+        "norm_eps": float(vc.get("layer_norm_eps", 1e-5 if clip else 1e-6)),
+        "activation": _ACTIVATIONS[act],
+        "class_token": clip,
+        "pre_norm": clip,
+        # LLaVA's features are a layer's output, before any post-layernorm.
+        "final_norm": False,
+        "patch_bias": not clip,
+        "_notes": {"num_layers": f"the {used} of {layers} tower layers up to vision_feature_layer {feature_layer}"},
+    }
+
+
+def audio_fields(wc: Dict[str, Any], field: str) -> Dict[str, Any]:
+    mt = wc.get("model_type")
+    if mt not in AUDIO_TYPES:
+        raise _unsupported(field, "audio", mt, AUDIO_TYPES)
+    act = wc.get("activation_function", "gelu")
+    if act not in _ACTIVATIONS:
+        raise HFConfigProblem(field, f"activation_function {act!r} is not supported")
+    return {
+        "kind": "audio",
+        "num_layers": wc["encoder_layers"],
+        "hidden_size": wc["d_model"],
+        "num_attention_heads": wc["encoder_attention_heads"],
+        "ffn_hidden_size": wc["encoder_ffn_dim"],
+        "num_mel_bins": wc["num_mel_bins"],
+        # Two convolutions, the second with stride 2: two frames per token.
+        "clip_frames": 2 * wc["max_source_positions"],
+        "frames_per_token": 2,
+        "frontend": "conv",
+        "norm_eps": 1e-5,
+        "activation": _ACTIVATIONS[act],
+        "class_token": False,
+        "pre_norm": False,
+        "final_norm": True,
+    }
+
+
+def llava_fields(lc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(language fields, `images` encoder fields) of a LLaVA config."""
+    if lc.get("model_type") not in LLAVA_TYPES:
+        raise _unsupported(field, "multimodal", lc.get("model_type"), LLAVA_TYPES)
+    tc = dict(lc["text_config"])
+    if "tie_word_embeddings" in lc:
+        tc["tie_word_embeddings"] = lc["tie_word_embeddings"]
+    lang = language_fields(tc, field)
+    enc = vision_fields(lc["vision_config"], field, lc.get("vision_feature_layer", -2),
+                        lc.get("vision_feature_select_strategy", "default"))
+    act = lc.get("projector_hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise HFConfigProblem(field, f"projector_hidden_act {act!r} is not supported")
+    if not lc.get("multimodal_projector_bias", True):
+        raise HFConfigProblem(field, "multimodal_projector_bias: false is not supported")
+    token = lc.get("image_token_id", lc.get("image_token_index"))
+    if token is None:
+        raise HFConfigProblem(field, "config.json has no image_token_id")
+    enc["placeholder_id"] = token
+    enc["projector"] = {"kind": "mlp", "activation": _ACTIVATIONS[act]}
+    return lang, enc
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def _fill(section: Dict[str, Any], fields: Dict[str, Any], path: str, source: str,
+          problems: List[Problem]) -> None:
+    """Write `fields` into the raw YAML `section`; a value the YAML already gives must agree."""
+    notes = fields.get("_notes", {})
+    for key, value in fields.items():
+        if key == "_notes":
+            continue
+        if isinstance(value, dict) and isinstance(section.get(key), dict) and key == "projector":
+            _fill(section[key], value, f"{path}.{key}", source, problems)
+            continue
+        if key in section and section[key] is not None and not _same(section[key], value):
+            note = f": {notes[key]}" if key in notes else ""
+            problems.append((f"{path}.{key}", f"{section[key]!r} disagrees with {source} ({value!r}{note})"))
+        else:
+            section[key] = value
+
+
+def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
+    """Fill HF-derived fields into `raw` (in place); returns the problems found."""
+    problems: List[Problem] = []
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return problems
+    jobs = []
+    if model.get("hf") is not None:
+        jobs.append(("model.hf", model["hf"], "llava", None))
+    lang = model.get("language")
+    if isinstance(lang, dict) and lang.get("hf") is not None:
+        jobs.append(("model.language.hf", lang["hf"], "language", None))
+    encoders = model.get("encoders")
+    if isinstance(encoders, dict):
+        for name, enc in encoders.items():
+            if isinstance(enc, dict) and enc.get("hf") is not None:
+                jobs.append((f"model.encoders.{name}.hf", enc["hf"], enc.get("kind", "vision"), name))
+    for field, directory, what, name in jobs:
+        if not isinstance(directory, str):
+            problems.append((field, f"must be a string, got {directory!r}"))
+            continue
+        source = os.path.join(directory, "config.json")
+        try:
+            hc = read_hf_config(directory, field)
+            if what == "llava":
+                lang_f, enc_f = llava_fields(hc, field)
+                model.setdefault("language", {})
+                model.setdefault("encoders", {})
+                if not isinstance(model["language"], dict) or not isinstance(model["encoders"], dict):
+                    continue
+                model["encoders"].setdefault(LLAVA_ENCODER, {})
+                _fill(model["language"], lang_f, "model.language", source, problems)
+                enc = model["encoders"][LLAVA_ENCODER]
+                if isinstance(enc, dict):
+                    enc.setdefault("projector", {})
+                    _fill(enc, enc_f, f"model.encoders.{LLAVA_ENCODER}", source, problems)
+            elif what == "language":
+                _fill(lang, language_fields(hc, field), "model.language", source, problems)
+            elif what == "vision":
+                _fill(encoders[name], vision_fields(hc, field, -2 if "clip" in str(hc.get("model_type")) else -1,
+                                                    "default" if "clip" in str(hc.get("model_type")) else "full"),
+                      f"model.encoders.{name}", source, problems)
+            elif what == "audio":
+                _fill(encoders[name], audio_fields(hc, field), f"model.encoders.{name}", source, problems)
+        except HFConfigProblem as exc:
+            problems.append((exc.field, exc.reason))
+        except (KeyError, TypeError) as exc:
+            problems.append((field, f"{source}: missing or malformed entry {exc}"))
+    return problems

@@ -1,0 +1,50 @@
+"""`python -m mimo.hf export --config FILE.yaml [--load CKPT_DIR] --out DIR`.
+
+Starts the ranks the config's layout needs (CPU, gloo), builds the model with
+its weights from the config's HF directory, and writes an HF directory that
+transformers loads (LlavaForConditionalGeneration for model.hf). Exit 2 with
+one `error:` line for bad input.
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimo.hf")
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write the model as a Hugging Face directory")
+    exp.add_argument("--config", required=True)
+    exp.add_argument("--load", default=None, metavar="CKPT_DIR",
+                     help="a mimo checkpoint to export instead of the config's HF weights")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
+    args = parser.parse_args(argv)
+
+    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml
+
+    from . import HFWeightsError, check_hf_weights
+
+    if args.load is not None:
+        print(f"error: --load: {args.load}: mimo checkpoints are not available in this version yet; export "
+              "a trained model in-process with mimo.training.hf_export.export_hf", file=sys.stderr)
+        return 2
+    try:
+        raw = apply_overrides(read_yaml(args.config), args.set)
+        check_hf_weights(load_config(raw))
+        # The launcher sits above the training layer it starts.
+        from mimo.training.hf_export import export_config
+
+        export_config(raw, args.out)
+    except (ConfigError, HFWeightsError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Which Hugging Face tensors make each mimo parameter, and how.
+
+Every mimo parameter of an HF-backed module is one `Entry`: its full
+(TP = 1, PP = 1, global layer index) name, the HF tensor names it is made of
+and how they combine:
+
+* `copy`: one HF tensor, same shape.
+* `qkv`: q_proj, k_proj, v_proj -> megatron's fused linear_qkv, whose rows
+  are grouped per query group: [q heads of group 0, k of group 0, v of
+  group 0, q heads of group 1, ...] (GQA-aware; a TP rank holds whole groups).
+* `glu`: gate_proj, up_proj -> megatron's fused linear_fc1 [gate; up] (a TP
+  rank holds [gate_t; up_t]).
+
+HF names are written without their checkpoint prefix (`layers.0.mlp...`);
+`Source` finds the prefix the directory actually uses (transformers has saved
+LLaVA as `language_model.model.` and as `model.language_model.`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from mimo.config import LANGUAGE, MimoConfig
+
+Shape = Tuple[int, ...]
+
+# Roles of HF tensor groups, each with the prefixes a checkpoint may put before the names.
+PREFIXES = {
+    "llm": ("language_model.model.", "model.language_model.", "model.", ""),
+    "lm_head": ("language_model.", "model.", ""),
+    "vision": ("vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
+               "model.vision_tower.", "vision_model.", ""),
+    "projector": ("multi_modal_projector.", "model.multi_modal_projector."),
+    "whisper": ("model.encoder.", "encoder.", ""),
+}
+# A tensor whose presence identifies the prefix of a role.
+PROBES = {"llm": "embed_tokens.weight", "lm_head": "lm_head.weight", "vision": "embeddings.patch_embedding.weight",
+          "projector": "linear_1.weight", "whisper": "conv1.weight"}
+
+
+@dataclass
+class Entry:
+    mimo: str                    # full mimo parameter name inside its module
+    kind: str                    # copy | qkv | glu
+    role: str                    # key of PREFIXES
+    hf: Tuple[str, ...]          # HF names (without prefix)
+    shapes: Tuple[Shape, ...]    # expected HF shapes
+    # qkv only: (heads, groups, head_dim)
+    heads: Optional[Tuple[int, int, int]] = None
+
+
+def _copy(mimo: str, role: str, hf: str, shape: Shape) -> Entry:
+    return Entry(mimo, "copy", role, (hf,), (tuple(shape),))
+
+
+def _qkv(mimo: str, role: str, names: Tuple[str, str, str], heads: int, groups: int, d: int, hidden: Optional[int]
+         ) -> Entry:
+    """hidden None: the biases."""
+    rows = (heads * d, groups * d, groups * d)
+    shapes = tuple((r,) if hidden is None else (r, hidden) for r in rows)
+    return Entry(mimo, "qkv", role, names, shapes, (heads, groups, d))
+
+
+def language_entries(cfg: MimoConfig) -> List[Entry]:
+    lang = cfg.model.language
+    h, v, f = lang.hidden_size, lang.vocab_size, lang.ffn_hidden_size
+    heads, groups = lang.num_attention_heads, lang.num_query_groups
+    d = lang.kv_channels or h // heads
+    out = [_copy("embedding.word_embeddings.weight", "llm", "embed_tokens.weight", (v, h))]
+    for i in range(lang.num_layers):
+        m, p = f"decoder.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        out += [
+            _copy(m + "input_layernorm.weight", "llm", p + "input_layernorm.weight", (h,)),
+            _qkv(m + "self_attention.linear_qkv.weight", "llm",
+                 (att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"), heads, groups, d, h),
+            _copy(m + "self_attention.linear_proj.weight", "llm", att + "o_proj.weight", (h, heads * d)),
+            _copy(m + "pre_mlp_layernorm.weight", "llm", p + "post_attention_layernorm.weight", (h,)),
+            Entry(m + "mlp.linear_fc1.weight", "glu", "llm", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                  ((f, h), (f, h))),
+            _copy(m + "mlp.linear_fc2.weight", "llm", p + "mlp.down_proj.weight", (h, f)),
+        ]
+        if lang.qkv_bias:
+            out.append(_qkv(m + "self_attention.linear_qkv.bias", "llm",
+                            (att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"), heads, groups, d, None))
+    out.append(_copy("decoder.final_layernorm.weight", "llm", "norm.weight", (h,)))
+    if not lang.tie_embeddings:
+        out.append(_copy("output_layer.weight", "lm_head", "lm_head.weight", (v, h)))
+    return out
+
+
+def _tower_layers(enc, role: str, names: Dict[str, str]) -> List[Entry]:
+    """Pre-norm encoder layers (CLIP, SigLIP and Whisper share the shape, not the names)."""
+    h, f, heads = enc.hidden_size, enc.ffn_hidden_size, enc.num_attention_heads
+    d = h // heads
+    out = []
+    for i in range(enc.num_layers):
+        m, p = f"encoder.block.layers.{i}.", names["layer"].format(i=i)
+        att = p + names["attn"]
+        out += [
+            _copy(m + "input_layernorm.weight", role, p + names["ln1"] + ".weight", (h,)),
+            _copy(m + "input_layernorm.bias", role, p + names["ln1"] + ".bias", (h,)),
+            _qkv(m + "self_attention.linear_qkv.weight", role,
+                 (att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"), heads, heads, d, h),
+            _copy(m + "self_attention.linear_proj.weight", role, att + "out_proj.weight", (h, h)),
+            _copy(m + "self_attention.linear_proj.bias", role, att + "out_proj.bias", (h,)),
+            _copy(m + "pre_mlp_layernorm.weight", role, p + names["ln2"] + ".weight", (h,)),
+            _copy(m + "pre_mlp_layernorm.bias", role, p + names["ln2"] + ".bias", (h,)),
+            _copy(m + "mlp.linear_fc1.weight", role, p + names["fc"] + "fc1.weight", (f, h)),
+            _copy(m + "mlp.linear_fc1.bias", role, p + names["fc"] + "fc1.bias", (f,)),
+            _copy(m + "mlp.linear_fc2.weight", role, p + names["fc"] + "fc2.weight", (h, f)),
+            _copy(m + "mlp.linear_fc2.bias", role, p + names["fc"] + "fc2.bias", (h,)),
+        ]
+        qkv_bias = (att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias")
+        if names.get("no_k_bias"):
+            # Whisper's k_proj has no bias. Adding one to every key shifts a query's
+            # scores by a constant, which softmax ignores: it stays zero (and gets
+            # zero gradient), so exporting drops it.
+            qkv_bias = (qkv_bias[0], None, qkv_bias[2])
+        out.append(_qkv(m + "self_attention.linear_qkv.bias", role, qkv_bias, heads, heads, d, None))
+    return out
+
+
+def vision_entries(cfg: MimoConfig, name: str) -> List[Entry]:
+    enc = cfg.model.encoders[name]
+    h, c, p = enc.hidden_size, enc.num_channels, enc.patch_size
+    tokens = enc.tokens_per_item + (1 if enc.class_token else 0)
+    out = [_copy("encoder.patch_embed.weight", "vision", "embeddings.patch_embedding.weight", (h, c, p, p)),
+           _copy("encoder.position_embeddings", "vision", "embeddings.position_embedding.weight", (tokens, h))]
+    if enc.patch_bias:
+        out.append(_copy("encoder.patch_embed.bias", "vision", "embeddings.patch_embedding.bias", (h,)))
+    if enc.class_token:
+        out.append(_copy("encoder.class_embedding", "vision", "embeddings.class_embedding", (h,)))
+    if enc.pre_norm:
+        out += [_copy("encoder.pre_norm.weight", "vision", "pre_layrnorm.weight", (h,)),
+                _copy("encoder.pre_norm.bias", "vision", "pre_layrnorm.bias", (h,))]
+    out += _tower_layers(enc, "vision", {"layer": "encoder.layers.{i}.", "attn": "self_attn.", "ln1": "layer_norm1",
+                                         "ln2": "layer_norm2", "fc": "mlp."})
+    return out
+
+
+def projector_entries(cfg: MimoConfig, name: str) -> List[Entry]:
+    enc, hl = cfg.model.encoders[name], cfg.model.language.hidden_size
+    return [_copy("projector.encoder.linear_fc1.weight", "projector", "linear_1.weight", (hl, enc.hidden_size)),
+            _copy("projector.encoder.linear_fc1.bias", "projector", "linear_1.bias", (hl,)),
+            _copy("projector.encoder.linear_fc2.weight", "projector", "linear_2.weight", (hl, hl)),
+            _copy("projector.encoder.linear_fc2.bias", "projector", "linear_2.bias", (hl,))]
+
+
+def whisper_entries(cfg: MimoConfig, name: str) -> List[Entry]:
+    enc = cfg.model.encoders[name]
+    h, mels = enc.hidden_size, enc.num_mel_bins
+    out = [_copy("encoder.conv1.weight", "whisper", "conv1.weight", (h, mels, 3)),
+           _copy("encoder.conv1.bias", "whisper", "conv1.bias", (h,)),
+           _copy("encoder.conv2.weight", "whisper", "conv2.weight", (h, h, 3)),
+           _copy("encoder.conv2.bias", "whisper", "conv2.bias", (h,)),
+           _copy("encoder.position_embeddings", "whisper", "embed_positions.weight", (enc.tokens_per_item, h))]
+    out += _tower_layers(enc, "whisper", {"layer": "layers.{i}.", "attn": "self_attn.", "ln1": "self_attn_layer_norm",
+                                          "ln2": "final_layer_norm", "fc": "", "no_k_bias": True})
+    out += [_copy("encoder.block.final_layernorm.weight", "whisper", "layer_norm.weight", (h,)),
+            _copy("encoder.block.final_layernorm.bias", "whisper", "layer_norm.bias", (h,))]
+    return out
+
+
+@dataclass
+class HFModule:
+    """One mimo module backed by an HF directory: the entries it loads from there."""
+    module: str
+    directory: str
+    entries: List[Entry]
+    # Whether every parameter of the module comes from HF (else the rest keeps mimo's init).
+    complete: bool
+
+
+def hf_modules(cfg: MimoConfig) -> Dict[str, HFModule]:
+    """The modules of `cfg` whose weights come from Hugging Face directories."""
+    out: Dict[str, HFModule] = {}
+    lang_dir = cfg.model.language.hf or cfg.model.hf
+    if lang_dir:
+        out[LANGUAGE] = HFModule(LANGUAGE, lang_dir, language_entries(cfg), True)
+    for name, enc in cfg.model.encoders.items():
+        if enc.hf:
+            entries = vision_entries(cfg, name) if enc.kind == "vision" else whisper_entries(cfg, name)
+            out[name] = HFModule(name, enc.hf, entries, False)
+        elif cfg.model.hf and name == "images":
+            out[name] = HFModule(name, cfg.model.hf, vision_entries(cfg, name) + projector_entries(cfg, name), True)
+    return out

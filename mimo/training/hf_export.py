@@ -1,0 +1,86 @@
+"""Export a (trained) mimo model to a Hugging Face directory.
+
+Streaming: the module stages take turns (a world barrier between turns); in
+each turn the TP ranks of one stage (DP rank 0) gather one parameter at a
+time and the TP-rank-0 rank converts it to HF tensors in host memory and
+writes the stage's safetensors file. No rank ever holds more than one stage
+of one module, and the device never holds more than one full parameter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from mimo.config import MimoConfig, load_config
+from mimo.hf.convert import finish_directory, split_entry
+from mimo.model.reference_init import global_name
+from mimo.runtime import run_on_ranks, select_runtime
+
+from .state import unshard
+
+
+def export_problems(cfg: MimoConfig, hf_modules: Dict) -> str:
+    """Why the model cannot be written as one HF directory ('' when it can)."""
+    dirs = {m.directory for m in hf_modules.values()}
+    if set(hf_modules) != set(cfg.modules) or not all(m.complete for m in hf_modules.values()) or len(dirs) != 1:
+        return ("model.hf: export writes one HF directory, so every module must come from model.hf "
+                "(or, for a text-only model, from model.language.hf)")
+    return ""
+
+
+def export_hf(trainer, out_dir: str) -> None:
+    """Collective over all ranks of the trainer's world: write `out_dir`."""
+    cfg = trainer.cfg
+    mods = trainer.hf_modules
+    problem = export_problems(cfg, mods)
+    if problem:
+        raise ValueError(problem)
+    src = next(iter(trainer.hf_sources.values()))
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    written = []
+    for name in cfg.modules:
+        grid = trainer.topo.grid(name)
+        by_name = {e.mimo: e for e in mods[name].entries}
+        for stage in range(grid.layout.pp):
+            fname = f"model-{name}-{stage:03d}.safetensors"
+            written.append(fname)
+            c = grid.coords if grid.is_member else None
+            if c is not None and c["pp"] == stage and c["dp"] == 0 and c.get("cp", 0) == 0:
+                part, tp = trainer.parts[name], grid.groups["tp"]
+                tensors = {}
+                for pname, p in part.named_parameters():
+                    full = unshard(p, p, tp).cpu()
+                    if c["tp"] == 0:
+                        entry = by_name[global_name(pname, trainer.layer_offsets[name])]
+                        tensors.update(split_entry(entry, full, src))
+                if c["tp"] == 0:
+                    save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+                del tensors
+            dist.barrier()
+    if dist.get_rank() == 0:
+        tied = cfg.model.language.tie_embeddings
+        finish_directory(out_dir, src, written, skip_extra=lambda k: tied and k.endswith("lm_head.weight"))
+    dist.barrier()
+
+
+def _rank_export(raw: Dict, out_dir: str) -> None:
+    from .heterogeneous import make_trainer
+
+    export_hf(make_trainer(load_config(raw), select_runtime("cpu")), out_dir)
+
+
+def export_config(raw: Dict, out_dir: str, timeout_s: float = 1800.0) -> None:
+    """Build the config's model on its ranks (weights from its HF directory) and export it."""
+    cfg = load_config(raw)
+    from mimo.hf import hf_modules
+
+    problem = export_problems(cfg, hf_modules(cfg))
+    if problem:
+        raise ValueError(problem)
+    run_on_ranks(_rank_export, cfg.world_size, raw, out_dir, timeout_s=timeout_s)

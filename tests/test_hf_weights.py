@@ -1,0 +1,288 @@
+"""Hugging Face weights: mimo's logits vs transformers' (FP32, 1e-4) at several layouts, Whisper
+encoder outputs, export round trip, config and weight errors, and a negative control.
+
+Tiny random models are written by tools/make_tiny_llava.py into tmp dirs (no download).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mimo.config import ConfigError, load_config
+from mimo.runtime import run_on_ranks, select_runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "tools", "make_tiny_llava.py"))
+mk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mk)
+
+TOL = 1e-4  # tools/parity.py's criterion, on the logits' max |diff| / max |ref|
+IMAGE = mk.VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def clip_llama(tmp_path_factory):
+    """CLIP (class token, layer -2, default strategy) + Llama (GQA, Llama-3 RoPE scaling)."""
+    return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "clip_llama"), "clip", "llama", rope_scaling=True)
+
+
+@pytest.fixture(scope="module")
+def siglip_qwen2(tmp_path_factory):
+    """SigLIP (no class token, full strategy) + Qwen2 (QKV bias, tied embeddings)."""
+    return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "siglip_qwen2"), "siglip", "qwen2", tie=True)
+
+
+def llava_inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, IMAGE - 1, (2, 40), generator=g)
+    ids[0, 3:19] = IMAGE            # one image (16 features) per row
+    ids[1, 10:26] = IMAGE
+    return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+
+
+def hf_reference(directory, inputs):
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def rel_diff(got, ref):
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def llava_config(directory, **parallelism):
+    par = parallelism or {"language": {}, "images": {}}
+    return {"model": {"hf": directory}, "parallelism": par, "training": {"global_batch_size": 2}}
+
+
+def mimo_logits(raw, inputs):
+    from mimo.training.hf_logits import hf_logits
+
+    return hf_logits(raw, inputs)
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def test_architecture_comes_from_the_hf_config(clip_llama):
+    cfg = load_config(llava_config(clip_llama))
+    lang, enc = cfg.model.language, cfg.model.encoders["images"]
+    assert (lang.num_layers, lang.hidden_size, lang.num_query_groups, lang.ffn_hidden_size) == (2, 64, 2, 96)
+    assert (lang.normalization, lang.activation, lang.add_bias_linear, lang.qkv_bias) == ("RMSNorm", "swiglu",
+                                                                                         False, False)
+    assert lang.rope_theta == 50000.0 and lang.rope_scaling["original_max_position_embeddings"] == 16
+    # CLIP: 3 layers, features from layer -2 -> the first 2 run; the class token is dropped.
+    assert (enc.num_layers, enc.class_token, enc.pre_norm, enc.final_norm, enc.activation) == (
+        2, True, True, False, "quick_gelu")
+    assert cfg.placeholder_ids == {"images": IMAGE} and enc.projector.activation == "gelu"
+
+
+def test_yaml_field_that_disagrees_is_a_config_error(clip_llama, tmp_path):
+    import yaml
+
+    raw = llava_config(clip_llama)
+    raw["model"]["language"] = {"hidden_size": 64, "num_attention_heads": 8}  # heads disagree (4)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(path)], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"error: model.language.num_attention_heads: 8 disagrees with {clip_llama}/config.json (4)"]
+    raw["model"]["language"] = {"hidden_size": 64}  # agreeing fields are fine
+    load_config(raw)
+
+
+def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError) as exc:
+        load_config({"model": {"language": {"hf": str(d)}}, "parallelism": {"language": {}},
+                     "training": {"global_batch_size": 1}})
+    assert str(exc.value) == ("error: model.language.hf: language model type 'gpt2' is not supported "
+                              "(supported: llama, mistral, qwen2)")
+
+
+# -- logits vs transformers ----------------------------------------------------------------------
+
+
+def _logits_of_each(raws, inputs):
+    """One rank: the logits of several configs (one process start for all)."""
+    from mimo.training.hf_logits import logits_config, split_inputs, trainer_logits
+    from mimo.training.heterogeneous import make_trainer
+
+    out = []
+    for raw in raws:
+        cfg = load_config(logits_config(raw, *inputs["input_ids"].shape))
+        logits = trainer_logits(make_trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
+        out.append(torch.stack([logits[i] for i in range(len(logits))]))
+    return out
+
+
+def test_clip_llama_logits_single_rank_and_negative_control(clip_llama, tmp_path):
+    """1 rank within tolerance; negative control: one k_proj 1% off in mimo's copy -> outside it."""
+    from safetensors.torch import load_file, save_file
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(clip_llama, bad)
+    tensors = load_file(os.path.join(bad, "model.safetensors"))
+    key = next(k for k in tensors if "layers.1.self_attn.k_proj.weight" in k and "vision" not in k)
+    tensors[key] = tensors[key] * 1.01
+    save_file(tensors, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    inputs = llava_inputs()
+    good, wrong = run_on_ranks(_logits_of_each, 1, [llava_config(clip_llama), llava_config(bad)], inputs)[0]
+    ref = hf_reference(clip_llama, inputs)
+    assert rel_diff(good, ref) < TOL
+    assert rel_diff(wrong, ref) > TOL
+
+
+@pytest.mark.slow
+def test_clip_llama_logits_colocated_tp2(clip_llama):
+    inputs = llava_inputs()
+    raw = llava_config(clip_llama, language={"tp": 2}, images={"tp": 2})
+    assert rel_diff(mimo_logits(raw, inputs), hf_reference(clip_llama, inputs)) < TOL
+
+
+def test_clip_llama_logits_noncolocated_llm_pp2(clip_llama):
+    inputs = llava_inputs()
+    raw = llava_config(clip_llama, language={"pp": 2}, images={"rank_offset": 2})
+    assert rel_diff(mimo_logits(raw, inputs), hf_reference(clip_llama, inputs)) < TOL
+
+
+@pytest.mark.slow
+def test_clip_llama_logits_noncolocated_llm_pp2_tp2(clip_llama):
+    inputs = llava_inputs()
+    raw = llava_config(clip_llama, language={"tp": 2, "pp": 2}, images={"rank_offset": 4})
+    assert rel_diff(mimo_logits(raw, inputs), hf_reference(clip_llama, inputs)) < TOL
+
+
+def _logits_then_export(raw, inputs, out_dir):
+    from mimo.training.hf_export import export_hf
+    from mimo.training.hf_logits import split_inputs, trainer_logits
+    from mimo.training.heterogeneous import make_trainer
+
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    logits = trainer_logits(trainer, split_inputs(cfg, inputs))  # forward + backward, no update
+    export_hf(trainer, out_dir)
+    return logits
+
+
+def _tensors(d):
+    from safetensors import safe_open
+
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = set(json.load(open(index))["weight_map"].values()) if os.path.exists(index) else {"model.safetensors"}
+    res = {}
+    for f in files:
+        with safe_open(os.path.join(d, f), "pt") as h:
+            res.update({k: h.get_tensor(k) for k in h.keys()})
+    return res
+
+
+def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, tmp_path):
+    """Logits within tolerance at colocated TP2; the export (streamed from the TP2 shards) holds
+    exactly the source tensors and loads in transformers with the same logits."""
+    from mimo.training.hf_logits import logits_config, merge_logits
+
+    inputs = llava_inputs()
+    out = str(tmp_path / "exported")
+    raw = logits_config(llava_config(siglip_qwen2, language={"tp": 2}, images={"tp": 2}), 2, 40)
+    got = merge_logits(run_on_ranks(_logits_then_export, 2, raw, inputs, out), 2)
+    ref = hf_reference(siglip_qwen2, inputs)
+    assert rel_diff(got, ref) < TOL
+
+    src, exported = _tensors(siglip_qwen2), _tensors(out)
+    assert set(src) == set(exported)
+    for k in src:
+        assert exported[k].dtype == src[k].dtype and torch.equal(exported[k], src[k]), k
+    assert torch.equal(hf_reference(out, inputs), ref)
+    assert os.path.isfile(os.path.join(out, "config.json"))
+
+
+# -- Whisper ---------------------------------------------------------------------------------------
+
+
+def _whisper_outputs(raw, mel):
+    from mimo.training.heterogeneous import make_trainer
+
+    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    with torch.no_grad():
+        return trainer.parts["audio"].encoder(mel.transpose(1, 2))
+
+
+def test_whisper_encoder_outputs_match_transformers(tmp_path):
+    from transformers import WhisperModel
+
+    d = mk.make_whisper(str(tmp_path / "whisper"))
+    mel = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))  # [n, mel, frames], as Whisper takes
+    raw = {"model": {"language": dict(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                                      max_sequence_length=64),
+                     "encoders": {"audio": {"kind": "audio", "hf": d}}},
+           "parallelism": {"language": {}, "audio": {}}, "data": {"seq_length": 32},
+           "training": {"global_batch_size": 1}}
+    got = run_on_ranks(_whisper_outputs, 1, raw, mel)[0]
+    with torch.no_grad():
+        ref = WhisperModel.from_pretrained(d).eval().encoder(mel).last_hidden_state
+    assert got.shape == ref.shape == (2, 16, 32)
+    assert rel_diff(got, ref) < TOL
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_missing_and_misshaped_tensors_are_one_error_line(clip_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(clip_llama, bad)
+    path = os.path.join(bad, "model.safetensors")
+    tensors = load_file(path)
+    norm = next(k for k in tensors if k.endswith("model.norm.weight"))
+    tensors[norm] = tensors[norm][:10]
+    save_file(tensors, path, metadata={"format": "pt"})
+    inputs = tmp_path / "in.pt"
+    torch.save(llava_inputs(), inputs)
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "hf_logits.py"), "--config", str(tmp_path / "c.yaml"),
+           "--inputs", str(inputs), "--out", str(tmp_path / "out.pt")]
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(llava_config(bad)))
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {path}: {norm}: shape [10], the config needs [64]"]
+
+    from mimo.hf import HFWeightsError, check_hf_weights
+
+    cfg = load_config(llava_config(bad))
+    del tensors[norm]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(HFWeightsError) as exc:
+        check_hf_weights(cfg)
+    assert str(exc.value) == f"error: {bad}: missing tensor {norm}"
+
+    os.remove(path)
+    with pytest.raises(HFWeightsError) as exc:
+        check_hf_weights(cfg)
+    assert str(exc.value) == f"error: {bad}: no model.safetensors or model.safetensors.index.json"
+
+
+def test_tokenizer_and_processor_are_located_in_model_hf(clip_llama, tmp_path):
+    from mimo.hf import processor_dir, tokenizer_dir
+
+    d = str(tmp_path / "with_tokenizer")
+    shutil.copytree(clip_llama, d)
+    cfg = load_config(llava_config(d))
+    assert tokenizer_dir(cfg) is None and processor_dir(cfg) is None  # no such files yet
+    for f in ("tokenizer_config.json", "preprocessor_config.json"):
+        (tmp_path / "with_tokenizer" / f).write_text("{}")
+    assert tokenizer_dir(cfg) == d and processor_dir(cfg) == d

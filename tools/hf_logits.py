@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""FP32 logits of a mimo model for given inputs: verify a Hugging Face conversion.
+
+    python tools/hf_logits.py --config FILE.yaml --inputs IN.pt --out OUT.pt [--set a.b=v ...]
+
+IN.pt: {"input_ids": int64 [B, S], "pixel_values": float32 [N, 3, H, W]} with each
+image's placeholder tokens (image_token_id, one per image feature) already expanded
+in input_ids and images in order of appearance: what LlavaForConditionalGeneration
+takes. (An audio encoder reads "input_features" [N, mel, frames], as Whisper does.)
+Starts the ranks the layout needs (CPU, gloo), runs one FP32 forward and writes
+{"logits": float32 [B, S, V]} to OUT.pt. Exit 2 with one `error:` line for bad input.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--inputs", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
+    args = p.parse_args(argv)
+    import torch
+
+    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml
+    from mimo.hf import HFWeightsError, check_hf_weights
+    from mimo.training.hf_logits import hf_logits
+
+    try:
+        raw = apply_overrides(read_yaml(args.config), args.set)
+        check_hf_weights(load_config(raw))
+        try:
+            inputs = torch.load(args.inputs, map_location="cpu")
+        except (OSError, RuntimeError) as exc:
+            print(f"error: {args.inputs}: cannot read ({exc})", file=sys.stderr)
+            return 2
+        if not isinstance(inputs, dict) or "input_ids" not in inputs:
+            print(f"error: {args.inputs}: must hold a dict with input_ids", file=sys.stderr)
+            return 2
+        logits = hf_logits(raw, inputs)
+    except (ConfigError, HFWeightsError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {args.inputs}: {exc}", file=sys.stderr)
+        return 2
+    torch.save({"logits": logits.float()}, args.out)
+    print(f"wrote {args.out}: logits {list(logits.shape)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
