@@ -29,7 +29,7 @@ import torch.distributed as dist
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
-from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.data import build_dataset, collate, move, shard_indices
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.stages import build_llm_stage, stage_layer_offset
@@ -148,7 +148,7 @@ class HeterogeneousTrainer(TrainerBase):
             m.to(runtime.device)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
-        self.dataset = MockMultimodalDataset(cfg)
+        self.dataset = build_dataset(cfg)
         self.offload = None
         if tr.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
@@ -163,10 +163,11 @@ class HeterogeneousTrainer(TrainerBase):
                                                device=runtime.device)
                       for name in self.encoders}
 
-    def _batch(self, step: int, indices) -> Dict[str, torch.Tensor]:
+    def _batch(self, step: int, indices, items: bool = True) -> Dict[str, torch.Tensor]:
+        """The samples' batch; `items=False`: without encoder inputs (LLM side: no image is decoded)."""
         G = self.cfg.training.global_batch_size
         samples = [self.dataset.sample(step * G + i) for i in indices]
-        return move(collate(samples, self.cfg.placeholder_ids), self.runtime.device, self.dtype)
+        return move(collate(samples, self.cfg.placeholder_ids, items), self.runtime.device, self.dtype)
 
     def _token_counts(self, batch, name: str) -> torch.Tensor:
         return batch[f"{name}_counts"].to(torch.int64) * tokens_per_item(self.cfg, name)
@@ -199,7 +200,7 @@ class HeterogeneousTrainer(TrainerBase):
     def forward_backward(self, step: int):
         G = self.cfg.training.global_batch_size
         # Every rank can load any sample, so the global normaliser needs no communication.
-        n_tokens = float(self._batch(step, range(G))["loss_mask"].sum())
+        n_tokens = float(self._batch(step, range(G), items=False)["loss_mask"].sum())
         if n_tokens == 0:
             raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
@@ -231,15 +232,16 @@ class HeterogeneousTrainer(TrainerBase):
             """This CP rank's balanced slots of the microbatch (the same plan on every stage)."""
             bits = b["attention_mask"].bits
             slots = plan_context_parallel(bits, cp, lang.cp_block_size, lang.cp_policy)
-            return shard_microbatch(slots, cp_rank, bits=bits, input_ids=b["input_ids"],
+            return shard_microbatch(slots, cp_rank, bits=bits, document_ids=b["attention_mask"].document_ids,
+                                    input_ids=b["input_ids"],
                                     position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"],
                                     decoder_input=decoder_input)
 
         def batch(mb):
             if mb not in cache:
-                b = self._batch(step, indices[mb])
+                b = self._batch(step, indices[mb], items=False)
                 if bitfield:
-                    b["attention_mask"] = self._masker.attention_mask(b["input_ids"])
+                    b["attention_mask"] = self._masker.attention_mask(b["input_ids"], b.get("document_ids"))
                 if cp > 1:
                     b = {**cp_view(b), "full": b}
                 cache[mb] = b
@@ -297,7 +299,7 @@ class HeterogeneousTrainer(TrainerBase):
             indices = self._llm_indices()
 
             def expect(mb):
-                b = self._batch(step, indices[mb])
+                b = self._batch(step, indices[mb], items=False)
                 return {n: self._token_counts(b, n) for n in self.remote}
 
             join = BoundaryJoin([(n, self.comms[n], self.trainable_edge[n]) for n in self.remote], expect,
