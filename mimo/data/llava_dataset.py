@@ -85,41 +85,89 @@ class LlavaDataset:
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
         self._plans: Dict[int, StepPlan] = {}
-        self._next_step = 0
-        self._starts: Dict[int, Dict] = {0: self.state_dict()}
+        self._next_step, self._trained = 0, -1
+        self._starts: Dict[int, Dict] = {0: self._position()}
+        self.num_workers = d.num_workers
+        self._wanted, self._pin = None, False
+        self._close_prefetch()
         self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
 
     # -- the trainers' interface ---------------------------------------------------------------
 
     def sample(self, index: int) -> Sample:
         step, j = divmod(index, self.G)
+        if step > self._trained:
+            self._trained = step
+            self._fetch(step)
         return self.plan(step).samples[j]
 
     def plan(self, step: int) -> StepPlan:
         """The sequences of `step`; steps are planned in order (earlier ones are replayed if needed)."""
-        if step in self._plans:
-            return self._plans[step]
-        if step < self._next_step:
-            self.load_state_dict(self._starts[step])
-        while self._next_step <= step:
-            plan = self._plan_next()
-            self._plans[self._next_step] = plan
-            self._plans.pop(self._next_step - 2, None)  # a step's microbatches may still ask for the previous one
-            self._next_step += 1
-            self._starts[self._next_step] = self.state_dict()
+        if step not in self._plans:
+            if step < self._next_step:
+                self._seek(self._starts[step])
+            while self._next_step <= step:
+                self._plans[self._next_step] = self._plan_next()
+                self._next_step += 1
+                self._starts[self._next_step] = self._position()
+        for old in [s for s in self._plans if s < min(step, self._trained) - 1]:
+            del self._plans[old]  # a step's microbatches may still ask for the previous step
         return self._plans[step]
 
     def state_dict(self) -> Dict:
-        """The data position before the next step to plan (part of a checkpoint)."""
-        return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
+        """The data position after the last step the trainer asked for (part of a checkpoint);
+        steps planned ahead for prefetching do not move it."""
+        return dict(self._starts[self._trained + 1])
 
     def load_state_dict(self, state: Dict) -> None:
+        self._seek(state)
+        self._trained = int(state["step"]) - 1
+        self._starts = {int(state["step"]): dict(state)}
+        self._close_prefetch()
+
+    def prefetch(self, wanted: Callable[[int], List[int]], pin_memory: bool = False) -> None:
+        """Decode ahead, in `data.num_workers` DataLoader workers, the images of the samples this
+        rank's encoders consume: `wanted(step)` lists their indices within the step. Without it
+        (or with num_workers 0) a rank decodes its images when it first reads a sample's items."""
+        if self.num_workers > 0 and self.image_loader is not None:
+            self._wanted, self._pin = wanted, pin_memory
+
+    def _position(self) -> Dict:
+        return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
+
+    def _seek(self, state: Dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         self.skipped = int(state["skipped_samples"])
         self._next_step = int(state["step"])
         self._plans.clear()
         self._peeked = None
-        self._starts[self._next_step] = dict(state)
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def _paths(self, step: int) -> tuple:
+        samples = self.plan(step).samples
+        return tuple(p for j in self._wanted(step) for p in samples[j].items.paths[self.vision])
+
+    def _fetch(self, step: int) -> None:
+        """Take the prefetched images of `step` (the loader runs steps in order from where it started)."""
+        if self._wanted is None:
+            return
+        if self._loader_iter is None or self._loader_step != step:
+            self._close_prefetch()
+            steps = _Steps(self, step)
+            self._loader_iter = iter(torch.utils.data.DataLoader(
+                _DecodePaths(self.image_loader, self.empty[self.vision]), batch_size=None, sampler=steps,
+                num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin))
+        paths, pixels = next(self._loader_iter)
+        self._decoded = dict(zip(paths, pixels))
+        self._loader_step = step + 1
+
+    def _close_prefetch(self) -> None:
+        self._loader_iter, self._loader_step, self._decoded = None, None, {}
+
+    def _decode(self, path: str) -> torch.Tensor:
+        got = self._decoded.get(path)
+        return got if got is not None else self.image_loader(path)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -183,7 +231,7 @@ class LlavaDataset:
         pad = self.S - len(ids)
         paths = {n: (images if n == self.vision else []) for n in self.cfg.model.encoders}
         return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
-                      items=LazyItems(paths, self.image_loader, self.empty),
+                      items=LazyItems(paths, self._decode, self.empty),
                       targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
                       document_ids=torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
                       position_ids=torch.tensor(pos + [0] * pad, dtype=torch.long))
@@ -193,3 +241,28 @@ def _is_rank0() -> bool:
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class _Steps:
+    """The DataLoader's sampler: this rank's image paths of step start, start + 1, ... (planned in
+    the main process, in order, so every rank's plan stays identical)."""
+
+    def __init__(self, dataset: LlavaDataset, start: int):
+        self.dataset, self.start = dataset, start
+
+    def __iter__(self):
+        step = self.start
+        while True:
+            yield self.dataset._paths(step)
+            step += 1
+
+
+class _DecodePaths(torch.utils.data.Dataset):
+    """Runs in a worker: a step's paths -> (paths, [n, 3, H, W] pixels)."""
+
+    def __init__(self, loader: ImageLoader, empty: tuple):
+        self.loader, self.empty = loader, empty
+
+    def __getitem__(self, paths: tuple):
+        pixels = torch.stack([self.loader(p) for p in paths]) if paths else torch.zeros((0,) + self.empty)
+        return paths, pixels

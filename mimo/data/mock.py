@@ -97,6 +97,9 @@ class MockMultimodalDataset:
         step = int(torch.randint(1, 4, (1,), generator=g))
         return self.text_low + (start + step * torch.arange(n)) % span
 
+    def prefetch(self, wanted, pin_memory: bool = False) -> None:
+        """Mock samples are generated on demand: nothing to decode ahead."""
+
     def global_batch(self, step: int) -> List[Sample]:
         g = self.cfg.training.global_batch_size
         return [self.sample(step * g + j) for j in range(g)]

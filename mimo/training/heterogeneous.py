@@ -149,6 +149,8 @@ class HeterogeneousTrainer(TrainerBase):
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
         self.dataset = build_dataset(cfg)
+        self.dataset.prefetch(lambda step, mine=self._encoded_indices(): mine,
+                              pin_memory=runtime.device.type == "cuda")
         self.offload = None
         if tr.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
@@ -168,6 +170,18 @@ class HeterogeneousTrainer(TrainerBase):
         G = self.cfg.training.global_batch_size
         samples = [self.dataset.sample(step * G + i) for i in indices]
         return move(collate(samples, self.cfg.placeholder_ids, items), self.runtime.device, self.dtype)
+
+    def _encoded_indices(self) -> List[int]:
+        """Samples (indices within a step) whose items this rank's encoders consume."""
+        mine = set()
+        for name in self.colocated:
+            if name in self.parts:
+                mine.update(self._colocated_encoder_indices(name))
+        for name in self.remote:
+            if name in self.parts:
+                for mb in range(self.num_microbatches):
+                    mine.update(self._encoder_window_indices(name, mb))
+        return sorted(mine)
 
     def _token_counts(self, batch, name: str) -> torch.Tensor:
         return batch[f"{name}_counts"].to(torch.int64) * tokens_per_item(self.cfg, name)

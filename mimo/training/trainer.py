@@ -173,6 +173,10 @@ class Trainer(TrainerBase):
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, cfg.training) for name, p in self.params.items()}
         self.dataset = build_dataset(cfg)
+        tr, mine = cfg.training, self.grid.coords["dp"]
+        shard = [i for mb in shard_indices(tr.global_batch_size, tr.micro_batch_size, mine, self.grid.layout.dp)
+                 for i in mb]
+        self.dataset.prefetch(lambda step: shard, pin_memory=runtime.device.type == "cuda")
 
     # -- construction ---------------------------------------------------------------------------
 
