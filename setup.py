@@ -21,6 +21,10 @@ setup(
         "numpy>=1.26,<3",
         # megatron-core's HyperCommGrid needs einops but does not declare it.
         "einops==0.8.1",
+        # Real data (data.kind: llava): HF tokenizers and image processors, Pillow to decode images.
+        "transformers==5.23.0",
+        "tokenizers==0.23.3",
+        "pillow==13.0.0",
     ],
     extras_require={
         "test": ["pytest==9.0.3"],
