@@ -25,6 +25,8 @@ setup(
         "transformers==5.23.0",
         "tokenizers==0.23.3",
         "pillow==13.0.0",
+        # data.kind: energon (its loader and savable state); pulls no other torch / megatron-core.
+        "megatron-energon==7.4.1",
     ],
     extras_require={
         "test": ["pytest==9.0.3"],

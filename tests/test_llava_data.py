@@ -302,3 +302,46 @@ def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
         assert ahead.state_dict() == inline.state_dict()
     # The prefetched images were used: the samples the rank consumes needed no decode here.
     assert set(ahead._decoded) == {p for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
+
+
+# -- megatron-energon ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def energon_dir(tmp_path_factory):
+    pytest.importorskip("megatron.energon")
+    out = str(tmp_path_factory.mktemp("energon"))
+    assert make_sample_data.main([out, "--records", "24", "--image-size", "16", "--energon"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["captioning", "vqa"])
+def test_energon_dataset_trains_on_llava_records_and_resumes(energon_dir, kind, monkeypatch):
+    from mimo.data import collate, energon
+
+    monkeypatch.setattr(energon, "REFRESH_EVERY", 3)  # resume from energon's own state, then replay
+    raw = llava_raw(energon_dir, path=os.path.join(energon_dir, f"energon_{kind}"), kind="energon")
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    cfg = load_config(raw)
+    ds = dataset(raw)
+    b = collate([ds.sample(0)], cfg.placeholder_ids)
+    tok = ds.encoder.tok
+    text = tok.decode([t for t in b["input_ids"][0].tolist() if t != cfg.placeholder_ids["images"]])
+    prompt = "USER : ASSISTANT :" if kind == "captioning" else "USER : what"
+    assert text.startswith("<s> " + prompt), text
+    answers = tok.decode(b["labels"][0][b["loss_mask"][0].bool()].tolist())
+    assert answers.startswith("a ") and answers.endswith("background . </s>"), answers
+    assert b["images"].shape[0] == b["images_counts"][0] == int((b["input_ids"][0] == cfg.placeholder_ids["images"]).sum()) // 4
+    for s in range(3):
+        ds.plan(s)
+    state = ds.state_dict()
+    assert state["sampler"]["energon"] is not None  # a real energon loader state is part of the position
+    full = [ds.plan(s).record_ids for s in range(3, 7)]
+    resumed = dataset(raw)
+    resumed.load_state_dict(state)
+    assert [resumed.plan(s).record_ids for s in range(3, 7)] == full
+
+
+def test_energon_config_errors(energon_dir):
+    raw = llava_raw(energon_dir, path=energon_dir, kind="energon")
+    with pytest.raises(ConfigError, match="error: data.path: .* is not a prepared energon dataset"):
+        load_config(raw)

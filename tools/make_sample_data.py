@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Write a small LLaVA-format dataset with generated images and a matching tiny tokenizer.
 
-    python tools/make_sample_data.py OUT_DIR [--records 64] [--image-size 32] [--seed 0]
+    python tools/make_sample_data.py OUT_DIR [--records 64] [--image-size 32] [--seed 0] [--energon]
 
 OUT_DIR/train.json      a JSON list of LLaVA records (captions, two-image questions, text-only turns)
 OUT_DIR/images/*.png    the pictures: a coloured shape on a coloured background
 OUT_DIR/tokenizer/      an HF tokenizer (word level, built offline with `tokenizers`)
+with --energon, the one-image records also as megatron-energon datasets (WebDataset shards, then `energon prepare`):
+OUT_DIR/energon_captioning/   CaptioningSample (image: png, caption: txt)
+OUT_DIR/energon_vqa/          VQASample (image: png, context: txt, answers: json)
 
 Everything is offline and deterministic in --seed, so the demo and the tests run without a network.
 """
@@ -92,12 +95,48 @@ def make_tokenizer(out):
     return len(vocab)
 
 
+def make_energon(out, records):
+    """Write one WebDataset shard per sample type and prepare it with energon's own CLI."""
+    import contextlib
+    import io
+    import tarfile
+
+    kinds = {"captioning": ("CaptioningSample", {"image": "png", "caption": "txt"}),
+             "vqa": ("VQASample", {"image": "png", "context": "txt", "answers": "json"})}
+    for kind, (sample_type, field_map) in kinds.items():
+        root = os.path.join(out, f"energon_{kind}")
+        os.makedirs(root, exist_ok=True)
+        with tarfile.open(os.path.join(root, "shard-000000.tar"), "w") as tar:
+            for r in records:
+                if not isinstance(r.get("image"), str):
+                    continue
+                question, answer = (t["value"] for t in r["conversations"][:2])
+                parts = {"png": open(os.path.join(out, r["image"]), "rb").read()}
+                if kind == "captioning":
+                    parts["txt"] = answer.encode()
+                else:
+                    parts["txt"] = question.replace("<image>", "").strip().encode()
+                    parts["json"] = json.dumps([answer]).encode()
+                for ext, data in parts.items():
+                    info = tarfile.TarInfo(f"{r['id']}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        # `energon prepare ROOT ...`, run in this process (the same click command the CLI runs).
+        from megatron.energon.cli.main import main as energon_cli
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            energon_cli(["prepare", root, "--non-interactive", "--split-parts", "train:shard-{000000..000000}.tar",
+                         "--sample-type", sample_type, "--field-map", json.dumps(field_map), "--no-progress",
+                         "--num-workers", "1"], standalone_mode=False)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--records", type=int, default=64)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--energon", action="store_true", help="also write prepared megatron-energon datasets")
     args = p.parse_args(argv)
     if args.records < 1 or args.image_size < 8:
         print("error: --records must be >= 1 and --image-size >= 8", file=sys.stderr)
@@ -107,6 +146,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "train.json"), "w") as f:
         json.dump(records, f, indent=1)
     n = make_tokenizer(args.out_dir)
+    if args.energon:
+        make_energon(args.out_dir, records)
     print(f"wrote {len(records)} records, {len(os.listdir(os.path.join(args.out_dir, 'images')))} images and a "
           f"{n}-token tokenizer to {args.out_dir}")
     return 0

@@ -18,7 +18,7 @@ PRECISIONS = ("fp32", "bf16")
 INIT_MODES = ("reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
-DATA_KINDS = ("mock", "llava")
+DATA_KINDS = ("mock", "llava", "energon")
 BAD_RECORD_MODES = ("skip", "error")
 
 

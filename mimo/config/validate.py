@@ -105,12 +105,22 @@ def _check_data(cfg: MimoConfig, add) -> None:
             add("data.path", f"no such file: {d.path}")
         if d.image_root is not None and not os.path.isdir(d.image_root):
             add("data.image_root", f"no such directory: {d.image_root}")
-        vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
-        if len(vision) > 1:
-            add("model.encoders", f"data.kind llava feeds its images to one vision encoder, found {len(vision)}")
-        for n in vision:
-            if cfg.model.encoders[n].num_channels != 3:
-                add(f"model.encoders.{n}.num_channels", "must be 3: llava images are decoded as RGB")
+    if d.kind == "energon":
+        if not d.path:
+            add("data.path", "required for data.kind energon (a directory prepared with `energon prepare`)")
+        elif not os.path.isfile(os.path.join(d.path, ".nv-meta", "dataset.yaml")):
+            add("data.path", f"{d.path} is not a prepared energon dataset (no .nv-meta/dataset.yaml): "
+                "run `energon prepare` on it")
+        try:
+            import megatron.energon  # noqa: F401
+        except ImportError:
+            add("data.kind", "energon needs megatron-energon (pip install megatron-energon==7.4.1)")
+    vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
+    if len(vision) > 1:
+        add("model.encoders", f"data.kind {d.kind} feeds its images to one vision encoder, found {len(vision)}")
+    for n in vision:
+        if cfg.model.encoders[n].num_channels != 3:
+            add(f"model.encoders.{n}.num_channels", f"must be 3: data.kind {d.kind} decodes images as RGB")
     tok = d.tokenizer or cfg.model.hf
     path = "data.tokenizer"
     if tok is None:

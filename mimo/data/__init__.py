@@ -10,6 +10,12 @@ def build_dataset(cfg):
         from .llava_dataset import LlavaDataset
 
         return LlavaDataset(cfg)
+    if cfg.data.kind == "energon":
+        from .energon import EnergonSource
+        from .llava_dataset import LlavaDataset
+
+        d = cfg.data
+        return LlavaDataset(cfg, source=EnergonSource(d.path, d.seed, d.shuffle, d.num_workers))
     return MockMultimodalDataset(cfg)
 
 

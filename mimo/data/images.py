@@ -9,8 +9,9 @@ statistics most LLaVA vision towers were trained with.
 
 from __future__ import annotations
 
+import io
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,28 +23,38 @@ class ImageError(ValueError):
     """An image that cannot be used; the message is the reason, for the bad-record warning."""
 
 
-def check_image(path: str) -> None:
-    """Raise ImageError unless `path` is a file whose header Pillow recognises.
+def _open(src: Union[str, bytes]):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
+
+
+def _name(src: Union[str, bytes]) -> str:
+    return src if isinstance(src, str) else f"({len(src)} bytes inline)"
+
+
+def check_image(path: Union[str, bytes]) -> None:
+    """Raise ImageError unless `path` (a file, or an image's bytes) has a header Pillow recognises.
 
     Reads the header only (a few hundred bytes, no pixels), so every rank can
     afford it and all ranks reach the same verdict on a record from the
     record alone: they must agree which samples a step holds.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
-    if not os.path.isfile(path):
+    if isinstance(path, str) and not os.path.isfile(path):
         raise ImageError(f"image not found: {path}")
     try:
-        with Image.open(path) as img:
+        with _open(path) as img:
             w, h = img.size
     except (UnidentifiedImageError, OSError) as exc:
-        raise ImageError(f"unreadable image {path}: {exc}") from None
+        raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
     if w < 1 or h < 1:
-        raise ImageError(f"empty image {path}")
+        raise ImageError(f"empty image {_name(path)}")
 
 
 class ImageLoader:
-    """path -> float32 [3, H, W] pixels for the vision encoder."""
+    """path (or the image's bytes) -> float32 [3, H, W] pixels for the vision encoder."""
 
     def __init__(self, image_size: int, hf_dir: Optional[str] = None):
         self.image_size = image_size
@@ -53,14 +64,14 @@ class ImageLoader:
 
             self.processor = AutoImageProcessor.from_pretrained(hf_dir)
 
-    def __call__(self, path: str) -> torch.Tensor:
+    def __call__(self, path: Union[str, bytes]) -> torch.Tensor:
         from PIL import Image
 
         try:
-            with Image.open(path) as img:
+            with _open(path) as img:
                 rgb = img.convert("RGB")
         except OSError as exc:  # the header was fine but the pixels are not (e.g. a truncated file)
-            raise ImageError(f"unreadable image {path}: {exc}") from None
+            raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
         if self.processor is not None:
             return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()
         rgb = rgb.resize((self.image_size, self.image_size), Image.BICUBIC)

@@ -69,7 +69,7 @@ class Encoded:
     id: str
     input_ids: List[int]
     targets: List[bool]
-    images: List[str]
+    images: List  # file paths, or the images' bytes (energon)
 
 
 class ConversationEncoder:
@@ -87,8 +87,8 @@ class ConversationEncoder:
         rid = record_id(record, index)
         turns = self._turns(record)
         images = record.get("image", [])
-        images = [images] if isinstance(images, str) else images
-        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        images = [images] if isinstance(images, (str, bytes)) else images
+        if not isinstance(images, list) or not all(isinstance(i, (str, bytes)) for i in images):
             raise BadRecord("`image` must be a path or a list of paths")
         tags = sum(v.count(IMAGE_TAG) for _, v in turns)
         if tags != len(images):
@@ -107,7 +107,7 @@ class ConversationEncoder:
                     targets += [target] * len(t)
         if len(ids) > self.seq_length:
             raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
-        paths = [os.path.join(self.image_root, p) for p in images]
+        paths = [os.path.join(self.image_root, p) if isinstance(p, str) else p for p in images]  # bytes: inline
         for p in paths:
             try:
                 check_image(p)

@@ -22,7 +22,7 @@ import torch
 from mimo.config import MimoConfig
 
 from .images import ImageLoader
-from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records
+from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
 from .sampler import GlobalSampler
 
@@ -65,10 +65,13 @@ def load_tokenizer(cfg: MimoConfig):
 
 
 class LlavaDataset:
-    def __init__(self, cfg: MimoConfig, tokenizer=None):
+    """`kind: llava` (records from a file, GlobalSampler order) or, with an EnergonSource,
+    `kind: energon` (records from energon's loader, in its order)."""
+
+    def __init__(self, cfg: MimoConfig, tokenizer=None, source=None):
         d = cfg.data
         self.cfg = cfg
-        self.records = read_records(d.path)
+        self.records = read_records(d.path) if source is None else None
         self.G, self.S = cfg.training.global_batch_size, d.seq_length
         self.packing, self.on_bad = d.packing, d.on_bad_record
         vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
@@ -76,12 +79,13 @@ class LlavaDataset:
         enc = cfg.model.encoders[self.vision] if self.vision else None
         self.encoder = ConversationEncoder(
             tokenizer if tokenizer is not None else load_tokenizer(cfg), self.S,
-            d.image_root if d.image_root is not None else os.path.dirname(os.path.abspath(d.path)),
+            d.image_root if d.image_root is not None else os.path.dirname(os.path.abspath(d.path)) if source is None
+            else "",
             cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc else 0)
         self.image_loader = ImageLoader(enc.image_size, cfg.model.hf) if enc else None
         self.empty = {n: ((e.num_channels, e.image_size, e.image_size) if e.kind == "vision"
                           else (e.clip_frames, e.num_mel_bins)) for n, e in cfg.model.encoders.items()}
-        self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle)
+        self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
         self._plans: Dict[int, StepPlan] = {}
@@ -176,12 +180,13 @@ class LlavaDataset:
         if self._peeked is not None and self._peeked[0] == idx:
             return self._peeked[1]
         if idx not in self.bad:
+            record = self.records[idx] if self.records is not None else self.sampler.record(idx)
             try:
-                enc = self.encoder.encode(self.records[idx], idx)
+                enc = self.encoder.encode(record, idx)
                 self._peeked = (idx, enc)
                 return enc
             except BadRecord as exc:
-                rid = self.records[idx].get("id", f"#{idx}") if isinstance(self.records[idx], dict) else f"#{idx}"
+                rid = record_id(record, idx)
                 if self.on_bad == "error":
                     raise DataError(f"error: data.path: record {rid!r}: {exc}") from None
                 self.bad[idx] = str(exc)
