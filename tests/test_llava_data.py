@@ -345,3 +345,12 @@ def test_energon_config_errors(energon_dir):
     raw = llava_raw(energon_dir, path=energon_dir, kind="energon")
     with pytest.raises(ConfigError, match="error: data.path: .* is not a prepared energon dataset"):
         load_config(raw)
+
+
+def test_metrics_of_both_kinds(sample_dir):
+    raw = llava_raw(sample_dir)
+    m = dataset(raw).metrics(0)
+    assert m["skipped_samples"] == 0 and 0.5 < m["packing_efficiency"] <= 1.0
+    mock = copy.deepcopy(TINY)
+    m = dataset(mock).metrics(0)
+    assert m["skipped_samples"] == 0 and 0.5 < m["packing_efficiency"] < 1.0  # mock samples are right-padded

@@ -118,6 +118,11 @@ class LlavaDataset:
             del self._plans[old]  # a step's microbatches may still ask for the previous step
         return self._plans[step]
 
+    def metrics(self, step: int) -> Dict[str, float]:
+        """For the step metrics: `skipped_samples` (cumulative) and `packing_efficiency`."""
+        plan = self.plan(step)
+        return {"skipped_samples": plan.skipped_samples, "packing_efficiency": plan.packing_efficiency}
+
     def state_dict(self) -> Dict:
         """The data position after the last step the trainer asked for (part of a checkpoint);
         steps planned ahead for prefetching do not move it."""

@@ -97,6 +97,11 @@ class MockMultimodalDataset:
         step = int(torch.randint(1, 4, (1,), generator=g))
         return self.text_low + (start + step * torch.arange(n)) % span
 
+    def metrics(self, step: int) -> Dict[str, float]:
+        """For the step metrics: mock samples are never bad, and are not packed (right padding only)."""
+        ids = torch.stack([s.input_ids for s in self.global_batch(step)])
+        return {"skipped_samples": 0, "packing_efficiency": float((ids != PAD_ID).float().mean())}
+
     def prefetch(self, wanted, pin_memory: bool = False) -> None:
         """Mock samples are generated on demand: nothing to decode ahead."""
 
