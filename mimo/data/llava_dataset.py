@@ -138,7 +138,10 @@ class LlavaDataset:
         """Decode ahead, in `data.num_workers` DataLoader workers, the images of the samples this
         rank's encoders consume: `wanted(step)` lists their indices within the step. Without it
         (or with num_workers 0) a rank decodes its images when it first reads a sample's items."""
-        if self.num_workers > 0 and self.image_loader is not None:
+        import multiprocessing
+
+        # A daemonic process (ranks started by tools/parity.py) may not start workers: it decodes inline.
+        if self.num_workers > 0 and self.image_loader is not None and not multiprocessing.current_process().daemon:
             self._wanted, self._pin = wanted, pin_memory
 
     def _position(self) -> Dict:
