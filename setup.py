@@ -25,6 +25,12 @@ setup(
         "tqdm==4.70.1",
         # Hugging Face weights (mimo.hf): memory-mapped, sliced reads of *.safetensors.
         "safetensors==0.8.0",
+        # Real data (data.kind: llava): HF tokenizers and image processors, Pillow to decode images.
+        "transformers==5.23.0",
+        "tokenizers==0.23.3",
+        "pillow==13.0.0",
+        # data.kind: energon (its loader and savable state); pulls no other torch / megatron-core.
+        "megatron-energon==7.4.1",
     ],
     extras_require={
         # The metrics tests write TensorBoard events and draw timelines; transformers builds the

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
             time.sleep(10)
         return 2
 
+    from mimo.data.llava import DataError
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
     from mimo.training import make_trainer
     from mimo.training.metrics import StepReporter
@@ -101,6 +102,14 @@ def main(argv=None) -> int:
                 print(f"exported to {args.hf_export}", flush=True)
         shutdown()
         return 0
+    except DataError as exc:  # found identically on every rank (e.g. a bad record with on_bad_record: error)
+        if rank == 0:
+            print(str(exc), file=sys.stderr, flush=True)
+        else:
+            import time
+
+            time.sleep(10)  # let rank 0 report it before torchrun stops the job
+        os._exit(2)
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks
         print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if os.environ.get("MIMO_DEBUG"):

@@ -18,7 +18,8 @@ PRECISIONS = ("fp32", "bf16")
 INIT_MODES = ("reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
-DATA_KINDS = ("mock",)
+DATA_KINDS = ("mock", "llava", "energon")
+BAD_RECORD_MODES = ("skip", "error")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # swiglu is the gated form (silu(gate) * up) Llama, Mistral and Qwen2 use.
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "swiglu")
@@ -150,6 +151,17 @@ class DataConfig:
     kind: str = "mock"
     seq_length: int = 128
     seed: int = 0
+    # Real data (kind: llava): a JSON list / JSONL of records, image paths relative to image_root.
+    path: Optional[str] = None
+    image_root: Optional[str] = None
+    # An HF tokenizer directory (default: model.hf).
+    tokenizer: Optional[str] = None
+    # Several samples per sequence, separated by document ids in the attention mask.
+    packing: bool = False
+    # One global order per epoch: a permutation from (seed, epoch), or the file order.
+    shuffle: bool = True
+    num_workers: int = 0
+    on_bad_record: str = "skip"
     max_images_per_sample: int = 2
     max_audio_per_sample: int = 1
 

@@ -11,6 +11,7 @@ from typing import List, Optional
 from .load import Problem
 from .schema import (
     ATTENTION_KINDS,
+    BAD_RECORD_MODES,
     DATA_KINDS,
     CP_POLICIES,
     ENCODER_KINDS,
@@ -80,6 +81,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         add("model", "every module is frozen: nothing would be trained")
 
     _check_choice(cfg.data.kind, DATA_KINDS, "data.kind", add)
+    _check_data(cfg, add)
     tr = cfg.training
     _check_choice(tr.optimizer, OPTIMIZERS, "training.optimizer", add)
     _check_choice(tr.precision, PRECISIONS, "training.precision", add)
@@ -104,9 +106,62 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     return problems
 
 
+def _check_data(cfg: MimoConfig, add) -> None:
+    """Real-data fields: files exist, the tokenizer fits the LLM's vocabulary, packing can be masked."""
+    import os
+
+    d = cfg.data
+    _check_choice(d.on_bad_record, BAD_RECORD_MODES, "data.on_bad_record", add)
+    if d.kind == "mock":
+        return
+    if d.packing and cfg.model.language.attention != "bitfield":
+        add("data.packing", "needs model.language.attention: bitfield (document ids keep packed samples apart)")
+    if d.kind == "llava":
+        if not d.path:
+            add("data.path", "required for data.kind llava (a JSON list or JSONL file of records)")
+        elif not os.path.isfile(d.path):
+            add("data.path", f"no such file: {d.path}")
+        if d.image_root is not None and not os.path.isdir(d.image_root):
+            add("data.image_root", f"no such directory: {d.image_root}")
+    if d.kind == "energon":
+        if not d.path:
+            add("data.path", "required for data.kind energon (a directory prepared with `energon prepare`)")
+        elif not os.path.isfile(os.path.join(d.path, ".nv-meta", "dataset.yaml")):
+            add("data.path", f"{d.path} is not a prepared energon dataset (no .nv-meta/dataset.yaml): "
+                "run `energon prepare` on it")
+        try:
+            import megatron.energon  # noqa: F401
+        except ImportError:
+            add("data.kind", "energon needs megatron-energon (pip install megatron-energon==7.4.1)")
+    vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
+    if len(vision) > 1:
+        add("model.encoders", f"data.kind {d.kind} feeds its images to one vision encoder, found {len(vision)}")
+    for n in vision:
+        if cfg.model.encoders[n].num_channels != 3:
+            add(f"model.encoders.{n}.num_channels", f"must be 3: data.kind {d.kind} decodes images as RGB")
+    tok = d.tokenizer or cfg.model.hf
+    path = "data.tokenizer"
+    if tok is None:
+        add(path, f"required for data.kind {d.kind} (an HF tokenizer directory), or set model.hf")
+    elif not os.path.isdir(tok):
+        add(path, f"no such directory: {tok}")
+    else:
+        try:
+            from transformers import AutoTokenizer
+
+            n = len(AutoTokenizer.from_pretrained(tok))
+        except Exception as exc:  # any reason the directory is not a tokenizer: one config error
+            add(path, f"cannot load an HF tokenizer from {tok}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            return
+        room = cfg.model.language.vocab_size - len(cfg.model.encoders)
+        if n > room:
+            add(path, f"vocabulary of {n} tokens does not fit model.language.vocab_size "
+                f"({cfg.model.language.vocab_size}) minus {len(cfg.model.encoders)} placeholder id(s)")
+
+
 def _positive_ints(cfg: MimoConfig, add) -> None:
     """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
-    non_negative = {"rank_offset", "seed"}
+    non_negative = {"rank_offset", "seed", "num_workers"}
     sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
     sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
     sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]

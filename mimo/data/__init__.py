@@ -1,6 +1,22 @@
-"""Mock multimodal data and its sharding over data-parallel ranks."""
+"""Mock and real (LLaVA-format) multimodal data, and its sharding over data-parallel ranks."""
 
 from .batching import collate, move, shard_indices
 from .mock import PAD_ID, MockMultimodalDataset, Sample
 
-__all__ = ["MockMultimodalDataset", "PAD_ID", "Sample", "collate", "move", "shard_indices"]
+
+def build_dataset(cfg):
+    """The dataset `data.kind` names; every rank builds the same one (same global sample order)."""
+    if cfg.data.kind == "llava":
+        from .llava_dataset import LlavaDataset
+
+        return LlavaDataset(cfg)
+    if cfg.data.kind == "energon":
+        from .energon import EnergonSource
+        from .llava_dataset import LlavaDataset
+
+        d = cfg.data
+        return LlavaDataset(cfg, source=EnergonSource(d.path, d.seed, d.shuffle, d.num_workers))
+    return MockMultimodalDataset(cfg)
+
+
+__all__ = ["MockMultimodalDataset", "PAD_ID", "Sample", "build_dataset", "collate", "move", "shard_indices"]

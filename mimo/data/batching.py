@@ -9,27 +9,37 @@ import torch
 from .mock import PAD_ID, Sample
 
 
-def collate(samples: List[Sample], placeholder_ids: Dict[str, int]) -> Dict[str, torch.Tensor]:
+def collate(samples: List[Sample], placeholder_ids: Dict[str, int], items: bool = True) -> Dict[str, torch.Tensor]:
     """Stack samples into one microbatch.
 
-    labels[t] = input_ids[t + 1]; loss_mask marks labels that are text (not
-    padding, not a modality placeholder). Modality items are concatenated in
-    sample order, matching the row-major placeholder order assembly expects.
+    labels[t] = input_ids[t + 1]. Mock samples: loss_mask marks labels that are
+    text (not padding, not a modality placeholder). Real samples carry `targets`
+    (tokens of answers) and `document_ids`: loss_mask[t] is set when token t + 1
+    is a target of the same document, so a packed sample never predicts its
+    neighbour. Modality items are concatenated in sample order, matching the
+    row-major placeholder order assembly expects. `items=False` leaves them out
+    (only their counts): ranks that hold no encoder never decode an image.
     """
     ids = torch.stack([s.input_ids for s in samples])
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), PAD_ID, dtype=ids.dtype)], dim=1)
-    loss_mask = labels != PAD_ID
-    for token in placeholder_ids.values():
-        loss_mask &= labels != token
-    batch = {
-        "input_ids": ids,
-        "labels": labels,
-        "loss_mask": loss_mask.float(),
-        "position_ids": torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous(),
-    }
+    batch = {"input_ids": ids, "labels": labels}
+    if samples[0].targets is None:
+        loss_mask = labels != PAD_ID
+        for token in placeholder_ids.values():
+            loss_mask &= labels != token
+        batch["position_ids"] = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous()
+    else:
+        targets = torch.stack([s.targets for s in samples])
+        docs = torch.stack([s.document_ids for s in samples])
+        loss_mask = torch.zeros_like(targets)
+        loss_mask[:, :-1] = targets[:, 1:] & (docs[:, 1:] == docs[:, :-1])
+        batch["position_ids"] = torch.stack([s.position_ids for s in samples])
+        batch["document_ids"] = docs
+    batch["loss_mask"] = loss_mask.float()
     for name in placeholder_ids:
-        batch[name] = torch.cat([s.items[name] for s in samples])
-        batch[f"{name}_counts"] = torch.tensor([s.items[name].shape[0] for s in samples])
+        if items:
+            batch[name] = torch.cat([s.items[name] for s in samples])
+        batch[f"{name}_counts"] = torch.tensor([s.count(name) for s in samples])
     return batch
 
 

@@ -10,7 +10,7 @@ rank gets which slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Mapping, Optional
 
 import torch
 
@@ -22,7 +22,18 @@ PAD_ID = 0
 @dataclass
 class Sample:
     input_ids: torch.Tensor          # [s] long
-    items: Dict[str, torch.Tensor]   # encoder name -> [n, ...] raw inputs (n may be 0)
+    items: Mapping[str, torch.Tensor]   # encoder name -> [n, ...] raw inputs (n may be 0); may decode lazily
+    # Real data: which tokens are loss targets, which document (packed sample) each
+    # token belongs to (-1: padding) and its position inside that document.
+    # None (mock data): every text token after the first is a target, one document.
+    targets: Optional[torch.Tensor] = None       # [s] bool
+    document_ids: Optional[torch.Tensor] = None  # [s] long
+    position_ids: Optional[torch.Tensor] = None  # [s] long
+
+    def count(self, name: str) -> int:
+        """Items of encoder `name`, without decoding them."""
+        counts = getattr(self.items, "counts", None)
+        return counts[name] if counts is not None else self.items[name].shape[0]
 
 
 class MockMultimodalDataset:
@@ -86,6 +97,14 @@ class MockMultimodalDataset:
         start = int(torch.randint(0, span, (1,), generator=g))
         step = int(torch.randint(1, 4, (1,), generator=g))
         return self.text_low + (start + step * torch.arange(n)) % span
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        """For the step metrics: mock samples are never bad, and are not packed (right padding only)."""
+        ids = torch.stack([s.input_ids for s in self.global_batch(step)])
+        return {"skipped_samples": 0, "packing_efficiency": float((ids != PAD_ID).float().mean())}
+
+    def prefetch(self, wanted, pin_memory: bool = False) -> None:
+        """Mock samples are generated on demand: nothing to decode ahead."""
 
     def global_batch(self, step: int) -> List[Sample]:
         g = self.cfg.training.global_batch_size

@@ -92,11 +92,18 @@ class MultimodalModel(torch.nn.Module):
         sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
         self.text_sees = {self.modality_index[self.placeholders[n]] for n in sees}
 
-    def attention_mask(self, input_ids: torch.Tensor):
-        """The LLM's attention mask: a bitfield mask, or None (plain causal) for sdpa."""
+    def attention_mask(self, input_ids: torch.Tensor, document_ids: Optional[torch.Tensor] = None):
+        """The LLM's attention mask: a bitfield mask, or None (plain causal) for sdpa.
+
+        With `document_ids` (real data, possibly packed) padding is where the id is
+        negative, and tokens of different documents never see each other; mock data
+        marks padding with PAD_ID."""
         if not self.bitfield:
             return None
-        return BitfieldMask(build_bitfield_mask(input_ids, self.modality_index, self.text_sees, pad_id=PAD_ID))
+        if document_ids is None:
+            return BitfieldMask(build_bitfield_mask(input_ids, self.modality_index, self.text_sees, pad_id=PAD_ID))
+        bits = build_bitfield_mask(input_ids, self.modality_index, self.text_sees)
+        return BitfieldMask(bits.masked_fill(document_ids < 0, 0), document_ids)
 
     def forward(self, batch: Dict[str, torch.Tensor], modality_tokens: Optional[Dict[str, torch.Tensor]] = None):
         """Per-token losses [b, s] (unmasked) for one microbatch.
@@ -107,7 +114,8 @@ class MultimodalModel(torch.nn.Module):
         if modality_tokens is None:
             modality_tokens = {name: encode(self.encoders[name], batch.get(name)) for name in self.encoders}
         if self.bitfield and "attention_mask" not in batch:
-            batch = {**batch, "attention_mask": self.attention_mask(batch["input_ids"])}
+            batch = {**batch, "attention_mask": self.attention_mask(batch["input_ids"],
+                                                                       batch.get("document_ids"))}
         return llm_loss(self.llm, batch, {self.placeholders[n]: t for n, t in modality_tokens.items()})
 
 

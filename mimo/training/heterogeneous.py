@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
-from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.data import build_dataset, collate, move, shard_indices
 from mimo.data.items import divide_items, sample_item_bounds
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
@@ -189,7 +189,9 @@ class HeterogeneousTrainer(TrainerBase):
             m.to(runtime.device)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
-        self.dataset = MockMultimodalDataset(cfg)
+        self.dataset = build_dataset(cfg)
+        self.dataset.prefetch(lambda step, mine=self._encoded_indices(): mine,
+                              pin_memory=runtime.device.type == "cuda")
         self.offload = None
         if tr.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
@@ -204,10 +206,21 @@ class HeterogeneousTrainer(TrainerBase):
                       for name in self.encoders}
         self.comms = {name: TimedComm(c, self.timer, name) for name, c in self.comms.items()}
 
-    def _batch(self, step: int, indices) -> Dict[str, torch.Tensor]:
+    def _batch(self, step: int, indices, items: bool = True) -> Dict[str, torch.Tensor]:
+        """The samples' batch; `items=False`: without encoder inputs (LLM side: no image is decoded)."""
         G = self.cfg.training.global_batch_size
         samples = [self.dataset.sample(step * G + i) for i in indices]
-        return move(collate(samples, self.cfg.placeholder_ids), self.runtime.device, self.dtype)
+        return move(collate(samples, self.cfg.placeholder_ids, items), self.runtime.device, self.dtype)
+
+    @property
+    def _holds_encoder(self) -> bool:
+        return any(n in self.parts for n in self.encoders)
+
+    def _encoded_indices(self) -> List[int]:
+        """Samples (indices within a step) whose items this rank may encode: with encoder DP over
+        items the division depends on the step's item counts, so an encoder rank prefetches the
+        whole step and a rank without an encoder none."""
+        return list(range(self.cfg.training.global_batch_size)) if self._holds_encoder else []
 
     def _token_counts(self, batch, name: str) -> torch.Tensor:
         return batch[f"{name}_counts"].to(torch.int64) * tokens_per_item(self.cfg, name)
@@ -266,7 +279,9 @@ class HeterogeneousTrainer(TrainerBase):
     def forward_backward(self, step: int):
         G = self.cfg.training.global_batch_size
         # Every rank can load any sample, so the global normaliser needs no communication.
-        host = collate([self.dataset.sample(step * G + i) for i in range(G)], self.cfg.placeholder_ids)
+        # Only ranks holding an encoder part collate (and so decode) the step's items.
+        host = collate([self.dataset.sample(step * G + i) for i in range(G)], self.cfg.placeholder_ids,
+                       self._holds_encoder)
         # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
         self._item_counts = {n: host[f"{n}_counts"].tolist() for n in self.encoders}
         self._step_batch = move(host, self.runtime.device, self.dtype)
@@ -303,15 +318,16 @@ class HeterogeneousTrainer(TrainerBase):
             """This CP rank's balanced slots of the microbatch (the same plan on every stage)."""
             bits = b["attention_mask"].bits
             slots = plan_context_parallel(bits, cp, lang.cp_block_size, lang.cp_policy)
-            return shard_microbatch(slots, cp_rank, bits=bits, input_ids=b["input_ids"],
+            return shard_microbatch(slots, cp_rank, bits=bits, document_ids=b["attention_mask"].document_ids,
+                                    input_ids=b["input_ids"],
                                     position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"],
                                     decoder_input=decoder_input)
 
         def batch(mb):
             if mb not in cache:
-                b = self._batch(step, indices[mb])
+                b = self._batch(step, indices[mb], items=False)
                 if bitfield:
-                    b["attention_mask"] = self._masker.attention_mask(b["input_ids"])
+                    b["attention_mask"] = self._masker.attention_mask(b["input_ids"], b.get("document_ids"))
                 if cp > 1:
                     b = {**cp_view(b), "full": b}
                 cache[mb] = b

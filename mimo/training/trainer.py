@@ -24,7 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.data import MockMultimodalDataset, collate, move, shard_indices
+from mimo.data import build_dataset, collate, move, shard_indices
 from mimo.hf import check_hf_weights, hf_modules, load_hf_part
 from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
@@ -198,7 +198,11 @@ class Trainer(TrainerBase):
         self.model = MultimodalModel(cfg, {n: self.parts[n] for n in cfg.model.encoders}, llm)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, cfg.training) for name, p in self.params.items()}
-        self.dataset = MockMultimodalDataset(cfg)
+        self.dataset = build_dataset(cfg)
+        tr, mine = cfg.training, self.grid.coords["dp"]
+        shard = [i for mb in shard_indices(tr.global_batch_size, tr.micro_batch_size, mine, self.grid.layout.dp)
+                 for i in mb]
+        self.dataset.prefetch(lambda step: shard, pin_memory=runtime.device.type == "cuda")
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -267,16 +271,19 @@ class Trainer(TrainerBase):
         """This CP rank's slots of a microbatch: the assignment is computed from the
         mask alone, identically on every CP rank and every pipeline stage."""
         lang = self.cfg.model.language
-        bits = self.model.attention_mask(b["input_ids"]).bits
+        mask = self.model.attention_mask(b["input_ids"], b.get("document_ids"))
+        bits = mask.bits
         slots = plan_context_parallel(bits, self.cp, lang.cp_block_size, lang.cp_policy)
-        return shard_microbatch(slots, self.grid.coords["cp"], bits=bits, input_ids=b["input_ids"],
+        return shard_microbatch(slots, self.grid.coords["cp"], bits=bits, document_ids=mask.document_ids,
+                                input_ids=b["input_ids"],
                                 position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
 
     def _pipeline(self, batches, loss_of) -> None:
         """Text-only LLM over its pipeline stages (1F1B) and/or context-parallel ranks."""
         llm, lay, c = self.parts[LANGUAGE], self.grid.layout, self.grid.coords
         views = [self._cp_local(b) for b in batches] if self.cp > 1 else [
-            {**b, "attention_mask": self.model.attention_mask(b["input_ids"])} for b in batches]
+            {**b, "attention_mask": self.model.attention_mask(b["input_ids"], b.get("document_ids"))}
+            for b in batches]
         hidden = self.cfg.model.language.hidden_size
         shape = lambda mb: (shard_len(views[mb]["input_ids"].shape[1], llm.config),  # noqa: E731
                             views[mb]["input_ids"].shape[0], hidden)

@@ -1,0 +1,104 @@
+"""A dataset prepared with megatron-energon (`energon prepare`) as the global record stream.
+
+Every rank opens energon's savable loader as rank 0 of a data-parallel world of one, with the
+same worker config and seed, so every rank reads the same samples in the same order: the global
+order that each module's DP ranks then slice (as for `kind: llava`). Energon decodes nothing
+here (the task encoder's decoder is off): images stay bytes until a rank whose encoder consumes
+them decodes them. Captioning and VQA samples become one-turn LLaVA records.
+
+The position is energon's own loader state at a point where no sample was read ahead, plus the
+number of records consumed since (replayed on restore, without decoding anything).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict
+
+from .llava import DataError
+
+REFRESH_EVERY = 1000  # records between two energon states (a resume replays at most this many)
+
+
+def _text(x) -> str:
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+def to_record(sample) -> dict:
+    """An energon CaptioningSample / VQASample -> a LLaVA-format record (image as bytes)."""
+    kind = type(sample).__name__
+    key = getattr(sample, "__key__", "?")
+    if kind == "CaptioningSample":
+        human, answer = "<image>", _text(sample.caption)
+    elif kind == "VQASample":
+        answers = sample.answers
+        if isinstance(answers, bytes):
+            try:
+                answers = json.loads(answers.decode("utf-8"))
+            except ValueError:
+                answers = answers.decode("utf-8")
+        answer = _text(answers[0] if isinstance(answers, (list, tuple)) and answers else answers or "")
+        human = "<image>\n" + _text(sample.context)
+    else:
+        raise DataError(f"error: data.path: energon sample type {kind} is not supported (CaptioningSample, VQASample)")
+    return {"id": str(key), "image": sample.image,
+            "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}]}
+
+
+class EnergonSource:
+    """peek / advance / record over energon's loader, like GlobalSampler over a record list."""
+
+    def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int):
+        self.path, self.seed, self.shuffle, self.num_workers = path, seed, shuffle, num_workers
+        self._open()
+        self.num_records = max(1, len(self._dataset))
+        self._base, self._since = None, 0   # energon state (None: the start) and records consumed after it
+        self._count = 0
+
+    def _open(self) -> None:
+        from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset
+
+        class RawBytes(DefaultTaskEncoder):
+            decoder = None  # images stay bytes: only ranks that consume them decode them
+
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers, seed_offset=self.seed)
+        buffer = 100 if self.shuffle else None
+        self._dataset = get_train_dataset(self.path, worker_config=wc, batch_size=None,
+                                          shuffle_buffer_size=buffer, max_samples_per_sequence=buffer,
+                                          task_encoder=RawBytes())
+        self._loader = get_savable_loader(self._dataset)
+        self._it = None
+        self._pending = None
+
+    def _next(self):
+        if self._it is None:
+            self._it = iter(self._loader)
+        return next(self._it)
+
+    def peek(self) -> int:
+        if self._pending is None:
+            if self._since >= REFRESH_EVERY:  # nothing read ahead now: energon's state is exact
+                self._base, self._since = self._loader.save_state_rank(), 0
+            self._pending = to_record(self._next())
+        return self._count
+
+    def record(self, index: int) -> dict:
+        assert index == self._count and self._pending is not None
+        return self._pending
+
+    def advance(self) -> None:
+        self.peek()
+        self._pending = None
+        self._count += 1
+        self._since += 1
+
+    def state_dict(self) -> Dict:
+        return {"energon": self._base, "since": self._since, "count": self._count}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self._open()
+        if state["energon"] is not None:
+            self._loader.restore_state_rank(state["energon"])
+        self._base, self._since, self._count = state["energon"], 0, int(state["count"]) - int(state["since"])
+        for _ in range(int(state["since"])):
+            self.advance()

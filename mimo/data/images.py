@@ -1,0 +1,82 @@
+"""Images: checked from their header on every rank, decoded only where an encoder consumes them.
+
+Decoding: Pillow -> RGB -> the vision tower's HF image processor when the
+model comes from Hugging Face (`model.hf`), else a bicubic resize to the
+encoder's `image_size` and the CLIP normalisation (per channel, mean
+0.4815, 0.4578, 0.4082 and std 0.2686, 0.2613, 0.2758 on [0, 1] values), the
+statistics most LLaVA vision towers were trained with.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Optional, Union
+
+import torch
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message is the reason, for the bad-record warning."""
+
+
+def _open(src: Union[str, bytes]):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
+
+
+def _name(src: Union[str, bytes]) -> str:
+    return src if isinstance(src, str) else f"({len(src)} bytes inline)"
+
+
+def check_image(path: Union[str, bytes]) -> None:
+    """Raise ImageError unless `path` (a file, or an image's bytes) has a header Pillow recognises.
+
+    Reads the header only (a few hundred bytes, no pixels), so every rank can
+    afford it and all ranks reach the same verdict on a record from the
+    record alone: they must agree which samples a step holds.
+    """
+    from PIL import UnidentifiedImageError
+
+    if isinstance(path, str) and not os.path.isfile(path):
+        raise ImageError(f"image not found: {path}")
+    try:
+        with _open(path) as img:
+            w, h = img.size
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+    if w < 1 or h < 1:
+        raise ImageError(f"empty image {_name(path)}")
+
+
+class ImageLoader:
+    """path (or the image's bytes) -> float32 [3, H, W] pixels for the vision encoder."""
+
+    def __init__(self, image_size: int, hf_dir: Optional[str] = None):
+        self.image_size = image_size
+        self.processor = None
+        if hf_dir is not None:
+            from transformers import AutoImageProcessor
+
+            self.processor = AutoImageProcessor.from_pretrained(hf_dir)
+
+    def __call__(self, path: Union[str, bytes]) -> torch.Tensor:
+        from PIL import Image
+
+        try:
+            with _open(path) as img:
+                rgb = img.convert("RGB")
+        except OSError as exc:  # the header was fine but the pixels are not (e.g. a truncated file)
+            raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+        if self.processor is not None:
+            return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()
+        rgb = rgb.resize((self.image_size, self.image_size), Image.BICUBIC)
+        x = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+        x = x.view(self.image_size, self.image_size, 3).permute(2, 0, 1).float() / 255.0
+        mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
+        std = torch.tensor(CLIP_STD).view(3, 1, 1)
+        return (x - mean) / std

@@ -1,0 +1,177 @@
+"""LLaVA-format records -> token ids, loss targets and image paths.
+
+A record: {"id": str, "image": "rel/path.jpg" | ["a.jpg", "b.jpg"] (optional),
+"conversations": [{"from": "human", "value": "<image>\\nWhat is ...?"},
+{"from": "gpt", "value": "..."}, ...]}.
+
+Turns are formatted with the tokenizer's chat template when it has one, else
+with the default format
+
+    <bos>USER: {human}\\nASSISTANT: {gpt}<eos>USER: ...
+
+Only the text of `gpt` turns (and the end-of-turn token that closes them)
+carries loss. Every `<image>` becomes the vision encoder's placeholder id
+repeated once per image token, at its position in the text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from .images import ImageError, check_image
+
+IMAGE_TAG = "<image>"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class BadRecord(ValueError):
+    """A record that cannot be trained on; str() is the reason."""
+
+
+class DataError(ValueError):
+    """A problem that stops the run: str() is one `error: ...` line."""
+
+
+def read_records(path: str) -> List[dict]:
+    """A JSON list of records, or JSONL (one record per line)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"error: data.path: {path}: not valid JSON ({exc})") from None
+    else:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"error: data.path: {path}: line {n}: not valid JSON ({exc})") from None
+    if not records:
+        raise DataError(f"error: data.path: {path}: holds no record")
+    return records
+
+
+def record_id(record, index: int) -> str:
+    rid = record.get("id") if isinstance(record, dict) else None
+    return str(rid) if rid is not None else f"#{index}"
+
+
+@dataclass
+class Encoded:
+    """One record, tokenised: ids and targets have equal length; images in order of appearance."""
+
+    id: str
+    input_ids: List[int]
+    targets: List[bool]
+    images: List  # file paths, or the images' bytes (energon)
+
+
+class ConversationEncoder:
+    def __init__(self, tokenizer, seq_length: int, image_root: str, image_token: Optional[int],
+                 tokens_per_image: int):
+        self.tok = tokenizer
+        self.seq_length = seq_length
+        self.image_root = image_root
+        self.image_token = image_token
+        self.tokens_per_image = tokens_per_image
+        self.has_template = getattr(tokenizer, "chat_template", None) is not None
+
+    def encode(self, record, index: int) -> Encoded:
+        """The record's tokens; raises BadRecord with the reason when it cannot be used."""
+        rid = record_id(record, index)
+        turns = self._turns(record)
+        images = record.get("image", [])
+        images = [images] if isinstance(images, (str, bytes)) else images
+        if not isinstance(images, list) or not all(isinstance(i, (str, bytes)) for i in images):
+            raise BadRecord("`image` must be a path or a list of paths")
+        tags = sum(v.count(IMAGE_TAG) for _, v in turns)
+        if tags != len(images):
+            raise BadRecord(f"{tags} `<image>` tag(s) but {len(images)} image(s)")
+        if images and self.image_token is None:
+            raise BadRecord("has images but the model has no vision encoder")
+        ids, targets = [], []
+        for text, target in self._segments(turns):
+            for k, piece in enumerate(text.split(IMAGE_TAG)):
+                if k:
+                    ids += [self.image_token] * self.tokens_per_image
+                    targets += [False] * self.tokens_per_image
+                if piece:
+                    t = self.tok(piece, add_special_tokens=False)["input_ids"]
+                    ids += t
+                    targets += [target] * len(t)
+        if len(ids) > self.seq_length:
+            raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
+        paths = [os.path.join(self.image_root, p) if isinstance(p, str) else p for p in images]  # bytes: inline
+        for p in paths:
+            try:
+                check_image(p)
+            except ImageError as exc:
+                raise BadRecord(str(exc)) from None
+        return Encoded(rid, ids, targets, paths)
+
+    @staticmethod
+    def _turns(record) -> List[Tuple[str, str]]:
+        if not isinstance(record, dict):
+            raise BadRecord("not a JSON object")
+        conv = record.get("conversations")
+        if not isinstance(conv, list) or not conv:
+            raise BadRecord("no `conversations` list")
+        turns = []
+        for i, t in enumerate(conv):
+            if not isinstance(t, dict) or not isinstance(t.get("value"), str):
+                raise BadRecord(f"conversations[{i}] needs `from` and a string `value`")
+            role = ROLES.get(t.get("from"))
+            if role is None:
+                raise BadRecord(f"conversations[{i}]: unknown speaker {t.get('from')!r}")
+            turns.append((role, t["value"]))
+        if not any(r == "assistant" for r, _ in turns):
+            raise BadRecord("no gpt turn")
+        return turns
+
+    def _segments(self, turns) -> List[Tuple[str, bool]]:
+        """(text, carries loss) in order; text may hold `<image>` tags."""
+        if self.has_template:
+            return self._template_segments(turns)
+        tok, out = self.tok, []
+        if tok.bos_token:
+            out.append((tok.bos_token, False))
+        for role, value in turns:
+            if role == "assistant":
+                out += [("ASSISTANT: ", False), (value, True)]
+                if tok.eos_token:
+                    out.append((tok.eos_token, True))
+            elif role == "user":
+                out.append((f"USER: {value}\n", False))
+            else:
+                out.append((f"{value}\n", False))
+        return out
+
+    def _template_segments(self, turns) -> List[Tuple[str, bool]]:
+        """Cut the rendered conversation at turn boundaries: the assistant header the template
+        adds (add_generation_prompt) is prompt, the rest of an assistant turn is target."""
+        render = lambda msgs, gen=False: self.tok.apply_chat_template(  # noqa: E731
+            msgs, tokenize=False, add_generation_prompt=gen)
+        msgs = [{"role": r, "content": v} for r, v in turns]
+        out, done = [], ""
+        for k, (role, _) in enumerate(turns):
+            full = render(msgs[:k + 1])
+            if role == "assistant":
+                header = render(msgs[:k], gen=True) if k else ""
+                if header.startswith(done) and full.startswith(header):
+                    out += [(header[len(done):], False), (full[len(header):], True)]
+                elif full.startswith(done):
+                    out.append((full[len(done):], True))
+                else:
+                    raise BadRecord("the chat template does not render turns as prefixes of the conversation")
+            else:
+                if not full.startswith(done):
+                    raise BadRecord("the chat template does not render turns as prefixes of the conversation")
+                out.append((full[len(done):], False))
+            done = full
+        return out

@@ -1,0 +1,281 @@
+"""A LLaVA-format dataset as a stream of training sequences, step by step.
+
+Every rank holds this object and plans each step identically from the text
+alone: it draws records from the global sampler, tokenises them, skips bad
+ones and (with `data.packing`) packs consecutive records into sequences of at
+most `data.seq_length` tokens. Sequence j of step k is training sample
+`k * global_batch_size + j`, the index the trainers already slice by DP rank,
+so all layouts see the same samples. Images are decoded only when a rank
+asks for a sample's items (its encoder consumes them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from mimo.config import MimoConfig
+
+from .images import ImageLoader
+from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
+from .mock import PAD_ID, Sample
+from .sampler import GlobalSampler
+
+
+class LazyItems(Mapping):
+    """encoder name -> [n, ...] items, decoded on first access; counts known without decoding."""
+
+    def __init__(self, paths: Dict[str, List[str]], decode: Callable[[str], torch.Tensor],
+                 empty: Dict[str, tuple]):
+        self.paths, self.decode, self.empty = paths, decode, empty
+        self.counts = {n: len(p) for n, p in paths.items()}
+        self._cache: Dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            p = self.paths[name]
+            self._cache[name] = (torch.stack([self.decode(x) for x in p]) if p
+                                 else torch.zeros((0,) + self.empty[name]))
+        return self._cache[name]
+
+    def __iter__(self):
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+
+@dataclass
+class StepPlan:
+    samples: List[Sample]
+    record_ids: List[List[str]]   # per sequence, the ids of the records packed into it
+    packing_efficiency: float     # non-padding fraction of the step's tokens
+    skipped_samples: int          # cumulative, through this step
+
+
+def load_tokenizer(cfg: MimoConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.hf)
+
+
+class LlavaDataset:
+    """`kind: llava` (records from a file, GlobalSampler order) or, with an EnergonSource,
+    `kind: energon` (records from energon's loader, in its order)."""
+
+    def __init__(self, cfg: MimoConfig, tokenizer=None, source=None):
+        d = cfg.data
+        self.cfg = cfg
+        self.records = read_records(d.path) if source is None else None
+        self.G, self.S = cfg.training.global_batch_size, d.seq_length
+        self.packing, self.on_bad = d.packing, d.on_bad_record
+        vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
+        self.vision = vision[0] if vision else None
+        enc = cfg.model.encoders[self.vision] if self.vision else None
+        self.encoder = ConversationEncoder(
+            tokenizer if tokenizer is not None else load_tokenizer(cfg), self.S,
+            d.image_root if d.image_root is not None else os.path.dirname(os.path.abspath(d.path)) if source is None
+            else "",
+            cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc else 0)
+        self.image_loader = ImageLoader(enc.image_size, cfg.model.hf) if enc else None
+        self.empty = {n: ((e.num_channels, e.image_size, e.image_size) if e.kind == "vision"
+                          else (e.clip_frames, e.num_mel_bins)) for n, e in cfg.model.encoders.items()}
+        self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
+        self.skipped = 0
+        self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
+        self._plans: Dict[int, StepPlan] = {}
+        self._next_step, self._trained = 0, -1
+        self._starts: Dict[int, Dict] = {0: self._position()}
+        self.num_workers = d.num_workers
+        self._wanted, self._pin = None, False
+        self._close_prefetch()
+        self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
+
+    # -- the trainers' interface ---------------------------------------------------------------
+
+    def sample(self, index: int) -> Sample:
+        step, j = divmod(index, self.G)
+        if step > self._trained:
+            self._trained = step
+            self._fetch(step)
+        return self.plan(step).samples[j]
+
+    def plan(self, step: int) -> StepPlan:
+        """The sequences of `step`; steps are planned in order (earlier ones are replayed if needed)."""
+        if step not in self._plans:
+            if step < self._next_step:
+                self._seek(self._starts[step])
+            while self._next_step <= step:
+                self._plans[self._next_step] = self._plan_next()
+                self._next_step += 1
+                self._starts[self._next_step] = self._position()
+        for old in [s for s in self._plans if s < min(step, self._trained) - 1]:
+            del self._plans[old]  # a step's microbatches may still ask for the previous step
+        return self._plans[step]
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        """For the step metrics: `skipped_samples` (cumulative) and `packing_efficiency`."""
+        plan = self.plan(step)
+        return {"skipped_samples": plan.skipped_samples, "packing_efficiency": plan.packing_efficiency}
+
+    def state_dict(self) -> Dict:
+        """The data position after the last step the trainer asked for (part of a checkpoint);
+        steps planned ahead for prefetching do not move it."""
+        return dict(self._starts[self._trained + 1])
+
+    def load_state_dict(self, state: Dict) -> None:
+        self._seek(state)
+        self._trained = int(state["step"]) - 1
+        self._starts = {int(state["step"]): dict(state)}
+        self._close_prefetch()
+
+    def prefetch(self, wanted: Callable[[int], List[int]], pin_memory: bool = False) -> None:
+        """Decode ahead, in `data.num_workers` DataLoader workers, the images of the samples this
+        rank's encoders consume: `wanted(step)` lists their indices within the step. Without it
+        (or with num_workers 0) a rank decodes its images when it first reads a sample's items."""
+        import multiprocessing
+
+        # A daemonic process (ranks started by tools/parity.py) may not start workers: it decodes inline.
+        if self.num_workers > 0 and self.image_loader is not None and not multiprocessing.current_process().daemon:
+            self._wanted, self._pin = wanted, pin_memory
+
+    def _position(self) -> Dict:
+        return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
+
+    def _seek(self, state: Dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.skipped = int(state["skipped_samples"])
+        self._next_step = int(state["step"])
+        self._plans.clear()
+        self._peeked = None
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def _paths(self, step: int) -> tuple:
+        samples = self.plan(step).samples
+        return tuple(p for j in self._wanted(step) for p in samples[j].items.paths[self.vision])
+
+    def _fetch(self, step: int) -> None:
+        """Take the prefetched images of `step` (the loader runs steps in order from where it started)."""
+        if self._wanted is None:
+            return
+        if self._loader_iter is None or self._loader_step != step:
+            self._close_prefetch()
+            steps = _Steps(self, step)
+            self._loader_iter = iter(torch.utils.data.DataLoader(
+                _DecodePaths(self.image_loader, self.empty[self.vision]), batch_size=None, sampler=steps,
+                num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin))
+        paths, pixels = next(self._loader_iter)
+        self._decoded = dict(zip(paths, pixels))
+        self._loader_step = step + 1
+
+    def _close_prefetch(self) -> None:
+        self._loader_iter, self._loader_step, self._decoded = None, None, {}
+
+    def _decode(self, path: str) -> torch.Tensor:
+        got = self._decoded.get(path)
+        return got if got is not None else self.image_loader(path)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _encode(self, idx: int) -> Optional[Encoded]:
+        """The record's tokens, or None (counted, warned once) when it is bad."""
+        if self._peeked is not None and self._peeked[0] == idx:
+            return self._peeked[1]
+        if idx not in self.bad:
+            record = self.records[idx] if self.records is not None else self.sampler.record(idx)
+            try:
+                enc = self.encoder.encode(record, idx)
+                self._peeked = (idx, enc)
+                return enc
+            except BadRecord as exc:
+                rid = record_id(record, idx)
+                if self.on_bad == "error":
+                    raise DataError(f"error: data.path: record {rid!r}: {exc}") from None
+                self.bad[idx] = str(exc)
+                if _is_rank0():
+                    print(f"warning: data: skipping record {rid!r}: {exc}", file=sys.stderr, flush=True)
+        self.skipped += 1
+        return None
+
+    def _plan_next(self) -> StepPlan:
+        seqs: List[List[Encoded]] = []
+        cur: List[Encoded] = []
+        used, bad_run = 0, 0
+        while len(seqs) < self.G:
+            enc = self._encode(self.sampler.peek())
+            if enc is None:
+                bad_run += 1
+                if bad_run > self.sampler.num_records:
+                    raise DataError(f"error: data.path: no usable record: all {len(self.bad)} records are bad")
+                self.sampler.advance()
+                continue
+            bad_run = 0
+            n = len(enc.input_ids)
+            if self.packing and cur and used + n > self.S:
+                seqs.append(cur)  # the record stays unconsumed: it opens the next sequence (or step)
+                cur, used = [], 0
+                continue
+            cur.append(enc)
+            used += n
+            self.sampler.advance()
+            if not self.packing:
+                seqs.append(cur)
+                cur, used = [], 0
+        samples = [self._sequence(s) for s in seqs]
+        real = sum(len(e.input_ids) for s in seqs for e in s)
+        return StepPlan(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped)
+
+    def _sequence(self, docs: List[Encoded]) -> Sample:
+        """Records laid end to end, padded to seq_length: document ids (-1 on padding) and
+        positions that restart at 0 for each record."""
+        ids, targets, doc_ids, pos, images = [], [], [], [], []
+        for k, e in enumerate(docs):
+            ids += e.input_ids
+            targets += e.targets
+            doc_ids += [k] * len(e.input_ids)
+            pos += range(len(e.input_ids))
+            images += e.images
+        pad = self.S - len(ids)
+        paths = {n: (images if n == self.vision else []) for n in self.cfg.model.encoders}
+        return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
+                      items=LazyItems(paths, self._decode, self.empty),
+                      targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
+                      document_ids=torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
+                      position_ids=torch.tensor(pos + [0] * pad, dtype=torch.long))
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class _Steps:
+    """The DataLoader's sampler: this rank's image paths of step start, start + 1, ... (planned in
+    the main process, in order, so every rank's plan stays identical)."""
+
+    def __init__(self, dataset: LlavaDataset, start: int):
+        self.dataset, self.start = dataset, start
+
+    def __iter__(self):
+        step = self.start
+        while True:
+            yield self.dataset._paths(step)
+            step += 1
+
+
+class _DecodePaths(torch.utils.data.Dataset):
+    """Runs in a worker: a step's paths -> (paths, [n, 3, H, W] pixels)."""
+
+    def __init__(self, loader: ImageLoader, empty: tuple):
+        self.loader, self.empty = loader, empty
+
+    def __getitem__(self, paths: tuple):
+        pixels = torch.stack([self.loader(p) for p in paths]) if paths else torch.zeros((0,) + self.empty)
+        return paths, pixels

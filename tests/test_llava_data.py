@@ -1,0 +1,385 @@
+"""Real (LLaVA-format) data: formatting and label masks by hand, packing boundaries, bad records,
+the global sampler's resume, config errors, and FP32 parity of layouts on packed data."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mimo.config import ConfigError, load_config
+from tiny import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import make_sample_data  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("llava"))
+    assert make_sample_data.main([out, "--records", "48", "--image-size", "16"]) == 0
+    return out
+
+
+def llava_raw(data_dir, path=None, **data):
+    """TINY without audio, bitfield attention, on the LLaVA data in data_dir (4 tokens per image)."""
+    raw = copy.deepcopy(TINY)
+    del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
+    raw["model"]["language"]["attention"] = "bitfield"
+    raw["data"] = {"kind": "llava", "path": path or os.path.join(data_dir, "train.json"),
+                   "tokenizer": os.path.join(data_dir, "tokenizer"), "seq_length": 48, "packing": True, **data}
+    return raw
+
+
+def dataset(raw):
+    from mimo.data import build_dataset
+
+    return build_dataset(load_config(raw))
+
+
+def write_records(tmp_path, records):
+    path = str(tmp_path / "records.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in records))
+    return path
+
+
+RED = {"id": "red", "image": "images/img0000.png", "conversations": [
+    {"from": "human", "value": "<image>\nwhat shape ?"}, {"from": "gpt", "value": "a red square ."}]}
+HELLO = {"id": "hello", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "yes ."}]}
+
+
+def test_labels_and_packing_token_by_token(sample_dir, tmp_path):
+    raw = llava_raw(sample_dir, write_records(tmp_path, [RED, HELLO]), shuffle=False)
+    raw["data"]["image_root"] = sample_dir
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    tok = ds.encoder.tok
+    P = load_config(raw).placeholder_ids["images"]
+    t = lambda s: tok.convert_tokens_to_ids(s.split())  # noqa: E731
+    # Default format: <s>USER: {human}\nASSISTANT: {gpt}</s>; targets: the answer and its </s>.
+    red = t("<s> USER :") + [P] * 4 + t("what shape ? ASSISTANT : a red square . </s>")
+    red_t = [0] * 12 + [1] * 5
+    hello = t("<s> USER : hello ASSISTANT : yes . </s>")
+    hello_t = [0] * 6 + [1] * 3
+    # Greedy packing in sampler order (no shuffle): red, hello, red again (next epoch) = 43 <= 48.
+    ids = red + hello + red + [0] * 5
+    targets = red_t + hello_t + red_t + [0] * 5
+    docs = [0] * 17 + [1] * 9 + [2] * 17 + [-1] * 5
+    pos = list(range(17)) + list(range(9)) + list(range(17)) + [0] * 5
+    # loss on position i predicts token i + 1: a target of the same document.
+    loss = [float(targets[i + 1] and docs[i + 1] == docs[i]) for i in range(47)] + [0.0]
+
+    from mimo.data import collate
+
+    plan = ds.plan(0)
+    assert plan.record_ids == [["red", "hello", "red"]]
+    assert plan.packing_efficiency == pytest.approx(43 / 48)
+    b = collate([ds.sample(0)], load_config(raw).placeholder_ids)
+    assert b["input_ids"][0].tolist() == ids
+    assert b["labels"][0].tolist() == ids[1:] + [0]
+    assert b["loss_mask"][0].tolist() == loss
+    assert b["document_ids"][0].tolist() == docs
+    assert b["position_ids"][0].tolist() == pos
+    assert b["images"].shape == (2, 3, 8, 8) and b["images_counts"].tolist() == [2]
+    # No answer token predicts across a boundary: the last token of each document carries no loss.
+    assert loss[16] == 0.0 and loss[25] == 0.0 and loss[15] == 1.0
+    # The next step starts where packing stopped: `hello` did not fit and opens step 1.
+    assert ds.plan(1).record_ids[0][0] == "hello"
+    # The attention mask keeps documents apart and padding out.
+    from mimo.model.multimodal import MultimodalModel
+
+    mask = MultimodalModel.attention_mask(_mask_holder(load_config(raw)), b["input_ids"], b["document_ids"])
+    assert mask.document_ids[0].tolist() == docs and (mask.bits[0, 43:] == 0).all() and (mask.bits[0, :43] != 0).all()
+
+
+def _mask_holder(cfg):
+    """An object with MultimodalModel's mask fields, without building modules."""
+    holder = type("H", (), {})()
+    holder.bitfield = True
+    holder.modality_index = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
+    holder.text_sees = set(holder.modality_index.values())
+    return holder
+
+
+def test_chat_template_marks_only_the_answer(sample_dir, tmp_path):
+    raw = llava_raw(sample_dir, write_records(tmp_path, [RED]), shuffle=False, packing=False)
+    raw["data"]["image_root"] = sample_dir
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    tok = ds.encoder.tok
+    tok.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s> assistant :{% endif %}")
+    from mimo.data.llava import ConversationEncoder
+
+    ds.encoder = ConversationEncoder(tok, 48, sample_dir, ds.encoder.image_token, 4)
+    enc = ds.encoder.encode(RED, 0)
+    answer = [i for i, keep in zip(enc.input_ids, enc.targets) if keep]
+    assert answer == tok.convert_tokens_to_ids("a red square . </s>".split())
+    assert enc.input_ids.count(ds.encoder.image_token) == 4
+
+
+def bad_records(tmp_path, sample_dir):
+    with open(tmp_path / "garbage.png", "wb") as f:
+        f.write(b"this is not an image")
+    img = os.path.join(sample_dir, "images", "img0000.png")
+    return [
+        dict(RED, id="good1", image=img),
+        dict(RED, id="missing", image=str(tmp_path / "nope.png")),
+        dict(RED, id="garbage", image=str(tmp_path / "garbage.png")),
+        {"id": "nogpt", "conversations": [{"from": "human", "value": "hello"}]},
+        {"id": "tag_without_image", "conversations": RED["conversations"]},
+        {"id": "image_without_tag", "image": img, "conversations": HELLO["conversations"]},
+        {"id": "toolong", "conversations": [{"from": "human", "value": "hello " * 60},
+                                            {"from": "gpt", "value": "yes ."}]},
+        dict(HELLO, id="good2"),
+    ]
+
+
+REASONS = {"missing": "image not found", "garbage": "unreadable image", "nogpt": "no gpt turn",
+           "tag_without_image": "1 `<image>` tag(s) but 0 image(s)",
+           "image_without_tag": "0 `<image>` tag(s) but 1 image(s)", "toolong": "longer than data.seq_length (48)"}
+
+
+def test_every_bad_record_is_skipped_and_named(sample_dir, tmp_path, capfd):
+    raw = llava_raw(sample_dir, write_records(tmp_path, bad_records(tmp_path, sample_dir)), shuffle=False,
+                    packing=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    assert ds.plan(0).record_ids == [["good1"]] and ds.plan(0).skipped_samples == 0
+    assert ds.plan(1).record_ids == [["good2"]] and ds.plan(1).skipped_samples == 6
+    assert ds.plan(2).record_ids == [["good1"]]
+    assert ds.plan(3).skipped_samples == 12  # counted each time the order reaches them ...
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("warning: data:")]
+    assert len(lines) == 6  # ... but named once
+    for rid, reason in REASONS.items():
+        (line,) = [ln for ln in lines if f"record {rid!r}" in ln]
+        assert reason in line, line
+
+
+def test_error_mode_names_the_record(sample_dir, tmp_path):
+    from mimo.data.llava import DataError
+
+    raw = llava_raw(sample_dir, write_records(tmp_path, bad_records(tmp_path, sample_dir)), shuffle=False,
+                    packing=False, on_bad_record="error")
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    ds.plan(0)
+    with pytest.raises(DataError) as exc:
+        ds.plan(1)
+    assert str(exc.value).startswith("error: data.path: record 'missing': image not found")
+    assert "\n" not in str(exc.value)
+
+
+def test_error_mode_cli_one_line_exit_2(sample_dir, tmp_path):
+    import yaml
+
+    raw = llava_raw(sample_dir, write_records(tmp_path, bad_records(tmp_path, sample_dir)), shuffle=False,
+                    packing=False, on_bad_record="error")
+    raw["training"].update(global_batch_size=2, micro_batch_size=1, train_iters=2)
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain_mimo.py"), "--config",
+                        str(cfg_path), "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 2, r.stderr
+    assert errors == ["error: data.path: record 'missing': image not found: " + str(tmp_path / "nope.png")]
+    assert "Traceback" not in r.stderr
+
+
+def test_sampler_resume_gives_the_uninterrupted_samples(sample_dir):
+    raw = llava_raw(sample_dir)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    whole = dataset(raw)
+    full = [whole.plan(s) for s in range(12)]  # 12 steps of 4 packed sequences: more than one epoch
+    assert whole.sampler.epoch >= 1
+    first = dataset(raw)
+    for s in range(3):
+        first.plan(s)
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores (plain JSON)
+    resumed = dataset(raw)
+    resumed.load_state_dict(state)
+    for s in range(3, 12):
+        got = resumed.plan(s)
+        assert got.record_ids == full[s].record_ids
+        for a, b in zip(got.samples, full[s].samples):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+    # Negative control: another seed is another order.
+    other = dataset({**raw, "data": {**raw["data"], "seed": 1}})
+    assert other.plan(0).record_ids != full[0].record_ids
+
+
+def test_config_errors(sample_dir):
+    def problems(raw):
+        with pytest.raises(ConfigError) as exc:
+            load_config(raw)
+        return str(exc.value)
+
+    raw = llava_raw(sample_dir)
+    del raw["data"]["path"]
+    assert "error: data.path: required" in problems(raw)
+    raw = llava_raw(sample_dir, path="/nonexistent.json")
+    assert "error: data.path: no such file" in problems(raw)
+    raw = llava_raw(sample_dir)
+    raw["model"]["language"]["vocab_size"] = 32  # the sample tokenizer has 64 tokens
+    raw["data"]["seq_length"] = 24
+    assert "error: data.tokenizer: vocabulary of 64 tokens does not fit" in problems(raw)
+    raw = llava_raw(sample_dir)
+    raw["model"]["language"]["attention"] = "sdpa"
+    assert "error: data.packing: needs model.language.attention: bitfield" in problems(raw)
+    raw = llava_raw(sample_dir, on_bad_record="ignore")
+    assert "error: data.on_bad_record: must be one of skip, error" in problems(raw)
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+def _train_counting_decodes(raw, steps):
+    """record_run on this rank, plus how many images this rank decoded and whether it holds the LLM only."""
+    from mimo.data import images
+    from mimo.runtime import select_runtime
+    from mimo.training.heterogeneous import make_trainer
+    from mimo.training.parity import record_run
+
+    calls = []
+    original = images.ImageLoader.__call__
+    images.ImageLoader.__call__ = lambda self, path: calls.append(path) or original(self, path)
+    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    out = record_run(trainer, steps)
+    out["decoded"] = len(calls)
+    out["llm_only"] = set(trainer.parts) == {"language"}
+    return out
+
+
+def test_layouts_match_one_rank_on_packed_llava(sample_dir):
+    from mimo.runtime import run_on_ranks
+    from mimo.training.parity import compare
+
+    base = llava_raw(sample_dir)
+    noncol = copy.deepcopy(base)
+    noncol["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    coloc = copy.deepcopy(base)
+    coloc["parallelism"] = {"language": {"tp": 2}, "images": {"dp": 2}}
+
+    def run(raw, world):
+        results = run_on_ranks(_train_counting_decodes, world, raw, 1)
+        merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world,
+                  "placement": "x"}
+        for r in results:
+            assert r["losses"] == merged["losses"]
+            merged["grads"].update(r["grads"])
+            merged["params"].update(r["params"])
+        return merged, results
+
+    ref, ref_ranks = run(base, 1)
+    assert ref_ranks[0]["decoded"] > 0
+    for raw, world in ((noncol, 3), (coloc, 2)):
+        got, ranks = run(raw, world)
+        report = compare(ref, got, 1e-4)
+        assert report["ok"], report
+        for r in ranks:  # LLM-only ranks never decode an image; encoder ranks do
+            assert (r["decoded"] == 0) == r["llm_only"], [(x["decoded"], x["llm_only"]) for x in ranks]
+    # Negative control: the criterion sees a 1e-3 relative change of the losses.
+    other = dict(ref, losses=[x * (1 + 1e-3) for x in ref["losses"]])
+    assert not compare(ref, other, 1e-4)["ok"]
+
+
+def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
+    raw = llava_raw(sample_dir, num_workers=2)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    ahead, inline = dataset(raw), dataset({**raw, "data": {**raw["data"], "num_workers": 0}})
+    ahead.prefetch(lambda step: [1, 3])  # this rank's encoders consume samples 1 and 3 of each step
+    for step in range(3):
+        for j in range(4):
+            a, b = ahead.sample(step * 4 + j), inline.sample(step * 4 + j)
+            assert torch.equal(a.input_ids, b.input_ids)
+            assert torch.equal(a.items["images"], b.items["images"])
+        # Workers planned steps ahead; the checkpointed position is still the trainer's.
+        assert ahead._next_step > step + 1
+        assert ahead.state_dict() == inline.state_dict()
+    # The prefetched images were used: the samples the rank consumes needed no decode here.
+    assert set(ahead._decoded) == {p for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
+
+
+# -- megatron-energon ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def energon_dir(tmp_path_factory):
+    pytest.importorskip("megatron.energon")
+    out = str(tmp_path_factory.mktemp("energon"))
+    assert make_sample_data.main([out, "--records", "24", "--image-size", "16", "--energon"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["captioning", "vqa"])
+def test_energon_dataset_trains_on_llava_records_and_resumes(energon_dir, kind, monkeypatch):
+    from mimo.data import collate, energon
+
+    monkeypatch.setattr(energon, "REFRESH_EVERY", 3)  # resume from energon's own state, then replay
+    raw = llava_raw(energon_dir, path=os.path.join(energon_dir, f"energon_{kind}"), kind="energon")
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    cfg = load_config(raw)
+    ds = dataset(raw)
+    b = collate([ds.sample(0)], cfg.placeholder_ids)
+    tok = ds.encoder.tok
+    text = tok.decode([t for t in b["input_ids"][0].tolist() if t != cfg.placeholder_ids["images"]])
+    prompt = "USER : ASSISTANT :" if kind == "captioning" else "USER : what"
+    assert text.startswith("<s> " + prompt), text
+    answers = tok.decode(b["labels"][0][b["loss_mask"][0].bool()].tolist())
+    assert answers.startswith("a ") and answers.endswith("background . </s>"), answers
+    assert b["images"].shape[0] == b["images_counts"][0] == int((b["input_ids"][0] == cfg.placeholder_ids["images"]).sum()) // 4
+    for s in range(3):
+        ds.plan(s)
+    state = ds.state_dict()
+    assert state["sampler"]["energon"] is not None  # a real energon loader state is part of the position
+    full = [ds.plan(s).record_ids for s in range(3, 7)]
+    resumed = dataset(raw)
+    resumed.load_state_dict(state)
+    assert [resumed.plan(s).record_ids for s in range(3, 7)] == full
+
+
+def test_energon_config_errors(energon_dir):
+    raw = llava_raw(energon_dir, path=energon_dir, kind="energon")
+    with pytest.raises(ConfigError, match="error: data.path: .* is not a prepared energon dataset"):
+        load_config(raw)
+
+
+def test_metrics_of_both_kinds(sample_dir):
+    raw = llava_raw(sample_dir)
+    m = dataset(raw).metrics(0)
+    assert m["skipped_samples"] == 0 and 0.5 < m["packing_efficiency"] <= 1.0
+    mock = copy.deepcopy(TINY)
+    m = dataset(mock).metrics(0)
+    assert m["skipped_samples"] == 0 and 0.5 < m["packing_efficiency"] < 1.0  # mock samples are right-padded
+
+
+def _train_with_data_restart(raw, steps, restart_at):
+    """Losses of `steps` steps; at `restart_at` the dataset is replaced by a fresh one restored from
+    the old one's state_dict (what a resume does with the checkpointed data position)."""
+    from mimo.data import build_dataset
+    from mimo.runtime import select_runtime
+    from mimo.training.heterogeneous import make_trainer
+
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    losses = []
+    for s in range(steps):
+        if s == restart_at:
+            state = json.loads(json.dumps(trainer.dataset.state_dict()))
+            trainer.dataset = build_dataset(cfg)
+            trainer.dataset.load_state_dict(state)
+        losses.append(trainer.train_step(s).loss)
+    return losses
+
+
+def test_training_resumes_the_data_position_bit_identically(sample_dir):
+    from mimo.runtime import run_on_ranks
+
+    raw = llava_raw(sample_dir, num_workers=1)
+    raw["training"].update(global_batch_size=4, micro_batch_size=2)
+    straight = run_on_ranks(_train_with_data_restart, 1, raw, 3, -1)[0]
+    resumed = run_on_ranks(_train_with_data_restart, 1, raw, 3, 2)[0]
+    assert resumed == straight  # bit-identical, FP32 on CPU
