@@ -206,7 +206,7 @@ def test_example_configs_are_valid_and_runnable(tmp_path):
     folder = os.path.join(ROOT, "examples", "configs")
     paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".yaml"))
     assert len(paths) > 40  # the demos, the parity set and the paper's sweeps
-    tiny_hf = None
+    tiny_hf = sample = None
     for path in paths:
         sets = []
         if read_yaml(path)["model"].get("hf"):  # HF examples: a tiny random model in their place
@@ -216,6 +216,14 @@ def test_example_configs_are_valid_and_runnable(tmp_path):
 
                 tiny_hf = make_llava(str(tmp_path / "tiny_llava"))
             sets = [f"model.hf={tiny_hf}"]
+        if read_yaml(path).get("data", {}).get("kind") == "llava":  # generated sample data in their place
+            if sample is None:
+                sys.path.insert(0, os.path.join(ROOT, "tools"))
+                import make_sample_data
+
+                sample = str(tmp_path / "sample")
+                assert make_sample_data.main([sample, "--records", "8", "--image-size", "16"]) == 0
+            sets = [f"data.path={sample}/train.json", f"data.image_root={sample}", f"data.tokenizer={sample}/tokenizer"]
         cfg = load_config(path, sets)
         load_config(path, sets, world_size=cfg.world_size)
         assert layout_problems(cfg) == [], path
