@@ -264,7 +264,13 @@ def test_memory_knobs_bad_values_are_one_line_errors(tmp_path):
         if message is None:
             raw = with_(with_(raw, "parallelism.audio.tp", 8), "model.encoders.audio.num_attention_heads", 8)
             raw["model"]["encoders"]["audio"]["hidden_size"] = 64
-            message = "error: parallelism.audio.sp: needs the encoder's tokens per item (4) divisible by tp (8)"
+            message = ("error: parallelism.audio.sp: needs the encoder's tokens per item (4, class token included) "
+                       "divisible by tp (8)")
         r = _cli(tmp_path, raw)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert any(line.startswith(message) for line in r.stderr.strip().splitlines()), r.stderr
+    # A CLIP-style class token joins the encoder's sequence: even patch counts become odd.
+    raw = with_(with_(with_(tiny(), "parallelism.images.tp", 2), "parallelism.images.sp", True),
+                "model.encoders.images.class_token", True)
+    r = _cli(tmp_path, raw)
+    assert r.returncode == 2 and "class token included) divisible by tp (2)" in r.stderr, r.stderr

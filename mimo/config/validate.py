@@ -295,8 +295,11 @@ def _check_sequence_parallel(cfg: MimoConfig, name: str, par: ParallelConfig, mo
         n, what = cfg.data.seq_length, "data.seq_length"
         if isinstance(n, int) and isinstance(par.cp, int) and par.cp >= 1 and n % (par.tp * par.cp):
             add(path, f"needs {what} ({n}) divisible by tp * cp ({par.tp} * {par.cp})")
-    elif _tokens_ok(mod) and mod.tokens_per_item % par.tp:
-        add(path, f"needs the encoder's tokens per item ({mod.tokens_per_item}) divisible by tp ({par.tp})")
+    elif _tokens_ok(mod):
+        # A vision class token (CLIP) is part of the sequence the encoder's layers see.
+        tokens = mod.tokens_per_item + (1 if mod.class_token else 0)
+        if tokens % par.tp:
+            add(path, f"needs the encoder's tokens per item ({tokens}, class token included) divisible by tp ({par.tp})")
 
 
 def _check_batch(cfg: MimoConfig, add) -> None:
