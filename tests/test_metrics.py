@@ -151,7 +151,7 @@ def test_progress_bar_only_on_a_terminal():
 
 KEYS = {"step": int, "loss": float, "grad_norm": float, "lr": float, "tokens": int, "samples": int,
         "step_time_s": float, "tokens_per_s": float, "tflops_per_gpu": float, "max_memory_gb": float,
-        "skipped_samples": int, "module_time_s": dict, "boundary_time_s": dict}
+        "skipped_samples": int, "module_time_s": dict, "boundary_time_s": dict, "packing_efficiency": float}
 
 
 def test_run_writes_jsonl_trace_tensorboard_and_pictures(tmp_path):

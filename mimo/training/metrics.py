@@ -264,6 +264,7 @@ class StepReporter:
         lr = opts[0].param_groups[0]["lr"] if opts else tr.lr
         rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, lr, res.step_time_s, work, res.times,
                           self.world, self.peak)
+        rec["packing_efficiency"] = self.trainer.dataset.metrics(step)["packing_efficiency"]
         self.writers.write(rec)
         show = step % tr.log_interval == 0 or step == tr.train_iters - 1
         line = human_line(rec, tr.train_iters, res.tokens, self.world) if show else None

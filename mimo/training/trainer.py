@@ -160,8 +160,8 @@ class TrainerBase:
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
         tr = self.cfg.training
-        # The data side may count records it skipped (cumulative); mock data skips none.
-        times = reduce_step(self.timer, self.cfg, self.runtime, getattr(self.dataset, "skipped_samples", 0))
+        # Records the data side skipped so far (cumulative; mock data skips none).
+        times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"])
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
                           elapsed, times)
 
