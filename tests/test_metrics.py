@@ -201,3 +201,23 @@ def test_simulated_timeline_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = subprocess.run([sys.executable, TIMELINE, "--out", str(png)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: ")
+
+
+def test_wandb_offline_run_holds_the_step_scalars(tmp_path, monkeypatch):
+    """training.wandb_project with WANDB_MODE=offline: a local run file, no network. wandb is the
+    optional `metrics` extra, so CI (which installs `test` only) skips this; with wandb installed it runs."""
+    pytest.importorskip("wandb")
+    from mimo.training.metrics import MetricsWriters
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    raw = copy.deepcopy(TINY)
+    raw["training"]["wandb_project"] = "mimo-test"
+    cfg, problems = build_config(raw)
+    assert not problems
+    writers = MetricsWriters(cfg)
+    for step in (1, 2):
+        writers.write({"step": step, "loss": 1.0 / step, "mfu": None, "module_time_s": {"language": 0.1}})
+    writers.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
