@@ -47,6 +47,7 @@ from __future__ import annotations
 import heapq
 from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .mask import CAUSAL, LOW
@@ -85,95 +86,97 @@ def block_workloads(mask: torch.Tensor, block_size: int = 128,
     """Non-empty tiles per query block, summed over the batch: int64 [ceil(s / block_size)].
 
     See the module docstring for the tile test (exact without document ids,
-    conservative with them). Runs on the mask's device; CPU is fine.
+    conservative with them). Computed on the CPU with numpy: the tokens are
+    read once to cut them into runs of equal (value, document) that never
+    cross a block; everything after that works on runs and blocks, so a
+    1M-token sequence costs a few passes over memory, not a sort.
     """
     _check_block_size(block_size)
     mask, docs = _as_2d(mask, document_ids)
-    mask, docs = mask.cpu(), None if docs is None else docs.cpu()
-    b, s = mask.shape
+    m = mask.cpu().numpy()
+    b, s = m.shape
     n = num_blocks(s, block_size)
     if b == 0 or n == 0:
         return torch.zeros(n, dtype=torch.int64)
-    pad = n * block_size - s
-    m = torch.nn.functional.pad(mask, (0, pad))                      # padding is dead (0)
-    live = (m & LOW) != 0
-    # Distinct live values -> ids; dead tokens get id U (dropped below).
-    values, inverse = torch.unique(torch.where(live, m, torch.zeros_like(m)), return_inverse=True)
-    if values.numel() and values[0] == 0:
-        values, inverse = values[1:], inverse - 1                    # id -1 = dead
-    n_val = values.numel()
     N = b * n                                                        # flattened (row, block)
-    if n_val == 0:
-        return torch.zeros(n, dtype=torch.int64)
-    blk = (torch.arange(b)[:, None] * n + torch.arange(n * block_size)[None, :] // block_size)  # [b, n*B]
-    inv = inverse.reshape(b, -1)
-    keep = inv >= 0
-    presence = torch.zeros(N, n_val, dtype=torch.bool)
-    presence[blk[keep], inv[keep]] = True
-
-    # Value compatibility tables (u: query value, w: key value).
-    u_low, u_causal = values & LOW, (values & CAUSAL) != 0
-    overlap = (u_low[:, None] & u_low[None, :]) != 0
-    comp_causal = (u_causal[:, None] & overlap).float()              # needs kb <= qb
-    comp_bidir = ((~u_causal)[:, None] & (u_low[:, None] == u_low[None, :])).float()
-
-    # Document range of each block over its live tokens; rows are separate documents.
-    row = torch.arange(b)[:, None].expand(b, n * block_size)
+    v = m.reshape(-1)
+    d = None
     if docs is not None:
-        d = torch.nn.functional.pad(docs, (0, pad))
-        d = d - d.min()
-        big = d.max() + 1
-        key = row * big + d
-        live_key = torch.where(live, key, torch.full_like(key, _NEG))
-        prev = torch.cummax(live_key.reshape(-1), 0).values
-        flat_live = live.reshape(-1)
-        monotone = bool((prev[flat_live] == live_key.reshape(-1)[flat_live]).all())
-        if not monotone:
+        d = docs.cpu().numpy().reshape(-1)
+    # Run starts: value or document changes, and every block / row start.
+    change = np.empty(b * s, dtype=bool)
+    change[0] = True
+    np.not_equal(v[1:], v[:-1], out=change[1:])
+    if d is not None:
+        change[1:] |= d[1:] != d[:-1]
+    change.reshape(b, s)[:, ::block_size] = True
+    starts = np.flatnonzero(change)
+    row, col = np.divmod(starts, s)
+    rv = v[starts]
+    live = (rv & LOW) != 0                                           # a token is live by its low bits
+    if not live.any():
+        return torch.zeros(n, dtype=torch.int64)
+    starts, row, rv = starts[live], row[live], rv[live]
+    rb = row * n + col[live] // block_size                           # flattened block of each live run
+    # Document key of each live run; rows are separate documents. Keys that are
+    # not non-decreasing along the flattened live tokens are ignored.
+    if d is not None:
+        dl = d[starts] - int(d.min())
+        key = row * (int(dl.max()) + 1) + dl
+        if key.size > 1 and bool((key[1:] < key[:-1]).any()):
             key = row
     else:
         key = row
-    key = key.reshape(N, block_size)
-    live_b = live.reshape(N, block_size)
-    has_live = live_b.any(dim=1)
-    dmax = torch.where(live_b, key, torch.full_like(key, _NEG)).amax(dim=1)
-    dmin = torch.where(live_b, key, torch.full_like(key, -_NEG)).amin(dim=1)
-    dmax_f = torch.cummax(dmax, 0).values                            # dead blocks inherit, stays sorted
-    dmin_f = torch.where(has_live, dmin, dmax_f)
 
-    # Group key blocks by their value set; count a group's members in an index range with
-    # prefix sums. Chunked over groups and query blocks to bound memory.
-    groups, group_of = torch.unique(presence, dim=0, return_inverse=True)
+    values, inv = np.unique(rv, return_inverse=True)
+    n_val = values.size
+    presence = np.zeros((N, n_val), dtype=bool)
+    presence[rb, inv] = True
+    # Live runs are in block order: per block, first run index -> min / max document key.
+    first = np.flatnonzero(np.r_[True, rb[1:] != rb[:-1]])
+    lb = rb[first]
+    dmin = np.full(N, _NEG, dtype=np.int64)
+    dmax = np.full(N, _NEG, dtype=np.int64)
+    dmin[lb] = np.minimum.reduceat(key, first)
+    dmax[lb] = np.maximum.reduceat(key, first)
+    has_live = np.zeros(N, dtype=bool)
+    has_live[lb] = True
+    dmax_f = np.maximum.accumulate(dmax)                            # dead blocks inherit, stays sorted
+    dmin_f = np.where(has_live, dmin, dmax_f)
+
+    # Value compatibility (u: query value, w: key value), lifted to groups of
+    # blocks with the same value set.
+    u_low, u_causal = values & LOW, (values & CAUSAL) != 0
+    overlap = (u_low[:, None] & u_low[None, :]) != 0
+    comp_causal = (u_causal[:, None] & overlap).astype(np.float32)   # needs kb <= qb
+    comp_bidir = ((~u_causal)[:, None] & (u_low[:, None] == u_low[None, :])).astype(np.float32)
+    if n_val < 63:
+        code = presence.astype(np.int64) @ (np.int64(1) << np.arange(n_val, dtype=np.int64))
+        _, first_of, group_of = np.unique(code, return_index=True, return_inverse=True)
+        groups = presence[first_of]
+    else:
+        groups, group_of = np.unique(presence, axis=0, return_inverse=True)
+    group_of = group_of.reshape(-1)
     n_grp = groups.shape[0]
-    pf = presence.float()
-    out = torch.zeros(N, dtype=torch.int64)
-    q_idx = torch.nonzero(has_live).flatten()
-    if q_idx.numel() == 0:
-        return out.reshape(b, n).sum(dim=0)
-    lo = torch.searchsorted(dmax_f, dmin[q_idx], right=False)         # first kb with dmax >= q's dmin
-    hi = torch.searchsorted(dmin_f, dmax[q_idx], right=True)          # first kb with dmin > q's dmax
-    hi_causal = torch.maximum(torch.minimum(hi, q_idx + 1), lo)       # causal: kb <= qb
-    q_causal = pf[q_idx] @ comp_causal                                # [nq, U]
-    q_bidir = pf[q_idx] @ comp_bidir
-    g_chunk = max(1, (1 << 24) // (N + 1))
-    for g0 in range(0, n_grp, g_chunk):
-        g1 = min(n_grp, g0 + g_chunk)
-        gf = groups[g0:g1].float()
-        sel = (group_of >= g0) & (group_of < g1)
-        cum = torch.zeros(g1 - g0, N + 1, dtype=torch.int32)
-        pos = torch.nonzero(sel).flatten()
-        cum[group_of[pos] - g0, pos + 1] = 1
-        cum = torch.cumsum(cum, dim=1, dtype=torch.int32)             # [g, N+1]
-        q_chunk = max(1, (1 << 22) // (g1 - g0))
-        for s0 in range(0, q_idx.numel(), q_chunk):
-            sl = slice(s0, s0 + q_chunk)
-            a = (q_causal[sl] @ gf.T) > 0                             # [c, g]
-            bb = (q_bidir[sl] @ gf.T) > 0
-            base = cum[:, lo[sl]].T
-            cnt_all = cum[:, hi[sl]].T - base
-            cnt_causal = cum[:, hi_causal[sl]].T - base
-            zero = torch.zeros_like(cnt_all)
-            out[q_idx[sl]] += torch.where(bb, cnt_all, torch.where(a, cnt_causal, zero)).sum(dim=1).to(torch.int64)
-    return out.reshape(b, n).sum(dim=0)
+    gf = groups.astype(np.float32)
+    pair_causal = (gf @ comp_causal @ gf.T) > 0                      # [g_q, g_k]
+    pair_bidir = (gf @ comp_bidir @ gf.T) > 0
+
+    out = np.zeros(N, dtype=np.int64)
+    q_idx = lb                                                       # blocks with a live token
+    lo = np.searchsorted(dmax_f, dmin[q_idx], side="left")           # first kb with dmax >= q's dmin
+    hi = np.searchsorted(dmin_f, dmax[q_idx], side="right")          # first kb with dmin > q's dmax
+    hi_causal = np.maximum(np.minimum(hi, q_idx + 1), lo)            # causal: kb <= qb
+    gq = group_of[q_idx]
+    # Members of each key group in an index range, by prefix sums over blocks.
+    for g in range(n_grp):
+        cum = np.zeros(N + 1, dtype=np.int64)
+        np.cumsum(group_of == g, out=cum[1:])
+        bid = pair_bidir[gq, g]
+        cau = pair_causal[gq, g] & ~bid
+        base = cum[lo]
+        out[q_idx] += np.where(bid, cum[hi] - base, 0) + np.where(cau, cum[hi_causal] - base, 0)
+    return torch.from_numpy(out.reshape(b, n).sum(axis=0))
 
 
 def tile_nonempty_dense(mask: torch.Tensor, block_size: int = 128,
@@ -201,23 +204,34 @@ def _chunks(items: Sequence[int], m: int) -> List[List[int]]:
 
 
 def _lpt(work: List[int], cp: int, balanced_counts: bool) -> List[List[int]]:
-    """Greedy LPT; with ``balanced_counts`` every rank ends with floor(n/cp) or ceil(n/cp) blocks."""
+    """Greedy LPT; with ``balanced_counts`` every rank ends with floor(n/cp) or ceil(n/cp) blocks.
+
+    Blocks go in (descending work, index) order, each to the rank with the
+    smallest (load, blocks, rank) that still has room. The heap holds that
+    triple packed into one integer, ``(load * (n + 1) + blocks) * cp + rank``
+    (same order, cheaper to compare), so a 8192-block plan takes a few ms."""
     n = len(work)
-    order = sorted(range(n), key=lambda i: (-work[i], i))
+    order = np.lexsort((np.arange(n), -np.asarray(work, dtype=np.int64))).tolist() if n else []
     lo_cap, n_big = n // cp, n % cp                                  # n_big ranks may hold lo_cap + 1
     big_used = 0
-    heap = [(0, 0, r) for r in range(cp)]                            # (load, blocks, rank)
+    unit = (n + 1) * cp
+    heap = list(range(cp))                                           # load 0, no blocks, rank r
+    counts = [0] * cp
     owned: List[List[int]] = [[] for _ in range(cp)]
+    pop, replace = heapq.heappop, heapq.heapreplace
     for i in order:
-        while True:
-            load, count, r = heapq.heappop(heap)
-            full = balanced_counts and (count > lo_cap or (count == lo_cap and big_used >= n_big))
-            if not full:
-                break                                                # full ranks leave the heap
-        if balanced_counts and count == lo_cap:
-            big_used += 1
+        key = heap[0]
+        r = key % cp
+        if balanced_counts:
+            while counts[r] > lo_cap or (counts[r] == lo_cap and big_used >= n_big):
+                pop(heap)                                            # full ranks leave the heap
+                key = heap[0]
+                r = key % cp
+            if counts[r] == lo_cap:
+                big_used += 1
         owned[r].append(i)
-        heapq.heappush(heap, (load + work[i], count + 1, r))
+        counts[r] += 1
+        replace(heap, key + work[i] * unit + cp)
     return [sorted(o) for o in owned]
 
 

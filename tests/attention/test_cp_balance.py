@@ -89,9 +89,10 @@ def test_workloads_fast_on_one_million_tokens():
     assignment = assign_from_workloads(work, 8, "lpt")
     t2 = time.perf_counter()
     check_assignment(assignment, work.numel())
-    # Generous bounds: the CI machine is shared (measured ~0.15 s and ~10 ms when idle).
-    assert t1 - t0 < 2.0, t1 - t0
-    assert t2 - t1 < 0.5, t2 - t1
+    # Block planning of 1M tokens at CP 8 measures 5-10 ms here (docs/benchmarks.md); the bound
+    # leaves room for a loaded shared CI machine but still catches a return to the
+    # per-token sort (~0.5-2 s).
+    assert t2 - t0 < 0.25, (t1 - t0, t2 - t1)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 16, 33])
