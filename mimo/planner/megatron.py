@@ -251,19 +251,21 @@ class StepModel:
             return samples * self.work.seq_length, self.work.seq_length / 2.0
         return samples * self.work.items(mod.name) * mod.tokens_per_item, float(mod.tokens_per_item)
 
-    def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int, uniform: bool = False) -> Chain:
+    def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int) -> Chain:
         """Modules in execution order (each with its layout and samples per
         microbatch), concatenated and cut into ``pp`` stages minimising the
-        slowest stage; pre/post layers stay with their neighbours.
-        ``uniform``: Megatron's default split instead, the last module's
-        layers evenly over the stages and everything before it in stage 0."""
+        slowest stage; pre/post layers stay with their neighbours. Modules
+        before the last one (encoders inside the LLM's first stage, the
+        homogeneous baseline) stay whole in stage 0 with at least one LLM
+        layer: Megatron can shorten its first stage
+        (``decoder_first_pipeline_num_layers``) but not move an encoder."""
         key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods),
-               pp, uniform)
+               pp)
         if key not in self._chains:
-            self._chains[key] = self._chain(mods, pp, uniform)
+            self._chains[key] = self._chain(mods, pp)
         return self._chains[key]
 
-    def _chain(self, mods, pp: int, uniform: bool) -> Chain:
+    def _chain(self, mods, pp: int) -> Chain:
         f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []
         upstream = False
         for mod, par, samples in mods:
@@ -281,12 +283,10 @@ class StepModel:
                               (a_all, keep), (x_all, trans)):
                 lst.extend(_fold(vals, pre, post))
             upstream = output_requires_grad(costs, up)
-        last = mods[-1][0].num_layers
-        if uniform and last % pp == 0:
-            sizes = [last // pp] * pp
-            sizes[0] += len(f_all) - last
-        else:
-            sizes = partition(_sum_lists(f_all, b_all), pp)
+        costs = _sum_lists(f_all, b_all)
+        lead = len(costs) - mods[-1][0].num_layers
+        sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
+        sizes[0] += lead
         return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),
                      _stages(tr_all, sizes), _stages(a_all, sizes),
                      [max(x_all[i:j], default=0.0) for i, j in _bounds(sizes)], list(sizes))
@@ -309,19 +309,22 @@ class StepModel:
     # ---- time -----------------------------------------------------------------
     def update_time(self, ch: Chain, par: Par) -> float:
         """Exposed distributed-optimizer traffic and the Adam step of the
-        busiest stage."""
+        busiest stage. Gradients are reduced in bf16 (the paper's peak
+        memory fits bf16 gradient buffers, fp32 ones would not) and, as in a
+        tuned run (``overlap_grad_reduce`` / ``overlap_param_gather``), the
+        reduce-scatter overlaps the last backward and the all-gather the
+        first forward; only what they cannot hide is exposed."""
         trainable = max(ch.trainable)
         if trainable <= 0:
             return 0.0
         group = par.dp * par.cp
         span = par.tp * group
+        ring = self._ring(self.weight_bytes * trainable, group, span)
         if self.dist_opt:
-            rs = self._ring(self.weight_bytes * trainable, group, span)
-            ag = self._ring(self.weight_bytes * trainable, group, span)
-            exposed = max(0.0, rs - ch.backward[-1]) + max(0.0, ag - ch.forward[0])
+            exposed = max(0.0, ring - ch.backward[-1]) + max(0.0, ring - ch.forward[0])
             shard = group
         else:
-            exposed = max(0.0, 2 * self._ring(self.weight_bytes * trainable, group, span) - ch.backward[-1])
+            exposed = max(0.0, 2 * ring - ch.backward[-1])
             shard = 1
         # Adam reads and writes its state and writes the bf16 weights back.
         adam = trainable / shard * (2 * self.master_bytes + self.weight_bytes) / self.hbm
@@ -354,7 +357,7 @@ class StepModel:
         mb = self.g // (self.m * lp.dp)
         mods = [(e, Par(lp.tp, lp.cp, 1, lp.dp, pars[e.name].sp, pars[e.name].recompute), self.m)
                 for e in self.spec.encoders]
-        ch = self.chain(mods + [(self.spec.language, lp, self.m)], lp.pp, uniform=True)
+        ch = self.chain(mods + [(self.spec.language, lp, self.m)], lp.pp)
         update = self.update_time(ch, lp)
         step = self.pipeline(ch.total, mb, self._llm_hop(lp)) + update
         mem = self.chain_memory(ch, 0, mb, lp.dp * lp.cp)
