@@ -192,6 +192,12 @@ class StepModel:
             lat = self.gpu.latency(span_gpus)
             cp_f = max((cp - 1) * one - attn_f, 0.0) + (cp - 1) * lat
             cp_b = max(2 * (cp - 1) * one - attn_b, 0.0) + 2 * (cp - 1) * lat
+            # Each extra ring step is its own attention call plus a softmax
+            # correction of the partial output (read two, write one), and in
+            # backward an fp32 accumulation of dQ and of the travelling dK/dV.
+            steps = cp - 1
+            cp_f += steps * (3 * t * h / tp * bpe / self.hbm + 4 * self.gpu.kernel_overhead)
+            cp_b += steps * ((2 * t * h / tp + 4 * t * kv_rank) * 4 / self.hbm + 6 * self.gpu.kernel_overhead)
         ko = self.gpu.kernel_overhead
         fwd = gemm + attn_f + ew + 4 * tp_one + cp_f + 20 * ko
         bwd_in = gemm + attn_b + 2 * ew + 4 * tp_one + cp_b + 20 * ko
