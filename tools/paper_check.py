@@ -48,16 +48,58 @@ ENCODERS = {
 }
 IMAGE, PATCH = 448, 14
 TOKENS_PER_IMAGE = (IMAGE // PATCH) ** 2
+SIZES = {"7B": 7e9, "14B": 14e9, "32B": 32e9, "70B": 70e9, "120B": 120e9,
+         "1B": 1e9, "3B": 3e9, "6B": 6e9, "7.2B": 7.2e9, "12B": 12e9}
+
+
+def _ffn(params: float, layers: int, hidden: int, heads: int, groups: int, vocab: int) -> int:
+    """ffn of a two-matrix MLP that brings the model to ``params`` (multiple of 512)."""
+    kv = groups * hidden // heads
+    per_layer = params / layers - vocab * 2 * hidden / layers
+    f = (per_layer - 2 * hidden * hidden - 2 * hidden * kv) / (2 * hidden)
+    return max(512, int(round(f / 512)) * 512)
+
+
+# Other shapes of the same sizes, for the robustness check (``--shapes``):
+# deeper and narrower, or shallower and wider, than ours; "wide" also uses
+# 336 px images (576 tokens each). ffn is recomputed to keep the size.
+# (layers, hidden, heads, groups) per LLM and (layers, hidden, heads) per encoder.
+ALT = {
+    "deep": ({"7B": (48, 3584, 56, 8), "14B": (56, 4608, 48, 8), "32B": (64, 6144, 48, 8),
+              "70B": (96, 7168, 56, 8), "120B": (120, 9216, 72, 8)},
+             {"1B": (32, 1792, 16), "3B": (48, 2304, 24), "6B": (64, 2816, 32), "7.2B": (48, 3584, 32),
+              "12B": (80, 3584, 32)}, 448),
+    "wide": ({"7B": (24, 4608, 48, 8), "14B": (32, 6144, 48, 8), "32B": (40, 8192, 64, 8),
+              "70B": (64, 9216, 72, 8), "120B": (80, 11264, 88, 8)},
+             {"1B": (16, 2560, 32), "3B": (28, 3072, 24), "6B": (40, 3584, 32), "7.2B": (32, 4608, 48),
+              "12B": (48, 4608, 48)}, 336),
+}
+_SHAPES = {"name": "ours"}
+
+
+def use_shapes(name: str) -> None:
+    """Select the model shapes (``ours``, ``deep`` or ``wide``) for the rows."""
+    if name != "ours" and name not in ALT:
+        raise ValueError(f"unknown shapes {name!r} (ours, {', '.join(ALT)})")
+    _SHAPES["name"] = name
+
+
+def _shapes(enc: str, llm: str):
+    if _SHAPES["name"] == "ours":
+        return LLMS[llm], ENCODERS[enc], IMAGE
+    llms, encs, image = ALT[_SHAPES["name"]]
+    L, h, a, g = llms[llm]
+    el, eh, ea = encs[enc]
+    return (L, h, a, g, _ffn(SIZES[llm], L, h, a, g, VOCAB)), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
 
 
 def model_config(enc: str, llm: str) -> dict:
-    L, h, a, g, f = LLMS[llm]
-    el, eh, ea, ef = ENCODERS[enc]
+    (L, h, a, g, f), (el, eh, ea, ef), image = _shapes(enc, llm)
     return {
         "language": {"num_layers": L, "hidden_size": h, "num_attention_heads": a, "num_query_groups": g,
                      "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False},
         "encoders": {"images": {"kind": "vision", "num_layers": el, "hidden_size": eh, "num_attention_heads": ea,
-                                "ffn_hidden_size": ef, "image_size": IMAGE, "patch_size": PATCH, "frozen": False,
+                                "ffn_hidden_size": ef, "image_size": image, "patch_size": PATCH, "frozen": False,
                                 "projector": {"kind": "mlp", "frozen": False}}},
     }
 
@@ -138,7 +180,7 @@ def _enc_recompute(enc: str) -> str:
 def _searcher(model: str, seq: int, vis: float, gbs: int, mb: int, gpu: str) -> LayoutSearch:
     enc, llm = model.split("+")
     spec = read_model(model_config(enc, llm))
-    images = seq * vis / 100.0 / TOKENS_PER_IMAGE
+    images = seq * vis / 100.0 / spec.encoders[0].tokens_per_item
     return LayoutSearch(spec, get_gpu(gpu), Work(seq, {"images": images}), gbs, mb)
 
 
@@ -246,7 +288,10 @@ def main(argv=None) -> int:
     p.add_argument("--table", choices=["A2", "A3", "A4"], action="append")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--shapes", choices=["ours", *ALT], default="ours",
+                   help="model shapes of the paper's sizes (robustness check: deep / wide)")
     args = p.parse_args(argv)
+    use_shapes(args.shapes)
     try:
         get_gpu(args.gpu)
     except ValueError as exc:

@@ -149,6 +149,7 @@ class StepModel:
         self.llm_upstream = any(not e.frozen or (e.projector_kind is not None and not e.projector_frozen)
                                 for e in spec.encoders)
         self._layers: dict[tuple, tuple] = {}
+        self._lists: dict[tuple, tuple] = {}
         self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
         self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
@@ -271,24 +272,34 @@ class StepModel:
             self._chains[key] = self._chain(mods, pp)
         return self._chains[key]
 
+    def _module_lists(self, mod: ModuleSpec, par: Par, samples: float, upstream: bool):
+        """One module's per-layer forward, backward, weights, trainable
+        weights, kept activations and transient bytes (pre/post layers folded
+        into their neighbours), and whether its output carries a gradient.
+        Cached: a layout search reuses each module layout many times."""
+        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, samples, upstream)
+        hit = self._lists.get(key)
+        if hit is not None:
+            return hit
+        tokens, span = self._tokens(mod, samples)
+        costs, weights, acts, trans = self.module_layers(mod, par, tokens, span, self.spec.language.hidden_size)
+        up = upstream or (self.llm_upstream if mod.is_language else False)
+        bwd = backward_costs(costs, up)
+        fwd = [c.forward for c in costs]
+        keep = [a if b > 0 else 0.0 for a, b in zip(acts, bwd)]
+        trainable = [0.0 if c.frozen else w for c, w in zip(costs, weights)]
+        pre, post = 1, 1 if len(costs) > mod.num_layers + 1 else 0
+        lists = [_fold(vals, pre, post) for vals in (fwd, bwd, weights, trainable, keep, trans)]
+        hit = self._lists[key] = (lists, output_requires_grad(costs, up))
+        return hit
+
     def _chain(self, mods, pp: int) -> Chain:
         f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []
         upstream = False
         for mod, par, samples in mods:
-            tokens, span = self._tokens(mod, samples)
-            costs, weights, acts, trans = self.module_layers(
-                mod, par, tokens, span, self.spec.language.hidden_size)
-            up = self.llm_upstream if mod.is_language else False
-            up = up or upstream
-            bwd = backward_costs(costs, up)
-            fwd = [c.forward for c in costs]
-            keep = [a if b > 0 else 0.0 for a, b in zip(acts, bwd)]
-            trainable = [0.0 if c.frozen else w for c, w in zip(costs, weights)]
-            pre, post = 1, 1 if len(costs) > mod.num_layers + 1 else 0
-            for lst, vals in ((f_all, fwd), (b_all, bwd), (w_all, weights), (tr_all, trainable),
-                              (a_all, keep), (x_all, trans)):
-                lst.extend(_fold(vals, pre, post))
-            upstream = output_requires_grad(costs, up)
+            lists, upstream = self._module_lists(mod, par, samples, upstream)
+            for lst, vals in zip((f_all, b_all, w_all, tr_all, a_all, x_all), lists):
+                lst.extend(vals)
         costs = _sum_lists(f_all, b_all)
         lead = len(costs) - mods[-1][0].num_layers
         sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
@@ -464,10 +475,13 @@ def partition(costs: list[float], pp: int) -> list[int]:
     """Contiguous split into ``pp`` non-empty stages with the smallest possible
     slowest stage (optimal to 1e-12 relative). A greedy sweep from the back
     (each stage as long as the bound allows) decides whether a bound is
-    feasible; bisection on the bound between ``max(max cost, total / pp)``
-    and that plus the largest cost (always feasible) finds the optimum. Stages
-    fill from the back, leaving the early stages (which hold more 1F1B
-    microbatches) the lightest."""
+    feasible. Bisection on the bound, with both ends snapped to values a
+    split can take: a feasible sweep lowers the upper end to its own slowest
+    stage; a failed one raises the lower end to the smallest stage that
+    would have had to grow by one layer (no bound below that can succeed,
+    since the sweep would cut the same stages). Stages fill from the back,
+    leaving the early stages (which hold more 1F1B microbatches) the
+    lightest."""
     n = len(costs)
     if pp < 1 or pp > n:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
@@ -477,28 +491,36 @@ def partition(costs: list[float], pp: int) -> list[int]:
     for c in costs:
         pre.append(pre[-1] + c)
 
-    def cut(bound: float) -> list[int] | None:
-        sizes, j = [], n
+    def cut(bound: float) -> tuple[list[int] | None, float]:
+        """(sizes, slowest stage) when ``bound`` is feasible, else (None, the
+        next bound worth trying)."""
+        sizes, j, worst, grow = [], n, 0.0, float("inf")
         for s in range(pp, 0, -1):
             # earliest start leaving s - 1 layers before it and one in it
             i = bisect_left(pre, pre[j] - bound, s - 1, j - 1)
             if pre[j] - pre[i] > bound:
-                return None
+                return None, pre[j] - pre[j - 1]
+            worst = max(worst, pre[j] - pre[i])
+            if i > 0:
+                grow = min(grow, pre[j] - pre[i - 1])
             sizes.append(j - i)
             j = i
-        return sizes[::-1] if j == 0 else None
+        if j == 0:
+            return sizes[::-1], worst
+        return None, grow
 
     peak = max(costs)
     lo = max(peak, pre[n] / pp)
-    hi = lo + peak
+    best, hi = cut(lo + peak)
+    assert best is not None
+    mid = lo
     for _ in range(200):
         if hi - lo <= 1e-12 * hi:
             break
-        mid = (lo + hi) / 2
-        if cut(mid) is None:
-            lo = mid
+        sizes, value = cut(mid)
+        if sizes is None:
+            lo = max(lo, min(value, hi))
         else:
-            hi = mid
-    sizes = cut(hi)
-    assert sizes is not None
-    return sizes
+            best, hi = sizes, value
+        mid = (lo + hi) / 2
+    return best
