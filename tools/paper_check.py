@@ -274,6 +274,36 @@ def metrics(table: str, rs: list[dict]) -> dict:
     return out
 
 
+def crossover(gpu: str = "h100") -> dict:
+    """The 120B operating-range claim at 8K, 50% vision (Table A5), with the
+    paper's layouts: for 1B and 3B encoders colocated (Table A2's layout)
+    beats homogeneous; from 6B on, non-colocated (Table A4's layout, 256 + 8
+    GPUs, tokens/s at the same global batch) beats the best colocated
+    layout, the faster of Table A2's and the homogeneous one (a special case
+    of colocated; the paper reports C = H there). Predicted gains in %."""
+    out = {}
+    by_model = {r[0]: r for r in A2 if r[0].endswith("+120B") and r[1] == 50}
+    for model, r in by_model.items():
+        enc = model.split("+")[0]
+        rec = _enc_recompute(enc)
+        s = _searcher(model, 8192, 50, 256, 1, gpu)
+        h = s.evaluate({"language": _par(r[4]), "images": Par(sp=True, recompute=rec)}, homogeneous=True)
+        c = s.evaluate({"language": _par(r[6]), "images": _par(r[5], 0, rec)})
+        best_c = min(c.step_time, h.step_time)
+        entry = {"colocated_vs_h": round((h.step_time / c.step_time - 1) * 100, 1)}
+        nc = [x for x in A4 if x[0] == model and x[1] == 8 and x[2] == 50 and x[3] == 256]
+        if nc:
+            _, _, _, _, _, _, ne, nl, *_ = nc[0]
+            lp = _par(nl)
+            e = s.evaluate({"language": lp, "images": _par(ne, lp.size, rec)})
+            entry["non_colocated_vs_best_c"] = round((best_c / e.step_time - 1) * 100, 1)
+        out[model] = entry
+    small = [v["colocated_vs_h"] > 0 for m, v in out.items() if m.split("+")[0] in ("1B", "3B")]
+    large = [v.get("non_colocated_vs_best_c", -1) > 0 for m, v in out.items()
+             if m.split("+")[0] in ("6B", "7.2B", "12B")]
+    return {"rows": out, "colocated_beats_h_small": all(small), "non_colocated_beats_c_large": all(large)}
+
+
 def _fmt(r: dict) -> str:
     g = "on par" if r["measured_gain"] is None else f"{r['measured_gain']:+.1f}"
     seq = f"{r['seq_k']}K"
@@ -301,6 +331,8 @@ def main(argv=None) -> int:
     for t in args.table or ["A2", "A3", "A4"]:
         rs = rows(t, args.gpu)
         report[t] = {"rows": rs, "metrics": metrics(t, rs)}
+    if not args.table or "A4" in args.table:
+        report["crossover"] = crossover(args.gpu)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -308,11 +340,19 @@ def main(argv=None) -> int:
           "step ms C/NC meas / pred | mem GB H meas / pred | mem GB C/NC meas / pred | gain meas % | gain pred % |")
     print("|" + "---|" * 14)
     for t, rep in report.items():
-        for r in rep["rows"]:
-            print(_fmt(r))
+        if t != "crossover":
+            for r in rep["rows"]:
+                print(_fmt(r))
     print()
     for t, rep in report.items():
-        print(f"{t}: " + ", ".join(f"{k} {v}" for k, v in rep["metrics"].items()))
+        if t != "crossover":
+            print(f"{t}: " + ", ".join(f"{k} {v}" for k, v in rep["metrics"].items()))
+    if "crossover" in report:
+        x = report["crossover"]
+        print("crossover (120B, 8K, 50%): " + "; ".join(
+            f"{m}: " + ", ".join(f"{k} {v:+.1f}" for k, v in e.items()) for m, e in x["rows"].items())
+            + f"; colocated_beats_h_small {x['colocated_beats_h_small']}, "
+              f"non_colocated_beats_c_large {x['non_colocated_beats_c_large']}")
     return 0
 
 
