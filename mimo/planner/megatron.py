@@ -20,15 +20,19 @@ constants:
 * **Context parallelism** (Megatron's ring): each rank exchanges its K/V chunk
   ``cp - 1`` times forward and K/V plus their gradients backward, overlapped
   with attention compute; what the attention cannot hide is exposed. When
-  ``tp * cp`` exceeds a node the ring crosses InfiniBand. An encoder that
-  inherits CP (the homogeneous baseline) has little attention per item to
-  hide the exchange behind, which is what makes that baseline slow.
+  ``tp * cp`` exceeds a node the ring crosses InfiniBand. Every extra ring
+  step is also an attention call of its own with a softmax correction of the
+  partial output (and fp32 gradient accumulation in backward), which is what
+  makes CP a loss at short sequences. An encoder that inherits CP (the
+  homogeneous baseline) has little attention per item to hide the exchange
+  behind, which is what makes that baseline slow at long context.
 * **Recompute.** ``selective`` recomputes core attention (with fused
   attention it saves no memory: scores are never stored); ``full`` keeps only
   each layer's input and runs the layer's forward again in backward.
-* **Memory** per rank: bf16 weights (2 B/param); trainable parameters add an
-  fp32 gradient buffer (4 B) and Adam's fp32 master weights and two moments
-  (12 B), divided over the DP x CP group by the distributed optimizer.
+* **Memory** per rank: bf16 weights (2 B/param); trainable parameters add a
+  bf16 gradient buffer (2 B) and, divided over the DP x CP group by the
+  distributed optimizer, fp32 master weights, Adam's two moments and an fp32
+  gradient shard (16 B).
   Activations per layer follow Korthikanti et al. (``10 + 24 / tp`` x
   tokens x hidden bytes at ffn = 4h without SP, ``34 / tp`` with SP),
   generalised to any ffn / GQA width; stage ``i`` of ``p`` holds
@@ -40,8 +44,10 @@ constants:
   forward; what does not fit is exposed; then the Adam step at HBM bandwidth.
 
 Placements:
-* ``homogeneous``: every encoder runs inside the LLM's first pipeline stage
-  on its GPUs, with the LLM's TP, CP and DP (Megatron's baseline).
+* ``homogeneous``: every encoder runs whole inside the LLM's first pipeline
+  stage on its GPUs, with the LLM's TP, CP and DP (Megatron's baseline); the
+  LLM's layers are balanced around it (a shorter first stage, Megatron's
+  ``decoder_first_pipeline_num_layers``), as in a tuned run.
 * ``colocated``: same GPUs, each encoder with its own TP/DP; the three-phase
   schedule (encoder forward, LLM 1F1B, encoder backward) in windows of the
   LLM's in-flight microbatches.
