@@ -109,6 +109,33 @@ def test_policies_partition_blocks(n, cp):
             assert max(sizes) - min(sizes) <= (2 if policy == "zigzag" else 1), (policy, sizes)
 
 
+def _reference_lpt(work, cp, capped):
+    """Plain statement of the policy: blocks by (descending work, index), each to
+    the rank with the smallest (load, blocks, rank) among those with room."""
+    n = len(work)
+    lo, n_big = n // cp, n % cp
+    load, count, owned = [0] * cp, [0] * cp, [[] for _ in range(cp)]
+    for i in sorted(range(n), key=lambda i: (-work[i], i)):
+        big = sum(c > lo for c in count)
+        room = [r for r in range(cp) if not capped or count[r] < lo or (count[r] == lo and big < n_big)]
+        r = min(room, key=lambda r: (load[r], count[r], r))
+        load[r] += work[i]
+        count[r] += 1
+        owned[r].append(i)
+    return [sorted(o) for o in owned]
+
+
+def test_lpt_matches_the_plain_statement_of_the_policy():
+    g = torch.Generator().manual_seed(7)
+    for t in range(60):
+        n = int(torch.randint(0, 200, (1,), generator=g))
+        cp = int(torch.randint(1, 9, (1,), generator=g))
+        hi = int(torch.randint(1, 1000, (1,), generator=g)) if t % 3 else 3   # many ties when 3
+        work = torch.randint(0, hi, (n,), generator=g).tolist()
+        for policy, capped in (("lpt", True), ("lpt_free", False)):
+            assert assign_from_workloads(work, cp, policy) == _reference_lpt(work, cp, capped), (t, policy)
+
+
 def test_zigzag_and_contiguous_definitions():
     assert assign_from_workloads([0] * 8, 2, "zigzag") == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert assign_from_workloads([0] * 8, 4, "zigzag") == [[0, 7], [1, 6], [2, 5], [3, 4]]
