@@ -58,6 +58,7 @@ Placements:
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -156,6 +157,7 @@ class StepModel:
                                 for e in spec.encoders)
         self._layers: dict[tuple, tuple] = {}
         self._lists: dict[tuple, tuple] = {}
+        self._updates: dict[tuple, float] = {}
         self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
         self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
@@ -337,11 +339,17 @@ class StepModel:
         tuned run (``overlap_grad_reduce`` / ``overlap_param_gather``), the
         reduce-scatter overlaps the last backward and the all-gather the
         first forward; only what they cannot hide is exposed."""
+        group = par.dp * par.cp
+        span = par.tp * group
+        key = (id(ch), group, span)
+        if key not in self._updates:
+            self._updates[key] = self._update_time(ch, group, span)
+        return self._updates[key]
+
+    def _update_time(self, ch: Chain, group: int, span: int) -> float:
         trainable = max(ch.trainable)
         if trainable <= 0:
             return 0.0
-        group = par.dp * par.cp
-        span = par.tp * group
         ring = self._ring(self.weight_bytes * trainable, group, span)
         if self.dist_opt:
             exposed = max(0.0, ring - ch.backward[-1]) + max(0.0, ring - ch.forward[0])
@@ -474,6 +482,8 @@ def _bounds(sizes):
 
 
 def _stages(values, sizes) -> list[float]:
+    if len(sizes) == 1:
+        return [sum(values)]
     return [sum(values[i:j]) for i, j in _bounds(sizes)]
 
 
@@ -493,9 +503,7 @@ def partition(costs: list[float], pp: int) -> list[int]:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
     if pp == 1:
         return [n]
-    pre = [0.0]
-    for c in costs:
-        pre.append(pre[-1] + c)
+    pre = [0.0, *accumulate(costs)]
 
     def cut(bound: float) -> tuple[list[int] | None, float]:
         """(sizes, slowest stage) when ``bound`` is feasible, else (None, the
