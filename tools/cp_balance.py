@@ -117,8 +117,9 @@ def balance_rows(seqs, cps, block, policies, seed, show_ranks):
             print(f"| {fmt_k(s)} | {pattern} | {cp} | {mean:.0f} | " + " | ".join(cells) + " |")
     t_work = max(r["t_work"] for r in rows)
     t_lpt = max((r["t_assign"] for r in rows if r["policy"] == "lpt"), default=0.0)
+    t_plan = max((r["t_work"] + r["t_assign"] for r in rows if r["policy"] == "lpt"), default=0.0)
     print(f"\nblock {block}; slowest block_workloads {t_work * 1e3:.1f} ms, slowest LPT step {t_lpt * 1e3:.1f} ms, "
-          f"slowest block planning (workloads + LPT) {max(r['t_work'] + r['t_assign'] for r in rows if r['policy'] == 'lpt') * 1e3:.1f} ms")
+          f"slowest block planning (workloads + LPT) {t_plan * 1e3:.1f} ms")
     return rows
 
 

@@ -58,8 +58,8 @@ Placements:
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Mapping
 
 from mimo.planner.costs import LayerCost, backward_costs, output_requires_grad
