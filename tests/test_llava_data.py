@@ -225,9 +225,9 @@ def test_config_errors(sample_dir):
     raw = llava_raw(sample_dir, path="/nonexistent.json")
     assert "error: data.path: no such file" in problems(raw)
     raw = llava_raw(sample_dir)
-    raw["model"]["language"]["vocab_size"] = 32  # the sample tokenizer has 64 tokens
+    raw["model"]["language"]["vocab_size"] = 32  # the sample tokenizer has 72 tokens
     raw["data"]["seq_length"] = 24
-    assert "error: data.tokenizer: vocabulary of 64 tokens does not fit" in problems(raw)
+    assert "error: data.tokenizer: vocabulary of 72 tokens does not fit" in problems(raw)
     raw = llava_raw(sample_dir)
     raw["model"]["language"]["attention"] = "sdpa"
     assert "error: data.packing: needs model.language.attention: bitfield" in problems(raw)
