@@ -38,6 +38,12 @@ def siglip_qwen2(tmp_path_factory):
     return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "siglip_qwen2"), "siglip", "qwen2", tie=True)
 
 
+@pytest.fixture(scope="module")
+def clip_mistral(tmp_path_factory):
+    """CLIP + Mistral (GQA) with a sliding window of 64 tokens (longer than the inputs)."""
+    return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "clip_mistral"), "clip", "mistral", sliding_window=64)
+
+
 def llava_inputs():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, IMAGE - 1, (2, 40), generator=g)
@@ -143,6 +149,31 @@ def test_clip_llama_logits_single_rank_and_negative_control(clip_llama, tmp_path
     ref = hf_reference(clip_llama, inputs)
     assert rel_diff(good, ref) < TOL
     assert rel_diff(wrong, ref) > TOL
+
+
+def test_mistral_logits_and_a_shorter_sliding_window_is_a_config_error(clip_mistral, tmp_path):
+    """Within its window Mistral is full causal attention: logits within tolerance at 1 rank. A
+    window shorter than data.seq_length changes transformers' logits (mimo has no sliding
+    window), so it is refused with one config error naming data.seq_length."""
+    from mimo.training.hf_logits import logits_config
+
+    inputs = llava_inputs()  # 40 tokens
+    (got,) = run_on_ranks(_logits_of_each, 1, [llava_config(clip_mistral)], inputs)[0]
+    ref = hf_reference(clip_mistral, inputs)
+    assert rel_diff(got, ref) < TOL
+    short = str(tmp_path / "short")
+    shutil.copytree(clip_mistral, short)
+    with open(os.path.join(short, "config.json")) as f:
+        config = json.load(f)
+    config["text_config"]["sliding_window"] = 16
+    with open(os.path.join(short, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert rel_diff(hf_reference(short, inputs), ref) > TOL  # the window hides tokens: full attention is wrong
+    with pytest.raises(ConfigError) as exc:
+        load_config(logits_config(llava_config(short), 2, 40))
+    assert str(exc.value) == ("error: data.seq_length: 40 is longer than the sliding_window (16) of model.hf; "
+                              "mimo attends over whole sequences, so use data.seq_length <= 16")
+    load_config(logits_config(llava_config(short), 2, 16))  # within the window: exact, accepted
 
 
 @pytest.mark.slow

@@ -301,7 +301,7 @@ def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
         assert ahead._next_step > step + 1
         assert ahead.state_dict() == inline.state_dict()
     # The prefetched images were used: the samples the rank consumes needed no decode here.
-    assert set(ahead._decoded) == {p for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
+    assert set(ahead._decoded) == {("images", p) for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
 
 
 # -- megatron-energon ----------------------------------------------------------------------------
