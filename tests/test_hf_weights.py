@@ -165,15 +165,15 @@ def test_mistral_logits_and_a_shorter_sliding_window_is_a_config_error(clip_mist
     shutil.copytree(clip_mistral, short)
     with open(os.path.join(short, "config.json")) as f:
         config = json.load(f)
-    config["text_config"]["sliding_window"] = 16
+    config["text_config"]["sliding_window"] = 32
     with open(os.path.join(short, "config.json"), "w") as f:
         json.dump(config, f)
     assert rel_diff(hf_reference(short, inputs), ref) > TOL  # the window hides tokens: full attention is wrong
     with pytest.raises(ConfigError) as exc:
         load_config(logits_config(llava_config(short), 2, 40))
-    assert str(exc.value) == ("error: data.seq_length: 40 is longer than the sliding_window (16) of model.hf; "
-                              "mimo attends over whole sequences, so use data.seq_length <= 16")
-    load_config(logits_config(llava_config(short), 2, 16))  # within the window: exact, accepted
+    assert str(exc.value) == ("error: data.seq_length: 40 is longer than the sliding_window (32) of model.hf; "
+                              "mimo attends over whole sequences, so use data.seq_length <= 32")
+    load_config(logits_config(llava_config(short), 2, 32))  # within the window: exact, accepted
 
 
 @pytest.mark.slow
