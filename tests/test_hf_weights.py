@@ -243,29 +243,48 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
 # -- Whisper ---------------------------------------------------------------------------------------
 
 
-def _whisper_outputs(raw, mel):
+def _whisper_outputs(raw, mel, wav):
+    """The encoder's outputs on `mel` and on `wav` as the data pipeline's AudioLoader features it."""
+    from mimo.data.audio import AudioLoader
     from mimo.training.heterogeneous import make_trainer
 
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    clip = AudioLoader(cfg.model.encoders["audio"])(wav)  # [frames, mels]
     with torch.no_grad():
-        return trainer.parts["audio"].encoder(mel.transpose(1, 2))
+        return trainer.parts["audio"].encoder(mel.transpose(1, 2)), trainer.parts["audio"].encoder(clip[None])
 
 
 def test_whisper_encoder_outputs_match_transformers(tmp_path):
-    from transformers import WhisperModel
+    """On random mel features and on a WAV clip through the data pipeline (the directory's saved
+    WhisperFeatureExtractor) vs transformers' extractor + WhisperModel encoder."""
+    import wave
+
+    from transformers import WhisperFeatureExtractor, WhisperModel
 
     d = mk.make_whisper(str(tmp_path / "whisper"))
     mel = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))  # [n, mel, frames], as Whisper takes
+    audio = (0.3 * torch.sin(torch.arange(3000) * 0.2) * 32767).round().to(torch.int16)  # 0.19 s at 16 kHz
+    wav = str(tmp_path / "tone.wav")
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(audio.numpy().tobytes())
     raw = {"model": {"language": dict(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
                                       max_sequence_length=64),
                      "encoders": {"audio": {"kind": "audio", "hf": d}}},
            "parallelism": {"language": {}, "audio": {}}, "data": {"seq_length": 32},
            "training": {"global_batch_size": 1}}
-    got = run_on_ranks(_whisper_outputs, 1, raw, mel)[0]
+    got, got_wav = run_on_ranks(_whisper_outputs, 1, raw, mel, wav)[0]
+    whisper = WhisperModel.from_pretrained(d).eval().encoder
+    features = WhisperFeatureExtractor.from_pretrained(d)(  # the encoder's 32-frame window (max_source_positions 16)
+        audio.numpy() / 32768.0, sampling_rate=16000, max_length=32 * 160, return_tensors="pt")["input_features"]
     with torch.no_grad():
-        ref = WhisperModel.from_pretrained(d).eval().encoder(mel).last_hidden_state
-    assert got.shape == ref.shape == (2, 16, 32)
+        ref, ref_wav = whisper(mel).last_hidden_state, whisper(features).last_hidden_state
+    assert got.shape == ref.shape == (2, 16, 32) and got_wav.shape == ref_wav.shape == (1, 16, 32)
     assert rel_diff(got, ref) < TOL
+    assert rel_diff(got_wav, ref_wav) < TOL
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -209,6 +209,17 @@ def test_bad_audio_record_error_mode_names_it(sample_dir, tmp_path):
     assert str(exc.value) == f"error: data.path: record 'missing': audio not found: {tmp_path / 'nope.wav'}"
 
 
+def test_one_audio_encoder_per_llava_dataset(sample_dir):
+    from mimo.config import ConfigError
+
+    raw = audio_raw(sample_dir)
+    raw["model"]["encoders"]["speech"] = dict(raw["model"]["encoders"]["audio"])
+    raw["parallelism"]["speech"] = {}
+    with pytest.raises(ConfigError, match="error: model.encoders: data.kind llava feeds its audio clips to one audio "
+                                          "encoder, found 2"):
+        load_config(raw)
+
+
 # -- layouts -------------------------------------------------------------------------------------
 
 def _train_counting_decodes(raw, steps, silence=False):

@@ -47,7 +47,7 @@ def make_llava(out: str, vision: str = "clip", text: str = "llama", tie: bool = 
 
 def make_whisper(out: str, seed: int = 0) -> str:
     import torch
-    from transformers import WhisperConfig, WhisperModel
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 
     torch.manual_seed(seed)
     cfg = WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, decoder_layers=1,
@@ -60,6 +60,8 @@ def make_whisper(out: str, seed: int = 0) -> str:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
+    # Like a real Whisper directory, the feature extractor the data pipeline uses for its audio.
+    WhisperFeatureExtractor(feature_size=cfg.num_mel_bins).save_pretrained(out)
     return out
 
 
