@@ -240,6 +240,27 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
     assert os.path.isfile(os.path.join(out, "config.json"))
 
 
+@pytest.mark.slow
+def test_export_cli_round_trip_is_exact(siglip_qwen2, tmp_path):
+    """`python -m mimo.hf export` on a non-colocated layout (LLM TP2, tower on its own rank) writes
+    exactly the source tensors; `--load` answers with one error line until checkpoints exist."""
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(siglip_qwen2, language={"tp": 2}, images={"rank_offset": 2})))
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "mimo.hf", "export", "--config", str(cfg), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    src, exported = _tensors(siglip_qwen2), _tensors(out)
+    assert set(src) == set(exported)
+    for k in src:
+        assert exported[k].dtype == src[k].dtype and torch.equal(exported[k], src[k]), k
+    r = subprocess.run([sys.executable, "-m", "mimo.hf", "export", "--config", str(cfg), "--load", str(tmp_path),
+                        "--out", out], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("error: --load: ") and len(r.stderr.splitlines()) == 1
+
+
 # -- Whisper ---------------------------------------------------------------------------------------
 
 
