@@ -209,6 +209,22 @@ def test_bad_audio_record_error_mode_names_it(sample_dir, tmp_path):
     assert str(exc.value) == f"error: data.path: record 'missing': audio not found: {tmp_path / 'nope.wav'}"
 
 
+def test_prefetch_decodes_only_the_held_encoders_items(sample_dir):
+    raw = audio_raw(sample_dir, num_workers=2)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    ahead, inline = dataset(raw), dataset({**raw, "data": {**raw["data"], "num_workers": 0}})
+    ahead.prefetch(lambda step: [0, 1, 2, 3], encoders=["audio"])  # a rank holding the audio encoder only
+    seen = 0
+    for step in range(3):
+        for j in range(4):
+            a, b = ahead.sample(step * 4 + j), inline.sample(step * 4 + j)
+            assert torch.equal(a.items["audio"], b.items["audio"])
+        clips = {("audio", p) for j in range(4) for p in ahead.plan(step).samples[j].items.paths["audio"]}
+        assert set(ahead._decoded) == clips  # decoded ahead in the workers: this step's clips, no image
+        seen += len(clips)
+    assert seen > 0
+
+
 def test_one_audio_encoder_per_llava_dataset(sample_dir):
     from mimo.config import ConfigError
 
