@@ -238,31 +238,35 @@ def test_one_audio_encoder_per_llava_dataset(sample_dir):
 
 # -- layouts -------------------------------------------------------------------------------------
 
-def _train_counting_decodes(raw, steps, silence=False):
-    """record_run on this rank, plus which encoders' items it decoded; `silence`: every clip decodes
-    to the features of silence (the negative control)."""
+def _train_counting_decodes(raw, steps, silent_too=False):
+    """record_run on this rank, plus which encoders' items it decoded; `silent_too`: also train a
+    fresh model on the same data with every clip decoded as silence (the negative control)."""
     from mimo.data import audio, images
     from mimo.runtime import select_runtime
     from mimo.training.heterogeneous import make_trainer
     from mimo.training.parity import record_run
 
-    calls = {"images": 0, "audio": 0}
     img, aud = images.ImageLoader.__call__, audio.AudioLoader.__call__
+    silence = lambda self, p: aud(self, os.path.join(os.path.dirname(p), "..", "silence.wav"))  # noqa: E731
 
-    def count(name, original):
-        def call(self, path):
-            calls[name] += 1
-            return original(self, path)
-        return call
+    def run(decode_audio):
+        calls = {"images": 0, "audio": 0}
 
-    images.ImageLoader.__call__ = count("images", img)
-    audio.AudioLoader.__call__ = (count("audio", lambda self, p: aud(self, os.path.join(os.path.dirname(p), "..",
-                                                                                        "silence.wav")))
-                                  if silence else count("audio", aud))
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
-    out = record_run(trainer, steps)
-    out["decoded"] = calls
-    out["parts"] = sorted(trainer.parts)
+        def count(name, original):
+            def call(self, path):
+                calls[name] += 1
+                return original(self, path)
+            return call
+
+        images.ImageLoader.__call__, audio.AudioLoader.__call__ = count("images", img), count("audio", decode_audio)
+        trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+        out = record_run(trainer, steps)
+        out["decoded"], out["parts"] = calls, sorted(trainer.parts)
+        return out
+
+    out = run(aud)
+    if silent_too:
+        out["silent"] = run(silence)
     return out
 
 
@@ -278,8 +282,8 @@ def test_noncolocated_audio_layout_matches_one_rank(sample_dir):
     noncol = copy.deepcopy(base)
     noncol["parallelism"] = {"language": {}, "images": {"rank_offset": 1}, "audio": {"rank_offset": 2}}
 
-    def run(raw, world, silence=False):
-        results = run_on_ranks(_train_counting_decodes, world, raw, 1, silence)
+    def run(raw, world, silent_too=False):
+        results = run_on_ranks(_train_counting_decodes, world, raw, 1, silent_too)
         merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world, "placement": "x"}
         for r in results:
             assert r["losses"] == merged["losses"]
@@ -287,7 +291,7 @@ def test_noncolocated_audio_layout_matches_one_rank(sample_dir):
             merged["params"].update(r["params"])
         return merged, results
 
-    ref, (one,) = run(base, 1)
+    ref, (one,) = run(base, 1, silent_too=True)
     assert one["decoded"]["audio"] > 0 and one["decoded"]["images"] > 0
     got, ranks = run(noncol, 3)
     report = compare(ref, got, 1e-4)
@@ -297,5 +301,5 @@ def test_noncolocated_audio_layout_matches_one_rank(sample_dir):
         assert [n for n in ("images", "audio") if r["decoded"][n]] == [n for n in ("images", "audio")
                                                                        if n in r["parts"]], r["parts"]
     # Negative control: with every clip replaced by silence the criterion fails (the audio is used).
-    silent, _ = run(base, 1, silence=True)
+    silent = dict(ref, **{k: one["silent"][k] for k in ("losses", "grads", "params")})
     assert not compare(ref, silent, 1e-4)["ok"]
