@@ -38,6 +38,12 @@ def siglip_qwen2(tmp_path_factory):
     return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "siglip_qwen2"), "siglip", "qwen2", tie=True)
 
 
+@pytest.fixture(scope="module")
+def clip_mistral(tmp_path_factory):
+    """CLIP + Mistral (GQA) with a sliding window of 64 tokens (longer than the inputs)."""
+    return mk.make_llava(str(tmp_path_factory.mktemp("hf") / "clip_mistral"), "clip", "mistral", sliding_window=64)
+
+
 def llava_inputs():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, IMAGE - 1, (2, 40), generator=g)
@@ -145,6 +151,31 @@ def test_clip_llama_logits_single_rank_and_negative_control(clip_llama, tmp_path
     assert rel_diff(wrong, ref) > TOL
 
 
+def test_mistral_logits_and_a_shorter_sliding_window_is_a_config_error(clip_mistral, tmp_path):
+    """Within its window Mistral is full causal attention: logits within tolerance at 1 rank. A
+    window shorter than data.seq_length changes transformers' logits (mimo has no sliding
+    window), so it is refused with one config error naming data.seq_length."""
+    from mimo.training.hf_logits import logits_config
+
+    inputs = llava_inputs()  # 40 tokens
+    (got,) = run_on_ranks(_logits_of_each, 1, [llava_config(clip_mistral)], inputs)[0]
+    ref = hf_reference(clip_mistral, inputs)
+    assert rel_diff(got, ref) < TOL
+    short = str(tmp_path / "short")
+    shutil.copytree(clip_mistral, short)
+    with open(os.path.join(short, "config.json")) as f:
+        config = json.load(f)
+    config["text_config"]["sliding_window"] = 32
+    with open(os.path.join(short, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert rel_diff(hf_reference(short, inputs), ref) > TOL  # the window hides tokens: full attention is wrong
+    with pytest.raises(ConfigError) as exc:
+        load_config(logits_config(llava_config(short), 2, 40))
+    assert str(exc.value) == ("error: data.seq_length: 40 is longer than the sliding_window (32) of model.hf; "
+                              "mimo attends over whole sequences, so use data.seq_length <= 32")
+    load_config(logits_config(llava_config(short), 2, 32))  # within the window: exact, accepted
+
+
 @pytest.mark.slow
 def test_clip_llama_logits_colocated_tp2(clip_llama):
     inputs = llava_inputs()
@@ -209,32 +240,72 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
     assert os.path.isfile(os.path.join(out, "config.json"))
 
 
+@pytest.mark.slow
+def test_export_cli_round_trip_is_exact(siglip_qwen2, tmp_path):
+    """`python -m mimo.hf export` on a non-colocated layout (LLM TP2, tower on its own rank) writes
+    exactly the source tensors; `--load` answers with one error line until checkpoints exist."""
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(siglip_qwen2, language={"tp": 2}, images={"rank_offset": 2})))
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "mimo.hf", "export", "--config", str(cfg), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    src, exported = _tensors(siglip_qwen2), _tensors(out)
+    assert set(src) == set(exported)
+    for k in src:
+        assert exported[k].dtype == src[k].dtype and torch.equal(exported[k], src[k]), k
+    r = subprocess.run([sys.executable, "-m", "mimo.hf", "export", "--config", str(cfg), "--load", str(tmp_path),
+                        "--out", out], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and r.stderr.startswith("error: --load: ") and len(r.stderr.splitlines()) == 1
+
+
 # -- Whisper ---------------------------------------------------------------------------------------
 
 
-def _whisper_outputs(raw, mel):
+def _whisper_outputs(raw, mel, wav):
+    """The encoder's outputs on `mel` and on `wav` as the data pipeline's AudioLoader features it."""
+    from mimo.data.audio import AudioLoader
     from mimo.training.heterogeneous import make_trainer
 
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    clip = AudioLoader(cfg.model.encoders["audio"])(wav)  # [frames, mels]
     with torch.no_grad():
-        return trainer.parts["audio"].encoder(mel.transpose(1, 2))
+        return trainer.parts["audio"].encoder(mel.transpose(1, 2)), trainer.parts["audio"].encoder(clip[None])
 
 
 def test_whisper_encoder_outputs_match_transformers(tmp_path):
-    from transformers import WhisperModel
+    """On random mel features and on a WAV clip through the data pipeline (the directory's saved
+    WhisperFeatureExtractor) vs transformers' extractor + WhisperModel encoder."""
+    import wave
+
+    from transformers import WhisperFeatureExtractor, WhisperModel
 
     d = mk.make_whisper(str(tmp_path / "whisper"))
     mel = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))  # [n, mel, frames], as Whisper takes
+    audio = (0.3 * torch.sin(torch.arange(3000) * 0.2) * 32767).round().to(torch.int16)  # 0.19 s at 16 kHz
+    wav = str(tmp_path / "tone.wav")
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(audio.numpy().tobytes())
     raw = {"model": {"language": dict(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
                                       max_sequence_length=64),
                      "encoders": {"audio": {"kind": "audio", "hf": d}}},
            "parallelism": {"language": {}, "audio": {}}, "data": {"seq_length": 32},
            "training": {"global_batch_size": 1}}
-    got = run_on_ranks(_whisper_outputs, 1, raw, mel)[0]
+    got, got_wav = run_on_ranks(_whisper_outputs, 1, raw, mel, wav)[0]
+    whisper = WhisperModel.from_pretrained(d).eval().encoder
+    features = WhisperFeatureExtractor.from_pretrained(d)(  # the encoder's 32-frame window (max_source_positions 16)
+        audio.numpy() / 32768.0, sampling_rate=16000, max_length=32 * 160, return_tensors="pt")["input_features"]
     with torch.no_grad():
-        ref = WhisperModel.from_pretrained(d).eval().encoder(mel).last_hidden_state
-    assert got.shape == ref.shape == (2, 16, 32)
+        ref, ref_wav = whisper(mel).last_hidden_state, whisper(features).last_hidden_state
+    assert got.shape == ref.shape == (2, 16, 32) and got_wav.shape == ref_wav.shape == (1, 16, 32)
     assert rel_diff(got, ref) < TOL
+    assert rel_diff(got_wav, ref_wav) < TOL
 
 
 # -- bad input ---------------------------------------------------------------------------------------

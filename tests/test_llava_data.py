@@ -225,9 +225,9 @@ def test_config_errors(sample_dir):
     raw = llava_raw(sample_dir, path="/nonexistent.json")
     assert "error: data.path: no such file" in problems(raw)
     raw = llava_raw(sample_dir)
-    raw["model"]["language"]["vocab_size"] = 32  # the sample tokenizer has 64 tokens
+    raw["model"]["language"]["vocab_size"] = 32  # the sample tokenizer has 72 tokens
     raw["data"]["seq_length"] = 24
-    assert "error: data.tokenizer: vocabulary of 64 tokens does not fit" in problems(raw)
+    assert "error: data.tokenizer: vocabulary of 72 tokens does not fit" in problems(raw)
     raw = llava_raw(sample_dir)
     raw["model"]["language"]["attention"] = "sdpa"
     assert "error: data.packing: needs model.language.attention: bitfield" in problems(raw)
@@ -301,7 +301,7 @@ def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
         assert ahead._next_step > step + 1
         assert ahead.state_dict() == inline.state_dict()
     # The prefetched images were used: the samples the rank consumes needed no decode here.
-    assert set(ahead._decoded) == {p for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
+    assert set(ahead._decoded) == {("images", p) for j in (1, 3) for p in ahead.plan(2).samples[j].items.paths["images"]}
 
 
 # -- megatron-energon ----------------------------------------------------------------------------

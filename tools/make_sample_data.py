@@ -2,10 +2,13 @@
 """Write a small LLaVA-format dataset with generated images and a matching tiny tokenizer.
 
     python tools/make_sample_data.py OUT_DIR [--records 64] [--image-size 32] [--seed 0] [--energon]
+                                     [--audio N [--audio-ms 150]]
 
 OUT_DIR/train.json      a JSON list of LLaVA records (captions, two-image questions, text-only turns)
 OUT_DIR/images/*.png    the pictures: a coloured shape on a coloured background
 OUT_DIR/tokenizer/      an HF tokenizer (word level, built offline with `tokenizers`)
+with --audio N, N more records with an `<audio>` clip (every third also with an image), after the others:
+OUT_DIR/audio/*.wav     tones (16 kHz, 16-bit PCM mono) of --audio-ms / 2 to --audio-ms milliseconds
 with --energon, the one-image records also as megatron-energon datasets (WebDataset shards, then `energon prepare`):
 OUT_DIR/energon_captioning/   CaptioningSample (image: png, caption: txt)
 OUT_DIR/energon_vqa/          VQASample (image: png, context: txt, answers: json)
@@ -24,7 +27,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), 
 SHAPES = ("square", "circle", "triangle")
 WORDS = ("a an the on of in is are what picture shown shape colour color background two same different yes no "
          "describe image images both first second and it this there which count how many one shapes hello "
-         "answer briefly please thanks you welcome say three").split()
+         "answer briefly please thanks you welcome say three sound tone high low hear do loud quiet").split()
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]  # <pad> is id 0: mimo pads with id 0
 
 
@@ -79,6 +82,39 @@ def make_records(out, n, size, rng):
             records.append({"id": f"txt{i:04d}", "conversations": [
                 {"from": "human", "value": "hello , how many shapes are there ?"},
                 {"from": "gpt", "value": rng.choice(["one shape .", "two shapes .", "three shapes ."])}]})
+    return records
+
+
+def make_audio_records(out, n, max_ms, rng, images_from):
+    """n records with a generated tone each; every third also asks about one of `images_from`'s images."""
+    import wave
+
+    import numpy as np
+
+    os.makedirs(os.path.join(out, "audio"), exist_ok=True)
+    pictures = [r for r in images_from if isinstance(r.get("image"), str)]
+    records = []
+    for i in range(n):
+        pitch, loud = rng.choice(["high", "low"]), rng.choice(["loud", "quiet"])
+        freq, amp = (1800.0 if pitch == "high" else 300.0), (0.8 if loud == "loud" else 0.1)
+        samples = rng.randint(16 * max_ms // 2, 16 * max_ms)  # 16 samples per millisecond
+        name = f"audio/clip{i:04d}.wav"
+        with wave.open(os.path.join(out, name), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            wave_ = 32767 * amp * np.sin(2 * np.pi * freq * np.arange(samples) / 16000)
+            w.writeframes(wave_.astype("<i2").tobytes())
+        record = {"id": f"aud{i:04d}", "audio": name, "conversations": [
+            {"from": "human", "value": "<audio>\nwhat do you hear ?"},
+            {"from": "gpt", "value": f"a {loud} {pitch} tone ."}]}
+        if i % 3 == 2 and pictures:
+            pic = pictures[i % len(pictures)]
+            record["image"] = pic["image"]
+            record["conversations"] = [
+                {"from": "human", "value": "<image>\n<audio>\ndescribe the image and the sound ."},
+                {"from": "gpt", "value": pic["conversations"][1]["value"][:-2] + f" and a {pitch} tone ."}]
+        records.append(record)
     return records
 
 
@@ -137,19 +173,24 @@ def main(argv=None) -> int:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--energon", action="store_true", help="also write prepared megatron-energon datasets")
+    p.add_argument("--audio", type=int, default=0, help="also write this many records with an audio clip")
+    p.add_argument("--audio-ms", type=int, default=150, help="longest audio clip in milliseconds")
     args = p.parse_args(argv)
-    if args.records < 1 or args.image_size < 8:
-        print("error: --records must be >= 1 and --image-size >= 8", file=sys.stderr)
+    if args.records < 1 or args.image_size < 8 or args.audio < 0 or args.audio_ms < 2:
+        print("error: --records must be >= 1, --image-size >= 8, --audio >= 0 and --audio-ms >= 2", file=sys.stderr)
         return 2
     rng = random.Random(args.seed)
     records = make_records(args.out_dir, args.records, args.image_size, rng)
+    image_records = list(records)
+    records += make_audio_records(args.out_dir, args.audio, args.audio_ms, rng, records)
     with open(os.path.join(args.out_dir, "train.json"), "w") as f:
         json.dump(records, f, indent=1)
     n = make_tokenizer(args.out_dir)
     if args.energon:
-        make_energon(args.out_dir, records)
-    print(f"wrote {len(records)} records, {len(os.listdir(os.path.join(args.out_dir, 'images')))} images and a "
-          f"{n}-token tokenizer to {args.out_dir}")
+        make_energon(args.out_dir, image_records)
+    clips = f"{args.audio} audio clips, " if args.audio else ""
+    print(f"wrote {len(records)} records, {len(os.listdir(os.path.join(args.out_dir, 'images')))} images, {clips}"
+          f"and a {n}-token tokenizer to {args.out_dir}")
     return 0
 
 

@@ -16,7 +16,8 @@ VOCAB = 128
 
 
 def make_llava(out: str, vision: str = "clip", text: str = "llama", tie: bool = False, seed: int = 0,
-               rope_scaling: bool = False) -> str:
+               rope_scaling: bool = False, **text_kw) -> str:
+    """`text_kw`: more fields of the text config (e.g. Mistral's sliding_window)."""
     import torch
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
                               MistralConfig, Qwen2Config, SiglipVisionConfig)
@@ -26,7 +27,8 @@ def make_llava(out: str, vision: str = "clip", text: str = "llama", tie: bool = 
                patch_size=4)
     vc = CLIPVisionConfig(projection_dim=16, **vkw) if vision == "clip" else SiglipVisionConfig(**vkw)
     tkw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=tie)
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=tie,
+               **text_kw)
     if rope_scaling:
         tkw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -45,7 +47,7 @@ def make_llava(out: str, vision: str = "clip", text: str = "llama", tie: bool = 
 
 def make_whisper(out: str, seed: int = 0) -> str:
     import torch
-    from transformers import WhisperConfig, WhisperModel
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 
     torch.manual_seed(seed)
     cfg = WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, decoder_layers=1,
@@ -58,6 +60,8 @@ def make_whisper(out: str, seed: int = 0) -> str:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(out)
+    # Like a real Whisper directory, the feature extractor the data pipeline uses for its audio.
+    WhisperFeatureExtractor(feature_size=cfg.num_mel_bins).save_pretrained(out)
     return out
 
 

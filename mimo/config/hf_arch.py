@@ -101,6 +101,37 @@ def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     return out
 
 
+def sliding_window(tc: Dict[str, Any]):
+    """The attention window transformers applies to some layer of this LLM config, or None.
+
+    Mistral slides whenever `sliding_window` is set; Qwen2 only with `use_sliding_window`, on
+    the layers `layer_types` (or, in older configs, `max_window_layers`) marks; Llama never.
+    """
+    window, mt = tc.get("sliding_window"), tc.get("model_type")
+    if window is None or mt == "llama":
+        return None
+    if mt == "qwen2":
+        if not tc.get("use_sliding_window"):
+            return None
+        n = tc.get("num_hidden_layers", 0)
+        types = tc.get("layer_types") or ["sliding_attention" if i >= tc.get("max_window_layers", n) else
+                                          "full_attention" for i in range(n)]
+        if "sliding_attention" not in types:
+            return None
+    return int(window)
+
+
+def _check_window(tc: Dict[str, Any], raw: Dict[str, Any], field: str, problems: List[Problem]) -> None:
+    """mimo has no sliding-window attention: it is exact only while no sequence is longer than the
+    window (then the window never hides a token); a longer data.seq_length is a config error."""
+    window = sliding_window(tc)
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    seq = data.get("seq_length", 128)
+    if window is not None and isinstance(seq, int) and seq > window:
+        problems.append(("data.seq_length", f"{seq} is longer than the sliding_window ({window}) of {field}; mimo "
+                                            f"attends over whole sequences, so use data.seq_length <= {window}"))
+
+
 def vision_fields(vc: Dict[str, Any], field: str, feature_layer: Any, strategy: str) -> Dict[str, Any]:
     mt = vc.get("model_type")
     if mt in ("clip", "siglip"):
@@ -245,6 +276,7 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
             hc = read_hf_config(directory, field)
             if what == "llava":
                 lang_f, enc_f = llava_fields(hc, field)
+                _check_window(hc.get("text_config") or {}, raw, field, problems)
                 model.setdefault("language", {})
                 model.setdefault("encoders", {})
                 if not isinstance(model["language"], dict) or not isinstance(model["encoders"], dict):
@@ -257,6 +289,7 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
                     _fill(enc, enc_f, f"model.encoders.{LLAVA_ENCODER}", source, problems)
             elif what == "language":
                 _fill(lang, language_fields(hc, field), "model.language", source, problems)
+                _check_window(hc, raw, field, problems)
             elif what == "vision":
                 _fill(encoders[name], vision_fields(hc, field, -2 if "clip" in str(hc.get("model_type")) else -1,
                                                     "default" if "clip" in str(hc.get("model_type")) else "full"),

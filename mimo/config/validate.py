@@ -136,6 +136,9 @@ def _check_data(cfg: MimoConfig, add) -> None:
     vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
     if len(vision) > 1:
         add("model.encoders", f"data.kind {d.kind} feeds its images to one vision encoder, found {len(vision)}")
+    audio = [n for n, e in cfg.model.encoders.items() if e.kind == "audio"]
+    if d.kind == "llava" and len(audio) > 1:
+        add("model.encoders", f"data.kind llava feeds its audio clips to one audio encoder, found {len(audio)}")
     for n in vision:
         if cfg.model.encoders[n].num_channels != 3:
             add(f"model.encoders.{n}.num_channels", f"must be 3: data.kind {d.kind} decodes images as RGB")

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Collection, Dict, List, Union
 
 import torch
 
 from .mock import PAD_ID, Sample
 
 
-def collate(samples: List[Sample], placeholder_ids: Dict[str, int], items: bool = True) -> Dict[str, torch.Tensor]:
+def collate(samples: List[Sample], placeholder_ids: Dict[str, int],
+            items: Union[bool, Collection[str]] = True) -> Dict[str, torch.Tensor]:
     """Stack samples into one microbatch.
 
     labels[t] = input_ids[t + 1]. Mock samples: loss_mask marks labels that are
@@ -18,7 +19,8 @@ def collate(samples: List[Sample], placeholder_ids: Dict[str, int], items: bool 
     is a target of the same document, so a packed sample never predicts its
     neighbour. Modality items are concatenated in sample order, matching the
     row-major placeholder order assembly expects. `items=False` leaves them out
-    (only their counts): ranks that hold no encoder never decode an image.
+    (only their counts): ranks that hold no encoder never decode an image; a
+    collection of encoder names keeps only those encoders' items.
     """
     ids = torch.stack([s.input_ids for s in samples])
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), PAD_ID, dtype=ids.dtype)], dim=1)
@@ -37,7 +39,7 @@ def collate(samples: List[Sample], placeholder_ids: Dict[str, int], items: bool 
         batch["document_ids"] = docs
     batch["loss_mask"] = loss_mask.float()
     for name in placeholder_ids:
-        if items:
+        if items is True or (items is not False and name in items):
             batch[name] = torch.cat([s.items[name] for s in samples])
         batch[f"{name}_counts"] = torch.tensor([s.count(name) for s in samples])
     return batch

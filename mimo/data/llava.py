@@ -1,8 +1,8 @@
 """LLaVA-format records -> token ids, loss targets and image paths.
 
 A record: {"id": str, "image": "rel/path.jpg" | ["a.jpg", "b.jpg"] (optional),
-"conversations": [{"from": "human", "value": "<image>\\nWhat is ...?"},
-{"from": "gpt", "value": "..."}, ...]}.
+"audio": "rel/clip.wav" | [...] (optional), "conversations": [{"from": "human",
+"value": "<image>\\nWhat is ...?"}, {"from": "gpt", "value": "..."}, ...]}.
 
 Turns are formatted with the tokenizer's chat template when it has one, else
 with the default format
@@ -11,19 +11,23 @@ with the default format
 
 Only the text of `gpt` turns (and the end-of-turn token that closes them)
 carries loss. Every `<image>` becomes the vision encoder's placeholder id
-repeated once per image token, at its position in the text.
+repeated once per image token, at its position in the text; every `<audio>`
+likewise the audio encoder's, once per audio token.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+import re
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
 
 from .images import ImageError, check_image
 
 IMAGE_TAG = "<image>"
+AUDIO_TAG = "<audio>"
+_TAGS = re.compile(f"({IMAGE_TAG}|{AUDIO_TAG})")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -64,56 +68,81 @@ def record_id(record, index: int) -> str:
 
 @dataclass
 class Encoded:
-    """One record, tokenised: ids and targets have equal length; images in order of appearance."""
+    """One record, tokenised: ids and targets have equal length; images and audio clips in order
+    of appearance."""
 
     id: str
     input_ids: List[int]
     targets: List[bool]
     images: List  # file paths, or the images' bytes (energon)
+    audio: List[str] = field(default_factory=list)  # file paths
 
 
 class ConversationEncoder:
+    """Records -> Encoded. `audio_token`, `tokens_per_audio` and `check_audio` (raises ValueError
+    with the reason) are set when the model has an audio encoder."""
+
     def __init__(self, tokenizer, seq_length: int, image_root: str, image_token: Optional[int],
-                 tokens_per_image: int):
+                 tokens_per_image: int, audio_token: Optional[int] = None, tokens_per_audio: int = 0,
+                 check_audio: Optional[Callable[[str], None]] = None):
         self.tok = tokenizer
         self.seq_length = seq_length
         self.image_root = image_root
         self.image_token = image_token
         self.tokens_per_image = tokens_per_image
+        self.audio_token, self.tokens_per_audio, self.check_audio = audio_token, tokens_per_audio, check_audio
         self.has_template = getattr(tokenizer, "chat_template", None) is not None
 
     def encode(self, record, index: int) -> Encoded:
         """The record's tokens; raises BadRecord with the reason when it cannot be used."""
         rid = record_id(record, index)
         turns = self._turns(record)
-        images = record.get("image", [])
-        images = [images] if isinstance(images, (str, bytes)) else images
-        if not isinstance(images, list) or not all(isinstance(i, (str, bytes)) for i in images):
-            raise BadRecord("`image` must be a path or a list of paths")
-        tags = sum(v.count(IMAGE_TAG) for _, v in turns)
-        if tags != len(images):
-            raise BadRecord(f"{tags} `<image>` tag(s) but {len(images)} image(s)")
-        if images and self.image_token is None:
-            raise BadRecord("has images but the model has no vision encoder")
+        images = self._media(record, "image", IMAGE_TAG, turns, self.image_token, "image(s)", "vision")
+        audio = self._media(record, "audio", AUDIO_TAG, turns, self.audio_token, "audio clip(s)", "audio")
+        runs = {IMAGE_TAG: [self.image_token] * self.tokens_per_image,
+                AUDIO_TAG: [self.audio_token] * self.tokens_per_audio}
         ids, targets = [], []
         for text, target in self._segments(turns):
-            for k, piece in enumerate(text.split(IMAGE_TAG)):
-                if k:
-                    ids += [self.image_token] * self.tokens_per_image
-                    targets += [False] * self.tokens_per_image
-                if piece:
+            for piece in _TAGS.split(text):
+                if piece in runs:  # a media item's placeholder run: never a loss target
+                    ids += runs[piece]
+                    targets += [False] * len(runs[piece])
+                elif piece:
                     t = self.tok(piece, add_special_tokens=False)["input_ids"]
                     ids += t
                     targets += [target] * len(t)
         if len(ids) > self.seq_length:
             raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
-        paths = [os.path.join(self.image_root, p) if isinstance(p, str) else p for p in images]  # bytes: inline
+        paths = [self._path(p) for p in images]  # bytes: inline
         for p in paths:
             try:
                 check_image(p)
             except ImageError as exc:
                 raise BadRecord(str(exc)) from None
-        return Encoded(rid, ids, targets, paths)
+        clips = [self._path(p) for p in audio]
+        for p in clips:
+            try:
+                self.check_audio(p)
+            except ValueError as exc:
+                raise BadRecord(str(exc)) from None
+        return Encoded(rid, ids, targets, paths, clips)
+
+    def _path(self, p):
+        return os.path.join(self.image_root, p) if isinstance(p, str) else p
+
+    @staticmethod
+    def _media(record, key: str, tag: str, turns, token: Optional[int], noun: str, kind: str) -> List:
+        """The record's `key` list (images or audio clips), checked against its `tag`s."""
+        items = record.get(key, [])
+        items = [items] if isinstance(items, (str, bytes)) else items
+        if not isinstance(items, list) or not all(isinstance(i, (str, bytes)) for i in items):
+            raise BadRecord(f"`{key}` must be a path or a list of paths")
+        tags = sum(v.count(tag) for _, v in turns)
+        if tags != len(items):
+            raise BadRecord(f"{tags} `{tag}` tag(s) but {len(items)} {noun}")
+        if items and token is None:
+            raise BadRecord(f"has {noun} but the model has no {kind} encoder")
+        return items
 
     @staticmethod
     def _turns(record) -> List[Tuple[str, str]]:

@@ -5,8 +5,8 @@ alone: it draws records from the global sampler, tokenises them, skips bad
 ones and (with `data.packing`) packs consecutive records into sequences of at
 most `data.seq_length` tokens. Sequence j of step k is training sample
 `k * global_batch_size + j`, the index the trainers already slice by DP rank,
-so all layouts see the same samples. Images are decoded only when a rank
-asks for a sample's items (its encoder consumes them).
+so all layouts see the same samples. Images and audio clips are decoded only
+when a rank asks for a sample's items of that encoder (its encoder consumes them).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 import torch
 
 from mimo.config import MimoConfig
 
+from .audio import AudioLoader
 from .images import ImageLoader
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
@@ -28,9 +29,10 @@ from .sampler import GlobalSampler
 
 
 class LazyItems(Mapping):
-    """encoder name -> [n, ...] items, decoded on first access; counts known without decoding."""
+    """encoder name -> [n, ...] items, decoded on first access; counts known without decoding.
+    `decode(name, path)` decodes one item of encoder `name`."""
 
-    def __init__(self, paths: Dict[str, List[str]], decode: Callable[[str], torch.Tensor],
+    def __init__(self, paths: Dict[str, List[str]], decode: Callable[[str, str], torch.Tensor],
                  empty: Dict[str, tuple]):
         self.paths, self.decode, self.empty = paths, decode, empty
         self.counts = {n: len(p) for n, p in paths.items()}
@@ -39,7 +41,7 @@ class LazyItems(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._cache:
             p = self.paths[name]
-            self._cache[name] = (torch.stack([self.decode(x) for x in p]) if p
+            self._cache[name] = (torch.stack([self.decode(name, x) for x in p]) if p
                                  else torch.zeros((0,) + self.empty[name]))
         return self._cache[name]
 
@@ -74,15 +76,21 @@ class LlavaDataset:
         self.records = read_records(d.path) if source is None else None
         self.G, self.S = cfg.training.global_batch_size, d.seq_length
         self.packing, self.on_bad = d.packing, d.on_bad_record
-        vision = [n for n, e in cfg.model.encoders.items() if e.kind == "vision"]
-        self.vision = vision[0] if vision else None
+        first = lambda kind: next((n for n, e in cfg.model.encoders.items() if e.kind == kind), None)  # noqa: E731
+        self.vision, self.audio = first("vision"), first("audio")
         enc = cfg.model.encoders[self.vision] if self.vision else None
+        aud = cfg.model.encoders[self.audio] if self.audio else None
+        self.image_loader = ImageLoader(enc.image_size, cfg.model.hf) if enc else None
+        self.audio_loader = (AudioLoader(aud, f"model.encoders.{self.audio}")
+                             if aud and source is None else None)
         self.encoder = ConversationEncoder(
             tokenizer if tokenizer is not None else load_tokenizer(cfg), self.S,
             d.image_root if d.image_root is not None else os.path.dirname(os.path.abspath(d.path)) if source is None
             else "",
-            cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc else 0)
-        self.image_loader = ImageLoader(enc.image_size, cfg.model.hf) if enc else None
+            cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc else 0,
+            cfg.placeholder_ids[self.audio] if self.audio_loader else None, aud.tokens_per_item if aud else 0,
+            self.audio_loader.check if self.audio_loader else None)
+        self.loaders = {n: l for n, l in ((self.vision, self.image_loader), (self.audio, self.audio_loader)) if l}
         self.empty = {n: ((e.num_channels, e.image_size, e.image_size) if e.kind == "vision"
                           else (e.clip_frames, e.num_mel_bins)) for n, e in cfg.model.encoders.items()}
         self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
@@ -92,7 +100,7 @@ class LlavaDataset:
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
         self.num_workers = d.num_workers
-        self._wanted, self._pin = None, False
+        self._wanted, self._pin, self._prefetched = None, False, ()
         self._close_prefetch()
         self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
 
@@ -134,15 +142,18 @@ class LlavaDataset:
         self._starts = {int(state["step"]): dict(state)}
         self._close_prefetch()
 
-    def prefetch(self, wanted: Callable[[int], List[int]], pin_memory: bool = False) -> None:
-        """Decode ahead, in `data.num_workers` DataLoader workers, the images of the samples this
-        rank's encoders consume: `wanted(step)` lists their indices within the step. Without it
-        (or with num_workers 0) a rank decodes its images when it first reads a sample's items."""
+    def prefetch(self, wanted: Callable[[int], List[int]], pin_memory: bool = False,
+                 encoders: Optional[Collection[str]] = None) -> None:
+        """Decode ahead, in `data.num_workers` DataLoader workers, the images and audio clips of the
+        samples this rank's encoders consume: `wanted(step)` lists their indices within the step,
+        `encoders` the encoders this rank holds (default: all). Without it (or with num_workers 0)
+        a rank decodes its items when it first reads a sample's items of an encoder."""
         import multiprocessing
 
+        names = tuple(n for n in self.loaders if encoders is None or n in encoders)
         # A daemonic process (ranks started by tools/parity.py) may not start workers: it decodes inline.
-        if self.num_workers > 0 and self.image_loader is not None and not multiprocessing.current_process().daemon:
-            self._wanted, self._pin = wanted, pin_memory
+        if self.num_workers > 0 and names and not multiprocessing.current_process().daemon:
+            self._wanted, self._pin, self._prefetched = wanted, pin_memory, names
 
     def _position(self) -> Dict:
         return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
@@ -157,29 +168,30 @@ class LlavaDataset:
     # -- decoding ------------------------------------------------------------------------------
 
     def _paths(self, step: int) -> tuple:
+        """(encoder, path) of the items this rank decodes ahead in `step`."""
         samples = self.plan(step).samples
-        return tuple(p for j in self._wanted(step) for p in samples[j].items.paths[self.vision])
+        return tuple((n, p) for j in self._wanted(step) for n in self._prefetched for p in samples[j].items.paths[n])
 
     def _fetch(self, step: int) -> None:
-        """Take the prefetched images of `step` (the loader runs steps in order from where it started)."""
+        """Take the prefetched items of `step` (the loader runs steps in order from where it started)."""
         if self._wanted is None:
             return
         if self._loader_iter is None or self._loader_step != step:
             self._close_prefetch()
             steps = _Steps(self, step)
             self._loader_iter = iter(torch.utils.data.DataLoader(
-                _DecodePaths(self.image_loader, self.empty[self.vision]), batch_size=None, sampler=steps,
+                _DecodePaths(self.loaders), batch_size=None, sampler=steps,
                 num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin))
-        paths, pixels = next(self._loader_iter)
-        self._decoded = dict(zip(paths, pixels))
+        keys, items = next(self._loader_iter)
+        self._decoded = {tuple(k): x for k, x in zip(keys, items)}  # the loader turned tuples into lists
         self._loader_step = step + 1
 
     def _close_prefetch(self) -> None:
         self._loader_iter, self._loader_step, self._decoded = None, None, {}
 
-    def _decode(self, path: str) -> torch.Tensor:
-        got = self._decoded.get(path)
-        return got if got is not None else self.image_loader(path)
+    def _decode(self, name: str, path: str) -> torch.Tensor:
+        got = self._decoded.get((name, path))
+        return got if got is not None else self.loaders[name](path)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -234,15 +246,17 @@ class LlavaDataset:
     def _sequence(self, docs: List[Encoded]) -> Sample:
         """Records laid end to end, padded to seq_length: document ids (-1 on padding) and
         positions that restart at 0 for each record."""
-        ids, targets, doc_ids, pos, images = [], [], [], [], []
+        ids, targets, doc_ids, pos, images, audio = [], [], [], [], [], []
         for k, e in enumerate(docs):
             ids += e.input_ids
             targets += e.targets
             doc_ids += [k] * len(e.input_ids)
             pos += range(len(e.input_ids))
             images += e.images
+            audio += e.audio
         pad = self.S - len(ids)
-        paths = {n: (images if n == self.vision else []) for n in self.cfg.model.encoders}
+        media = {self.vision: images, self.audio: audio}
+        paths = {n: media.get(n, []) for n in self.cfg.model.encoders}
         return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
                       items=LazyItems(paths, self._decode, self.empty),
                       targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
@@ -257,8 +271,8 @@ def _is_rank0() -> bool:
 
 
 class _Steps:
-    """The DataLoader's sampler: this rank's image paths of step start, start + 1, ... (planned in
-    the main process, in order, so every rank's plan stays identical)."""
+    """The DataLoader's sampler: this rank's (encoder, path) items of step start, start + 1, ...
+    (planned in the main process, in order, so every rank's plan stays identical)."""
 
     def __init__(self, dataset: LlavaDataset, start: int):
         self.dataset, self.start = dataset, start
@@ -271,11 +285,10 @@ class _Steps:
 
 
 class _DecodePaths(torch.utils.data.Dataset):
-    """Runs in a worker: a step's paths -> (paths, [n, 3, H, W] pixels)."""
+    """Runs in a worker: a step's (encoder, path) items -> (the same keys, their decoded tensors)."""
 
-    def __init__(self, loader: ImageLoader, empty: tuple):
-        self.loader, self.empty = loader, empty
+    def __init__(self, loaders: Dict[str, Callable[[str], torch.Tensor]]):
+        self.loaders = loaders
 
-    def __getitem__(self, paths: tuple):
-        pixels = torch.stack([self.loader(p) for p in paths]) if paths else torch.zeros((0,) + self.empty)
-        return paths, pixels
+    def __getitem__(self, keys: tuple):
+        return keys, [self.loaders[n](p) for n, p in keys]

@@ -103,7 +103,7 @@ class MockMultimodalDataset:
         ids = torch.stack([s.input_ids for s in self.global_batch(step)])
         return {"skipped_samples": 0, "packing_efficiency": float((ids != PAD_ID).float().mean())}
 
-    def prefetch(self, wanted, pin_memory: bool = False) -> None:
+    def prefetch(self, wanted, pin_memory: bool = False, encoders=None) -> None:
         """Mock samples are generated on demand: nothing to decode ahead."""
 
     def global_batch(self, step: int) -> List[Sample]:

@@ -95,7 +95,7 @@ def attention_pairs(bits: torch.Tensor) -> int:
 def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
     """StepWork of a global batch (a list of `mimo.data` samples with `input_ids` [s] and `items`)."""
     ids = torch.stack([s.input_ids for s in samples])
-    items = {n: sum(int(s.items[n].shape[0]) for s in samples if n in s.items) for n in cfg.model.encoders}
+    items = {n: sum(s.count(n) for s in samples if n in s.items) for n in cfg.model.encoders}  # no decoding
     lang = cfg.model.language
     b, seq = ids.shape
     if lang.attention == "bitfield":

@@ -191,7 +191,7 @@ class HeterogeneousTrainer(TrainerBase):
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
         self.dataset = build_dataset(cfg)
         self.dataset.prefetch(lambda step, mine=self._encoded_indices(): mine,
-                              pin_memory=runtime.device.type == "cuda")
+                              pin_memory=runtime.device.type == "cuda", encoders=self._held_encoders)
         self.offload = None
         if tr.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
@@ -213,8 +213,12 @@ class HeterogeneousTrainer(TrainerBase):
         return move(collate(samples, self.cfg.placeholder_ids, items), self.runtime.device, self.dtype)
 
     @property
+    def _held_encoders(self) -> List[str]:
+        return [n for n in self.encoders if n in self.parts]
+
+    @property
     def _holds_encoder(self) -> bool:
-        return any(n in self.parts for n in self.encoders)
+        return bool(self._held_encoders)
 
     def _encoded_indices(self) -> List[int]:
         """Samples (indices within a step) whose items this rank may encode: with encoder DP over
@@ -279,9 +283,9 @@ class HeterogeneousTrainer(TrainerBase):
     def forward_backward(self, step: int):
         G = self.cfg.training.global_batch_size
         # Every rank can load any sample, so the global normaliser needs no communication.
-        # Only ranks holding an encoder part collate (and so decode) the step's items.
+        # A rank collates (and so decodes) only the items of the encoders it holds.
         host = collate([self.dataset.sample(step * G + i) for i in range(G)], self.cfg.placeholder_ids,
-                       self._holds_encoder)
+                       self._held_encoders)
         # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
         self._item_counts = {n: host[f"{n}_counts"].tolist() for n in self.encoders}
         self._step_batch = move(host, self.runtime.device, self.dtype)
