@@ -33,7 +33,7 @@ def full_weights(path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     plain = dist_checkpointing.load_plain_tensors(ckpt)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, t in plain.items():
-        if key.startswith(PREFIX):
+        if key.startswith(PREFIX) or not torch.is_tensor(t):  # optimizer state; the common record
             continue
         module, name = key.split(".", 1)
         out.setdefault(module, {})[name] = t
