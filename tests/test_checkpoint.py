@@ -73,3 +73,17 @@ def test_a_save_that_died_never_becomes_latest(tmp_path):
         paths.publish(d, step)
     paths.prune(d, 2)
     assert paths.complete_steps(d) == [6, 8] and paths.read_latest(d) == 8
+
+
+
+def test_async_save_needs_cuda_and_says_so():
+    """megatron-core's async writer synchronizes the CUDA device; without CUDA the run stops up front."""
+    from mimo.checkpoint import CheckpointError, preflight
+    from mimo.config import load_config
+
+    cfg = load_config(with_ckpt(layout(), save="/nonexistent/ckpt", async_save=True))
+    if torch.cuda.is_available():
+        assert preflight(cfg) is None
+    else:
+        with pytest.raises(CheckpointError, match="training.async_save"):
+            preflight(cfg)
