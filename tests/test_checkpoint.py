@@ -87,3 +87,16 @@ def test_async_save_needs_cuda_and_says_so():
     else:
         with pytest.raises(CheckpointError, match="training.async_save"):
             preflight(cfg)
+
+
+def test_checkpoint_fields_are_validated():
+    from mimo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(with_ckpt(layout(), save_interval=0, keep_last=2))
+    msg = str(exc.value)
+    assert "training.keep_last" in msg and "needs training.save" in msg
+    assert "training.save_interval" in msg
+    with pytest.raises(ConfigError, match="training.save"):
+        load_config(with_ckpt(layout(), save=""))
+    assert load_config(with_ckpt(layout(), save="d", save_interval=5, keep_last=2, load="d")).training.keep_last == 2
