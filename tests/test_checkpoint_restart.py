@@ -78,10 +78,19 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
         if 2 <= step < STEPS:  # mid-run, after a checkpoint: kill rank 1 the hard way
             pid = _rank_pid(p.pid, 1)
             if pid:
+                # Its helper processes (megatron-core's writer queue manager, the resource tracker)
+                # are not killed with it: stop them at the end so the test leaves no orphans.
+                helpers = [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                          text=True).stdout.split()]
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         time.sleep(0.05)
     assert p.wait(timeout=600) == 0, open(run_out).read()[-3000:]
+    for helper in helpers if killed else []:
+        try:
+            os.kill(helper, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     out = open(run_out).read()
     assert killed, out[-3000:]
     assert "resumed from" in out
