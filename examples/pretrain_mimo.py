@@ -18,6 +18,7 @@ import traceback
 # Allow running from a source checkout without installing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from mimo.checkpoint import CheckpointError  # noqa: E402
 from mimo.config import ConfigError, load_config  # noqa: E402
 from mimo.hf import HFWeightsError, check_hf_weights  # noqa: E402
 from mimo.runtime import DEVICE_CHOICES  # noqa: E402
@@ -66,6 +67,11 @@ def main(argv=None) -> int:
             problem = export_problems(cfg, hf_modules(cfg))
             if problem:
                 raise ConfigError([tuple(problem.split(": ", 1))])
+        from mimo.checkpoint import preflight
+
+        preflight(cfg)  # training.load: the files, the manifest and the resume-relevant config fields
+    except CheckpointError as exc:
+        return _stop(rank, f"error: {exc}", 2)
     except (ConfigError, HFWeightsError) as exc:
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
@@ -77,6 +83,7 @@ def main(argv=None) -> int:
             time.sleep(10)
         return 2
 
+    from mimo.checkpoint import checkpointer
     from mimo.data.llava import DataError
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
     from mimo.training import make_trainer
@@ -89,10 +96,18 @@ def main(argv=None) -> int:
         trainer = make_trainer(cfg, runtime)
         if rank == 0:
             describe(cfg, trainer, runtime)
+        ckpt = checkpointer(cfg, trainer, runtime)
+        start = ckpt.resume() if ckpt else 0
+        if rank == 0 and start:
+            print(f"resumed from {cfg.training.load} at step {start}", flush=True)
         reporter = StepReporter(cfg, trainer, runtime)
-        for step in range(cfg.training.train_iters):
+        for step in range(start, cfg.training.train_iters):
             reporter.before_step(step)
             reporter.after_step(step, trainer.train_step(step))
+            if ckpt:
+                ckpt.after_step(step)
+        if ckpt:
+            ckpt.finish()
         reporter.close()
         if args.hf_export:
             from mimo.training.hf_export import export_hf
@@ -102,6 +117,9 @@ def main(argv=None) -> int:
                 print(f"exported to {args.hf_export}", flush=True)
         shutdown()
         return 0
+    except CheckpointError as exc:  # found identically on every rank (checked before the collective load)
+        _stop(rank, f"error: {exc}", 2)
+        os._exit(2)
     except DataError as exc:  # found identically on every rank (e.g. a bad record with on_bad_record: error)
         if rank == 0:
             print(str(exc), file=sys.stderr, flush=True)
@@ -116,6 +134,20 @@ def main(argv=None) -> int:
             traceback.print_exc()
         # Exit without waiting on collectives the other ranks will never finish.
         os._exit(1)
+
+
+def _stop(rank: int, line: str, code: int) -> int:
+    """Rank 0 prints the line; the other ranks found the same problem and give it time to do so
+    before their exit makes torchrun stop the job."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get("MIMO_DEBUG"):
+            traceback.print_exc()
+    else:
+        import time
+
+        time.sleep(10)
+    return code
 
 
 def describe(cfg, trainer, runtime) -> None:

@@ -195,6 +195,13 @@ class TrainingConfig:
     # Chrome trace of one step (every rank's schedule actions), written by rank 0.
     timeline: Optional[str] = None
     timeline_step: int = 2
+    # Checkpoints (see README "Checkpoints and resuming"): DIR/iter_NNNNNNN/ plus DIR/latest.
+    save: Optional[str] = None
+    save_interval: Optional[int] = None       # every N steps (and always after the last step)
+    load: Optional[str] = None                # resume from DIR/latest; save == load and empty: fresh start
+    load_optimizer: bool = True               # false: weights only; step and optimizer restart
+    keep_last: Optional[int] = None           # keep only the K newest complete checkpoints
+    async_save: bool = False                  # write shards in the background (megatron-core async; needs CUDA)
 
 
 @dataclass

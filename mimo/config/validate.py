@@ -98,7 +98,8 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         add("training.peak_tflops", f"must be > 0, got {tr.peak_tflops}")
     if tr.timeline is not None and isinstance(tr.timeline_step, int) and tr.timeline_step > tr.train_iters:
         add("training.timeline_step", f"step {tr.timeline_step} is after the last step (train_iters = {tr.train_iters})")
-    for key in ("log_json", "tensorboard_dir", "wandb_project", "timeline"):
+    _check_checkpoints(tr, add)
+    for key in ("log_json", "tensorboard_dir", "wandb_project", "timeline", "save", "load"):
         if getattr(tr, key) == "":
             add(f"training.{key}", "must not be empty (leave the field out to disable it)")
 
@@ -160,6 +161,16 @@ def _check_data(cfg: MimoConfig, add) -> None:
         if n > room:
             add(path, f"vocabulary of {n} tokens does not fit model.language.vocab_size "
                 f"({cfg.model.language.vocab_size}) minus {len(cfg.model.encoders)} placeholder id(s)")
+
+
+def _check_checkpoints(tr, add) -> None:
+    """Fields that only mean something with `training.save`."""
+    if tr.save is None:
+        for key in ("save_interval", "keep_last"):
+            if getattr(tr, key) is not None:
+                add(f"training.{key}", "needs training.save (the directory to write checkpoints to)")
+        if tr.async_save:
+            add("training.async_save", "needs training.save (the directory to write checkpoints to)")
 
 
 def _positive_ints(cfg: MimoConfig, add) -> None:

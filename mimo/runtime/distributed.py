@@ -23,6 +23,13 @@ def init_distributed(runtime: Runtime, timeout_minutes: float = 10.0) -> None:
     kwargs = dict(backend=runtime.backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     if runtime.is_cuda:
         kwargs["device_id"] = runtime.device
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0":
+        # torchrun restarts workers against the rendezvous store of the first attempt; the process
+        # groups' keys there still hold the dead workers' addresses, which the new ones would read
+        # (gloo: "connection refused"). A prefix per attempt keeps each generation's keys apart.
+        store, rank, world = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
+        kwargs.update(store=dist.PrefixStore(f"mimo_attempt_{restart}", store), rank=rank, world_size=world)
     dist.init_process_group(**kwargs)
 
 

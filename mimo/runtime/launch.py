@@ -55,16 +55,18 @@ def _worker(rank, world_size, port, fn, args, results, timeout_minutes):
             pass
 
 
-def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0) -> List[Any]:
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0, daemon: bool = True) -> List[Any]:
     """Call `fn(*args)` on `world_size` gloo ranks; return each rank's result, rank order.
 
     `fn` must be importable (module-level) so spawned processes can find it.
+    `daemon=False` lets ranks start processes of their own (megatron-core's checkpoint
+    writers do); every rank is still stopped here on failure.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s / 60.0),
-                         daemon=True) for r in range(world_size)]
+                         daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()
     out, failure = {}, None

@@ -1,0 +1,103 @@
+"""Whether a checkpoint fits this run: read before any collective, reported as one `error:` line.
+
+* `preflight` (every rank, before process groups exist): `latest`, the directory,
+  the manifest's files and sizes, and the config fields whose change would make
+  the saved state meaningless;
+* `shape_problems` (after the model is built, still before the load): every
+  parameter a rank holds is in the checkpoint with its full shape.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .manifest import verify
+from .paths import CheckpointError, read_latest, resolve
+
+COMMON = "common.pt"
+META = "mimo"  # the common-state entry holding step, config, layout, data position
+
+
+def read_meta(ckpt: str) -> dict:
+    """The checkpoint's own record (step, config, layout, data position), from its common state."""
+    path = os.path.join(ckpt, COMMON)
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=False)
+        return common[META]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as exc:  # any unpickling failure means the same thing: the file is damaged
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__})") from None
+
+
+def _get(d: dict, path: str):
+    for part in path.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d if d != {} else None
+
+
+def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
+    """Config fields that changed in a way the saved state cannot follow (`path: reason`)."""
+    if not load_optimizer:  # weights only: the step, data position and optimizer restart
+        return []
+    import dataclasses
+
+    now = dataclasses.asdict(cfg)
+    fields = ["training.optimizer", "data.kind"]
+    if cfg.data.kind != "mock":  # a real-data position is only valid for the same records in the same order
+        fields += ["data.path", "data.seed", "data.shuffle"]
+    out = []
+    for f in fields:
+        before, after = _get(saved_cfg, f), _get(now, f)
+        if before != after:
+            out.append(f"{f}: the checkpoint was saved with {before!r}, this run has {after!r} (resuming needs the "
+                       "same; training.load_optimizer: false loads the weights only)")
+    return out
+
+
+def preflight(cfg) -> Optional[str]:
+    """The checkpoint directory this run resumes from, None to start fresh; raises CheckpointError.
+
+    Also refuses `training.async_save` where it cannot work (no CUDA), before anything starts."""
+    tr = cfg.training
+    if tr.async_save and not torch.cuda.is_available():
+        raise CheckpointError("training.async_save: megatron-core's asynchronous writer synchronizes the CUDA "
+                              "device, so it needs CUDA; on CPU ranks use async_save: false")
+    if tr.load is None:
+        return None
+    root = tr.load
+    same = tr.save is not None and os.path.abspath(tr.save) == os.path.abspath(root)
+    if read_latest(root) is None and not os.path.basename(os.path.normpath(root)).startswith("iter_"):
+        if same:
+            return None  # auto-resume: nothing saved yet
+        raise CheckpointError(f"training.load: {root} holds no checkpoint (no {os.path.join(root, 'latest')})")
+    ckpt = resolve(root)
+    verify(ckpt, checksums=False)
+    meta = read_meta(ckpt)
+    problems = config_problems(meta["config"], cfg, tr.load_optimizer)
+    if problems:
+        raise CheckpointError(problems[0])
+    return ckpt
+
+
+def shape_problems(shards, saved: Dict, modules: List[str]) -> List[Tuple[Tuple[int, int, int], str]]:
+    """(order, message) for each parameter of this rank missing from `saved` or of another shape.
+
+    `order` sorts the problems of all ranks the way the model reads: module (config order),
+    global layer, then parameter, so every rank reports the same first one."""
+    out = []
+    for i, s in enumerate(shards):
+        layer = re.search(r"\.layers\.(\d+)\.", s.key)
+        order = (modules.index(s.module), int(layer.group(1)) if layer else -1, i)
+        meta = saved.get(s.key)
+        if meta is None:
+            out.append((order, f"{s.key}: not in the checkpoint (this model: shape {list(s.full_shape)}); "
+                               "the checkpoint is of a different architecture"))
+        elif tuple(meta.global_shape) != s.full_shape:
+            out.append((order, f"{s.key}: the checkpoint has shape {list(meta.global_shape)}, this model "
+                               f"{list(s.full_shape)}"))
+    return out

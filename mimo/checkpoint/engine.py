@@ -1,0 +1,169 @@
+"""Save and resume a trainer: the two hooks a training loop calls (`resume` after build, `after_step`).
+
+A save is collective (every rank writes its own shards through megatron-core
+`dist_checkpointing`, replicas written once); rank 0 then writes the manifest and
+publishes the checkpoint (see mimo.checkpoint.paths). A resume checks the files
+and the architecture on every rank and agrees on the outcome with one small
+gather before the collective load, so a bad checkpoint stops every rank with the
+same `error:` line instead of leaving some of them waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from .checks import META, preflight, read_meta, shape_problems
+from .manifest import verify, write_manifest
+from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
+from .paths import CheckpointError, partial_dir, prune, publish
+from .rng import capture, restore_rng, save_rng
+from .shards import assign_weights, param_shards, weights_request, weights_state
+
+FORMAT = 1
+
+
+def layout_of(cfg) -> dict:
+    """Per module: its parallel sizes and first rank (what `inspect` shows, what RNG restore compares)."""
+    return {name: {k: getattr(p, k) for k in ("tp", "cp", "pp", "dp", "ep", "rank_offset")}
+            for name, p in cfg.parallelism.items()}
+
+
+class Checkpointer:
+    def __init__(self, cfg, trainer, runtime):
+        self.cfg, self.trainer, self.runtime = cfg, trainer, runtime
+        self.rank = dist.get_rank()
+        self.shards = param_shards(trainer)
+        self.pending = None  # an async save in flight (AsyncCallsQueue), see `_save`
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load `training.load` if it holds a checkpoint; the step to continue from (0: fresh)."""
+        tr = self.cfg.training
+        # Every rank reads the same files, so every rank reaches the same verdict here.
+        ckpt = preflight(self.cfg)
+        if ckpt is None:
+            return 0
+        saved = dist_checkpointing.load_tensors_metadata(ckpt)
+        problems = shape_problems(self.shards, saved, self.cfg.modules)
+        if self.rank == 0:
+            try:
+                verify(ckpt, checksums=True)  # CRC32 of every file, once (rank 0)
+            except CheckpointError as exc:
+                problems.insert(0, ((-1, -1, -1), str(exc)))
+        held = {s.key for s in self.shards}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (problems, sorted(held)))
+        problems = sorted(p for ps, _ in everyone for p in ps)
+        if not problems:
+            model_keys = set().union(*(set(keys) for _, keys in everyone))
+            extra = [k for k in saved if not k.startswith(PREFIX) and k not in model_keys]
+            if extra:
+                problems = [((0, 0, 0), f"{sorted(extra)[0]}: in the checkpoint (shape "
+                                         f"{list(saved[sorted(extra)[0]].global_shape)}) but not in this model; "
+                                         "the checkpoint is of a different architecture")]
+        if problems:
+            raise CheckpointError(f"{ckpt}: {problems[0][1]}")
+
+        request = {"weights": weights_request(self.shards)}
+        if tr.load_optimizer:
+            request["optimizer"] = optimizer_request(self.trainer, self.shards, saved)
+        loaded = dist_checkpointing.load(request, ckpt)
+        assign_weights(self.shards, loaded["weights"])
+        if not tr.load_optimizer:
+            return 0
+        assign_optimizer(self.trainer, self.shards, loaded["optimizer"])
+        meta = read_meta(ckpt)
+        data_state = meta.get("data")
+        if data_state is not None and hasattr(self.trainer.dataset, "load_state_dict"):
+            self.trainer.dataset.load_state_dict(data_state)
+        if meta["world_size"] == dist.get_world_size() and meta["layout"] == layout_of(self.cfg):
+            restore_rng(ckpt, self.rank)
+        return int(meta["step"])
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def after_step(self, step: int) -> None:
+        """Called after 0-based step `step` on every rank: save when the interval (or the run) ends."""
+        tr = self.cfg.training
+        done = step + 1
+        if tr.save is None:
+            return
+        self.poll()
+        if done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0):
+            self.save(done)
+
+    def save(self, steps_done: int) -> None:
+        self.finish()  # at most one save in flight
+        tr = self.cfg.training
+        root, tmp = tr.save, partial_dir(tr.save, steps_done)
+        if self.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):  # left by a save that died: never published, safe to discard
+                import shutil
+
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        dist.barrier()
+        dataset = self.trainer.dataset
+        meta = {"format": FORMAT, "step": steps_done, "config": dataclasses.asdict(self.cfg),
+                "world_size": dist.get_world_size(), "layout": layout_of(self.cfg),
+                "data": dataset.state_dict() if hasattr(dataset, "state_dict") else None}
+        state = {META: meta, "weights": weights_state(self.shards),
+                 "optimizer": optimizer_state(self.trainer, self.shards)}
+        rng = capture()  # now: an async save publishes after later steps have drawn numbers
+        request = _host_staging(dist_checkpointing.save(state, tmp, async_sharded_save=True))
+        request.add_finalize_fn(lambda: self._publish(steps_done, rng))
+        if tr.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            if self.pending is None:
+                self.pending = AsyncCallsQueue()
+            self.pending.schedule_async_request(request)
+        else:
+            request.execute_sync()
+
+    def _publish(self, steps_done: int, rng: dict) -> None:
+        """After every rank's shards are on disk (dist_checkpointing ends with a barrier)."""
+        tr = self.cfg.training
+        save_rng(partial_dir(tr.save, steps_done), self.rank, rng)
+        dist.barrier()
+        if self.rank == 0:
+            write_manifest(partial_dir(tr.save, steps_done))
+            publish(tr.save, steps_done)
+            if tr.keep_last:
+                prune(tr.save, tr.keep_last)
+        dist.barrier()
+
+    def poll(self) -> None:
+        """Publish a finished async save (collective; call at the same point on every rank)."""
+        if self.pending is not None:
+            self.pending.maybe_finalize_async_calls(blocking=False)
+
+    def finish(self) -> None:
+        """Wait for an async save in flight and publish it (collective)."""
+        if self.pending is not None:
+            self.pending.maybe_finalize_async_calls(blocking=True)
+
+
+def _host_staging(request):
+    """megatron-core stages tensors to host memory with a non-blocking copy followed by
+    `torch.cuda.synchronize()`, which fails where there is no CUDA; tensors already on the
+    host need a plain (blocking) copy instead."""
+    fn = request.preload_fn
+    if fn is None or torch.cuda.is_available():
+        return request
+    return request._replace(preload_fn=functools.partial(fn.func, *fn.args[:-1], False))
+
+
+def checkpointer(cfg, trainer, runtime) -> Optional[Checkpointer]:
+    """A Checkpointer when the config saves or loads (None otherwise: nothing to do)."""
+    tr = cfg.training
+    return Checkpointer(cfg, trainer, runtime) if tr.save or tr.load else None

@@ -1,0 +1,115 @@
+"""Where checkpoints live: `DIR/iter_NNNNNNN/`, `DIR/latest`, and the atomic steps that publish one.
+
+A checkpoint is written under a temporary name (`iter_NNNNNNN.partial`), renamed
+to `iter_NNNNNNN` once every rank has written its shards and the manifest is on
+disk, and only then named in `latest` (written to a temporary file, fsynced,
+renamed). A save that dies at any point leaves `latest` naming the previous
+complete checkpoint, and no complete checkpoint is modified while a new one is
+written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import List, Optional
+
+LATEST = "latest"
+_ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used (message: one line naming the file or parameter)."""
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, iter_name(step))
+
+
+def partial_dir(root: str, step: int) -> str:
+    return iter_dir(root, step) + ".partial"
+
+
+def read_latest(root: str) -> Optional[int]:
+    """The step `DIR/latest` names (None when there is no `latest`: no checkpoint yet)."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected a step number, found {text[:40]!r}")
+    return int(text)
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory from either `DIR` (its `latest`) or `DIR/iter_NNNNNNN` itself."""
+    if os.path.isdir(path) and _ITER.match(os.path.basename(os.path.normpath(path))):
+        return path
+    step = read_latest(path)
+    if step is None:
+        raise CheckpointError(f"{path}: no checkpoint here (neither {LATEST} nor an iter_NNNNNNN directory)")
+    target = iter_dir(path, step)
+    if not os.path.isdir(target):
+        raise CheckpointError(f"{os.path.join(path, LATEST)} names step {step} but {target} does not exist")
+    return target
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file of a finished checkpoint (and the directories) to disk before publishing it."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def publish(root: str, step: int) -> None:
+    """Rename the finished partial directory into place, then point `latest` at it (rank 0 only)."""
+    src, dst = partial_dir(root, step), iter_dir(root, step)
+    fsync_tree(src)
+    if os.path.exists(dst):
+        # A complete checkpoint of this step that never became `latest` (a run that died
+        # between the rename and `latest`, then resumed from an older one): replace it.
+        shutil.rmtree(dst)
+    os.rename(src, dst)
+    _fsync_dir(root)
+    tmp = os.path.join(root, f".{LATEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
+
+
+def complete_steps(root: str) -> List[int]:
+    """Steps of the complete checkpoints in `root` (partial ones excluded), ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_ITER.match, os.listdir(root)) if m)
+
+
+def prune(root: str, keep_last: int) -> None:
+    """Delete complete checkpoints older than the newest `keep_last` (never the one `latest` names)."""
+    latest = read_latest(root)
+    steps = complete_steps(root)
+    for step in steps[:-keep_last] if keep_last > 0 else []:
+        if step != latest:
+            shutil.rmtree(iter_dir(root, step), ignore_errors=True)

@@ -1,0 +1,53 @@
+"""Train a config on CPU ranks with checkpoints: the helpers the checkpoint tests share."""
+
+import copy
+
+from mimo.config import load_config
+from mimo.runtime import run_on_ranks, select_runtime
+from tiny import TINY
+
+
+def layout(**modules):
+    """TINY with Adam and per-module parallelism (modules not named get the defaults)."""
+    raw = copy.deepcopy(TINY)
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=4)
+    raw["parallelism"] = {m: dict(modules.get(m, {})) for m in ("language", "images", "audio")}
+    return raw
+
+
+def with_ckpt(raw, save=None, load=None, **training):
+    raw = copy.deepcopy(raw)
+    raw["training"].update({k: v for k, v in dict(save=save, load=load, **training).items() if v is not None})
+    return raw
+
+
+def _train(raw, stop):
+    """Resume (if `training.load`), train up to 0-based step `stop` (exclusive; None: train_iters)."""
+    from mimo.checkpoint import checkpointer
+    from mimo.training.heterogeneous import make_trainer
+    from mimo.training.state import full_state
+
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    ckpt = checkpointer(cfg, trainer, None)
+    start = ckpt.resume() if ckpt else 0
+    losses = []
+    for step in range(start, cfg.training.train_iters if stop is None else stop):
+        losses.append(trainer.train_step(step).loss)
+        if ckpt:
+            ckpt.after_step(step)
+    if ckpt:
+        ckpt.finish()
+    tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
+    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
+    return {"start": start, "losses": losses, "params": params}
+
+
+def train(raw, stop=None, timeout_s=240):
+    """{start, losses (resumed steps), params (whole model, merged over ranks)}."""
+    results = run_on_ranks(_train, load_config(raw).world_size, raw, stop, timeout_s=timeout_s, daemon=False)
+    out = {"start": results[0]["start"], "losses": results[0]["losses"], "params": {}}
+    for r in results:
+        assert r["losses"] == out["losses"]
+        out["params"].update(r["params"])
+    return out

@@ -1,0 +1,133 @@
+"""Checkpoint command lines: convert / inspect, and bad checkpoints giving one `error:` line."""
+
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from checkpoint_harness import layout, train, with_ckpt
+from mimo.checkpoint import CheckpointError, paths, preflight
+from mimo.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A one-rank, two-step Adam run saved at step 2 (and its config file)."""
+    d = str(tmp_path_factory.mktemp("ckpt"))
+    raw = with_ckpt(layout(), save=d, train_iters=2)
+    out = train(raw)
+    cfg_path = os.path.join(d, "..", "run.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(raw, f)
+    return dict(out, dir=d, raw=raw, config=os.path.abspath(cfg_path))
+
+
+def _tree_digest(d):
+    h = hashlib.sha256()
+    for dirpath, _, names in sorted(os.walk(d)):
+        for n in sorted(names):
+            with open(os.path.join(dirpath, n), "rb") as f:
+                h.update(n.encode() + f.read())
+    return h.hexdigest()
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(saved["dir"], d)
+    return d
+
+
+def test_convert_writes_the_full_unsharded_weights(saved, tmp_path):
+    out = str(tmp_path / "full.pt")
+    r = subprocess.run([sys.executable, "-m", "mimo.checkpoint", "convert", paths.iter_dir(saved["dir"], 2),
+                        "--to-torch", out], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    full = torch.load(out)
+    flat = {f"{m}.{k}": t for m, tensors in full.items() for k, t in tensors.items()}
+    assert flat.keys() == saved["params"].keys()
+    for k, v in saved["params"].items():
+        assert torch.equal(flat[k], v), k
+    r = subprocess.run([sys.executable, "-m", "mimo.checkpoint", "inspect", saved["dir"]],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step 2" in r.stdout and "language" in r.stdout and "images" in r.stdout
+
+
+def _run_cli(config, *sets):
+    args = [sys.executable, SCRIPT, "--config", config, "--device", "cpu"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, env={**ENV, "MIMO_DEBUG": ""}, timeout=300)
+
+
+def _one_error_line(r):
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    return errors[0]
+
+
+def test_bad_checkpoints_give_one_error_line_and_stay_untouched(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    ckpt = paths.iter_dir(d, 2)
+    before = _tree_digest(d)
+    # A different architecture: named by its first mismatching parameter, with both shapes.
+    line = _one_error_line(_run_cli(saved["config"], f"training.load={d}", "training.save=null",
+                                    "model.language.vocab_size=256"))
+    assert "language.embedding.word_embeddings.weight" in line and "[128, 32]" in line and "[256, 32]" in line
+    assert _tree_digest(d) == before
+    # A corrupt shard (same size, one byte changed): found by the checksum before the load.
+    shard = os.path.join(ckpt, "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    before = _tree_digest(d)
+    line = _one_error_line(_run_cli(saved["config"], f"training.load={d}", "training.save=null"))
+    assert "__0_0.distcp" in line and "corrupt" in line
+    assert _tree_digest(d) == before
+    # `latest` naming a directory that is not there.
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("7\n")
+    before = _tree_digest(d)
+    line = _one_error_line(_run_cli(saved["config"], f"training.load={d}", "training.save=null"))
+    assert "iter_0000007" in line
+    assert _tree_digest(d) == before
+
+
+def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    raw = copy.deepcopy(saved["raw"])
+    raw["training"].update(load=d, save=None)
+    assert preflight(load_config(raw)) == paths.iter_dir(d, 2)
+    changed = copy.deepcopy(raw)
+    changed["training"]["optimizer"] = "sgd"
+    with pytest.raises(CheckpointError, match="training.optimizer"):
+        preflight(load_config(changed))
+    changed["training"]["load_optimizer"] = False  # weights only: allowed
+    assert preflight(load_config(changed)) == paths.iter_dir(d, 2)
+    shard = os.path.join(paths.iter_dir(d, 2), "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match="__0_0.distcp: truncated"):
+        preflight(load_config(raw))
+    os.remove(shard)
+    with pytest.raises(CheckpointError, match="__0_0.distcp: missing"):
+        preflight(load_config(raw))
+    empty = copy.deepcopy(raw)
+    empty["training"].update(load=str(tmp_path / "none"), save=str(tmp_path / "none"))
+    assert preflight(load_config(empty)) is None  # save == load, nothing saved yet: start fresh
+    empty["training"]["save"] = None
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        preflight(load_config(empty))
