@@ -1,0 +1,56 @@
+"""Entrain's hierarchical microbatch assignment (dissertation Algorithm 4).
+
+1. DP level: samples, heaviest encoder work first, are dealt to the D replicas
+   (M*m each; ties in encoder work go by LLM work).
+2. Stratified assignment per replica: the samples split at the median LLM work
+   into a coarse set (long) and a fine set (short); each set, heaviest encoder
+   work first, goes min-max greedy onto the M encoder microbatches (coarse
+   first). Both sets together are one LPT run, so encoder balance keeps
+   Graham's bound, and every microbatch gets fine samples to defer later.
+   Microbatch sizes may differ. Samples without encoder work cannot unbalance
+   the encoder, so they go where the LLM work is least.
+3. Pairwise deferral (`deferral.defer`): each overloaded microbatch runs right
+   before its underloaded partner, whose LLM microbatch also runs the deferred
+   samples: order ol0, ul0, ol1, ul1, ...
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from .assignment import StepAssignment, _micro_batch_size
+from .deferral import defer
+from .lpt import dealt, greedy
+
+
+def stratified(enc: np.ndarray, llm: np.ndarray, samples: List[int], microbatches: int) -> List[List[int]]:
+    """Encoder microbatches (global sample indices) of one replica."""
+    s = np.asarray(samples, dtype=np.int64)
+    cut = np.median(llm[s]) if s.size else 0.0
+    coarse, fine = s[llm[s] > cut], s[llm[s] <= cut]
+    ordered = np.concatenate([part[np.lexsort((-llm[part], -enc[part]))] for part in (coarse, fine)])
+    bins = greedy(enc[ordered].tolist(), microbatches, llm[ordered].tolist())
+    return [ordered[b].tolist() for b in bins]
+
+
+def entrain(enc: np.ndarray, llm: np.ndarray, dp: int, microbatches: int, resolution: int = 1024) -> StepAssignment:
+    _micro_batch_size(len(llm), dp, microbatches)
+    of_sample = dealt(enc, dp, tie=llm)
+    encoder, llm_side = [], []
+    for d in range(dp):
+        mbs = stratified(enc, llm, np.flatnonzero(of_sample == d).tolist(), microbatches)
+        loads = np.array([llm[mb].sum() for mb in mbs])
+        pairs, _ = defer(loads, mbs, llm, resolution)
+        e_out, l_out = [], []
+        for first, partner, moved in pairs:
+            keep = set(moved)
+            e_out.append(list(mbs[first]))
+            l_out.append([i for i in mbs[first] if i not in keep])
+            if partner is not None:
+                e_out.append(list(mbs[partner]))
+                l_out.append(list(mbs[partner]) + moved)
+        encoder.append(e_out)
+        llm_side.append(l_out)
+    return StepAssignment(encoder, llm_side)
