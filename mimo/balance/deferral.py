@@ -28,7 +28,7 @@ class SubsetTable:
 
     @classmethod
     def build(cls, work: Sequence[float], unit: float) -> "SubsetTable":
-        units = [max(0, int(round(w / unit))) for w in work]
+        units = np.maximum(0, np.rint(np.asarray(work) / unit)).astype(np.int64).tolist()
         reach, prefixes = 1, [1]
         for u in units:
             reach |= reach << u
@@ -40,8 +40,8 @@ class SubsetTable:
     def closest(self, targets: np.ndarray) -> np.ndarray:
         """The reachable sum closest to each target (the smaller one on a tie)."""
         s = self.sums
-        hi = np.clip(np.searchsorted(s, targets), 0, len(s) - 1)
-        lo = np.clip(hi - 1, 0, len(s) - 1)
+        hi = np.minimum(np.searchsorted(s, targets), len(s) - 1)
+        lo = np.maximum(hi - 1, 0)
         return np.where(np.abs(s[lo] - targets) <= np.abs(s[hi] - targets), s[lo], s[hi])
 
     def subset(self, total: int) -> List[int]:

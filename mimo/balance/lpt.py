@@ -31,8 +31,8 @@ def dealt(weights: np.ndarray, bins: int, tie: np.ndarray | None = None) -> np.n
         items = order[r * bins:(r + 1) * bins]
         targets = np.lexsort((tie_load, load))    # lightest bin first
         out[items] = targets
-        np.add.at(load, targets, weights[items])
-        np.add.at(tie_load, targets, tie[items])
+        load[targets] += weights[items]          # targets are distinct: no scatter-add needed
+        tie_load[targets] += tie[items]
     return out
 
 

@@ -43,15 +43,10 @@ def mmscale(enc: np.ndarray, llm: np.ndarray, dp: int, microbatches: int,
     _micro_batch_size(n, dp, microbatches)  # validates the shape
     bins = dp * microbatches
     of_sample = dealt(llm, bins, tie=enc)
-    members: List[List[int]] = [[] for _ in range(bins)]
-    for i in np.argsort(of_sample, kind="stable").tolist():
-        members[of_sample[i]].append(i)
-    bin_enc = np.array([enc[b].sum() for b in members])
-    bin_llm = np.array([llm[b].sum() for b in members])
-    of_bin = dealt(bin_enc, dp, tie=bin_llm)
-    ranks: List[List[List[int]]] = [[] for _ in range(dp)]
-    for b in np.argsort(of_bin, kind="stable").tolist():
-        ranks[of_bin[b]].append(members[b])
+    members = np.argsort(of_sample, kind="stable").reshape(bins, -1)   # row b: bin b's samples
+    of_bin = dealt(enc[members].sum(1), dp, tie=llm[members].sum(1))
+    rows = np.argsort(of_bin, kind="stable").reshape(dp, -1)          # row d: rank d's bins
+    ranks: List[List[List[int]]] = [members[r].tolist() for r in rows]
     depth = pipeline.depth if pipeline is not None else 1
     out = []
     for mbs in ranks:
