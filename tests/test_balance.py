@@ -89,7 +89,7 @@ def test_dealt_keeps_counts_and_balances():
     assert np.bincount(bins, minlength=32).tolist() == [8] * 32
     loads = np.bincount(bins, weights=w, minlength=32)
     contiguous = w.reshape(32, 8).sum(1)
-    assert loads.max() / loads.mean() < 1.05 < contiguous.max() / contiguous.mean()
+    assert loads.max() / loads.mean() < 1.08 < 1.2 < contiguous.max() / contiguous.mean()
 
 
 def test_subset_sum_against_brute_force():

@@ -1,10 +1,8 @@
-"""Greedy number partitioning (longest processing time first), vectorised where it can be.
+"""Greedy number partitioning (longest processing time first).
 
-With a cardinality cap the samples are dealt in rounds: each round hands the
-next ``bins`` heaviest samples to the bins, heaviest to the lightest bin. That
-keeps every bin at exactly ``rounds`` samples (microbatches of equal size) at
-the cost of one argsort per round, so a step of thousands of samples takes
-well under a millisecond.
+With a cardinality cap (microbatches of equal size) a full bin simply leaves
+the heap. One heap operation per item keeps a step of thousands of samples
+in the low milliseconds.
 """
 
 from __future__ import annotations
@@ -18,21 +16,25 @@ import numpy as np
 def dealt(weights: np.ndarray, bins: int, tie: np.ndarray | None = None) -> np.ndarray:
     """Bin of every item, each bin getting exactly ``len(weights) / bins`` items.
 
-    Items are taken heaviest first (ties: heavier ``tie`` first); each round's items go to
-    the bins in increasing order of load (ties: lighter ``tie`` load first)."""
+    Items are taken heaviest first (ties: heavier ``tie`` first), each to the least-loaded
+    bin that still has room (ties: lighter ``tie`` load). A bin holding a huge item gets
+    nothing until the others catch up, then the light items that remain."""
     n = len(weights)
     if n % bins:
         raise ValueError(f"{n} items do not deal evenly into {bins} bins")
+    cap = n // bins
     tie = np.zeros(n) if tie is None else np.asarray(tie, dtype=np.float64)
-    order = np.lexsort((-tie, -weights))          # heaviest first
-    load, tie_load = np.zeros(bins), np.zeros(bins)
+    order = np.lexsort((-tie, -weights)).tolist()        # heaviest first
+    w, t = np.asarray(weights, dtype=np.float64).tolist(), tie.tolist()
+    heap = [(0.0, 0.0, b) for b in range(bins)]
+    count = [0] * bins
     out = np.empty(n, dtype=np.int64)
-    for r in range(n // bins):
-        items = order[r * bins:(r + 1) * bins]
-        targets = np.lexsort((tie_load, load))    # lightest bin first
-        out[items] = targets
-        load[targets] += weights[items]          # targets are distinct: no scatter-add needed
-        tie_load[targets] += tie[items]
+    for i in order:
+        load, tl, b = heapq.heappop(heap)
+        out[i] = b
+        count[b] += 1
+        if count[b] < cap:
+            heapq.heappush(heap, (load + w[i], tl + t[i], b))
     return out
 
 
