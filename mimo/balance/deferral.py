@@ -54,13 +54,16 @@ class SubsetTable:
         return out[::-1]
 
 
-def _match(allowed: np.ndarray, rows: Sequence[int]) -> Optional[Dict[int, int]]:
-    """A partner column for every row in ``rows`` (augmenting paths), or None."""
+def _match(V: List[List[float]], T: float, rows: Sequence[int]) -> Optional[Dict[int, int]]:
+    """A distinct partner column with ``V[r][c] <= T`` for every row in ``rows`` (augmenting
+    paths, lightest partner first: the last column is the lightest), or None."""
     owner: Dict[int, int] = {}
+    cols = range(len(V[0]) - 1, -1, -1) if V else range(0)
 
     def augment(r: int, seen: set) -> bool:
-        for c in np.flatnonzero(allowed[r]).tolist():
-            if c in seen:
+        row = V[r]
+        for c in cols:
+            if row[c] > T or c in seen:
                 continue
             seen.add(c)
             if c not in owner or augment(owner[c], seen):
@@ -77,20 +80,22 @@ def _match(allowed: np.ndarray, rows: Sequence[int]) -> Optional[Dict[int, int]]
 def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tuple[float, Dict[int, int]]:
     """Smallest T and a pairing (overloaded row -> underloaded column) meeting it.
 
-    ``over``/``under``: loads of the two halves (len(under) >= len(over)); ``V[i, j]``: the
-    pair's bottleneck after its best deferral. A row with ``over[i] <= T`` needs no partner."""
+    ``over``/``under``: loads of the two halves, each heaviest first (len(under) >= len(over));
+    ``V[i, j]``: the pair's bottleneck after its best deferral. A row with ``over[i] <= T``
+    needs no partner."""
     floor = float(under.max()) if under.size else 0.0
     cands = np.unique(np.concatenate([V.ravel(), over]))
-    cands = cands[cands >= floor]
+    cands = cands[cands >= floor].tolist()
+    rows_v, loads = V.tolist(), over.tolist()
     lo, hi, best = 0, len(cands) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
         T = cands[mid]
-        match = _match(V <= T, [i for i in range(len(over)) if over[i] > T])
+        match = _match(rows_v, T, [i for i, load in enumerate(loads) if load > T])
         if match is None:
             lo = mid + 1
         else:
-            best, hi = (float(T), match), mid - 1
+            best, hi = (T, match), mid - 1
     return best
 
 

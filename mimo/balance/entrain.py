@@ -22,7 +22,7 @@ import numpy as np
 
 from .assignment import StepAssignment, _micro_batch_size
 from .deferral import defer
-from .lpt import dealt, greedy
+from .lpt import dealt_rounds, greedy
 
 
 def stratified(enc: np.ndarray, llm: np.ndarray, samples: List[int], microbatches: int) -> List[List[int]]:
@@ -37,7 +37,7 @@ def stratified(enc: np.ndarray, llm: np.ndarray, samples: List[int], microbatche
 
 def entrain(enc: np.ndarray, llm: np.ndarray, dp: int, microbatches: int, resolution: int = 1024) -> StepAssignment:
     _micro_batch_size(len(llm), dp, microbatches)
-    of_sample = dealt(enc, dp, tie=llm)
+    of_sample = dealt_rounds(enc, dp, tie=llm)
     encoder, llm_side = [], []
     for d in range(dp):
         mbs = stratified(enc, llm, np.flatnonzero(of_sample == d).tolist(), microbatches)
