@@ -78,3 +78,11 @@ def test_parity_catches_encoders_out_of_step_with_the_llm(reference):
     raw = balanced(layout(**PIPELINED), "mmscale")
     with pytest.raises((AssertionError, RankFailed)):
         assert_same_run(reference, _merge(run_on_ranks(_train_encoders_unbalanced, WORLD, raw, STEPS, timeout_s=240)))
+
+
+@pytest.mark.slow
+def test_pipelined_colocated_mmscale_equals_single_rank(reference):
+    # The three-phase schedule: LLM pp2 and the image encoder dp2 on the same two ranks.
+    raw = balanced(layout(language=dict(pp=2), images=dict(dp=2)), "mmscale")
+    got = _merge(run_on_ranks(_train, 2, raw, STEPS, timeout_s=240))
+    assert_same_run(reference, got)
