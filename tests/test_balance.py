@@ -98,11 +98,10 @@ def test_subset_sum_against_brute_force():
         units = rng.integers(0, 30, rng.integers(1, 8)).tolist()
         table = SubsetTable.build(units, 1.0)
         every = {sum(c) for r in range(len(units) + 1) for c in itertools.combinations(units, r)}
-        assert set(table.sums.tolist()) == every
-        target = float(rng.integers(0, sum(units) + 1))
-        best = table.closest(np.array([target]))[0]
-        assert abs(best - target) == min(abs(s - target) for s in every)
-        assert sum(units[i] for i in table.subset(int(best))) == best
+        for target in np.arange(0, sum(units) + 3, 0.5):
+            best = table.closest(float(target))
+            assert best in every and abs(best - target) == min(abs(s - target) for s in every)
+            assert sum(units[i] for i in table.subset(best)) == best
 
 
 def test_bottleneck_matching_against_brute_force():

@@ -13,6 +13,7 @@ binary search over the candidate values, each checked by bipartite matching.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -21,28 +22,30 @@ import numpy as np
 
 @dataclass
 class SubsetTable:
-    """Reachable rounded sums of a microbatch's samples, with what reconstructs them."""
+    """Reachable rounded sums of a microbatch's samples, as bitsets (Python ints: bit s is set
+    when some subset sums to s), one per prefix of the samples to reconstruct subsets."""
     units: List[int]          # rounded work of each sample
-    prefixes: List[int]       # prefixes[k]: bitset of sums reachable with the first k samples
-    sums: np.ndarray          # every reachable sum, ascending
+    prefixes: List[int]       # prefixes[k]: sums reachable with the first k samples
 
     @classmethod
     def build(cls, work: Sequence[float], unit: float) -> "SubsetTable":
-        units = np.maximum(0, np.rint(np.asarray(work) / unit)).astype(np.int64).tolist()
+        units = np.maximum(0, np.rint(np.asarray(work, dtype=np.float64) / unit)).astype(np.int64).tolist()
         reach, prefixes = 1, [1]
         for u in units:
             reach |= reach << u
             prefixes.append(reach)
-        nbytes = (reach.bit_length() + 7) // 8
-        bits = np.unpackbits(np.frombuffer(reach.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
-        return cls(units, prefixes, np.flatnonzero(bits))
+        return cls(units, prefixes)
 
-    def closest(self, targets: np.ndarray) -> np.ndarray:
-        """The reachable sum closest to each target (the smaller one on a tie)."""
-        s = self.sums
-        hi = np.minimum(np.searchsorted(s, targets), len(s) - 1)
-        lo = np.maximum(hi - 1, 0)
-        return np.where(np.abs(s[lo] - targets) <= np.abs(s[hi] - targets), s[lo], s[hi])
+    def closest(self, target: float) -> int:
+        """The reachable sum closest to ``target`` (the smaller one on a tie)."""
+        reach = self.prefixes[-1]
+        t = max(0, math.floor(target))
+        below = (reach & ((2 << t) - 1)).bit_length() - 1      # highest set bit <= t (0 is always set)
+        rest = reach >> (t + 1)
+        if not rest:
+            return below
+        above = t + (rest & -rest).bit_length()                  # lowest set bit > t
+        return below if target - below <= above - target else above
 
     def subset(self, total: int) -> List[int]:
         """Positions of samples whose rounded work sums to ``total`` (a reachable sum)."""
@@ -112,7 +115,7 @@ def defer(loads: np.ndarray, members: Sequence[Sequence[int]], llm: np.ndarray,
     unit = float(loads.max()) / resolution
     tables = [SubsetTable.build(llm[list(members[i])], unit) for i in ol]
     delta = (loads[ol][:, None] - loads[ul][None, :]) / 2 / unit
-    moved = np.stack([t.closest(delta[r]) for r, t in enumerate(tables)]) * unit
+    moved = np.array([[t.closest(d) for d in row] for t, row in zip(tables, delta.tolist())]) * unit
     V = np.maximum(loads[ol][:, None] - moved, loads[ul][None, :] + moved)
     T, match = bottleneck_pairs(loads[ol], loads[ul], V)
     # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
