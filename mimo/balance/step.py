@@ -28,8 +28,14 @@ class StepBalancer:
         self.encoders = list(cfg.model.encoders)
         self.dp = cfg.parallelism[LANGUAGE].dp
         self.microbatches = tr.global_batch_size // (tr.micro_batch_size * self.dp)
-        self.work = WorkloadModel.from_model(cfg.model, precision=tr.precision)
-        self.pipeline = Pipeline.from_parallelism(cfg.parallelism, self.work)
+        # Only a balancing policy needs the cost model (`none` must run any model the trainer can).
+        if self.policy != "none":
+            try:
+                self.work = WorkloadModel.from_model(cfg.model, precision=tr.precision)
+            except ValueError as exc:
+                raise ValueError(f"data.balance: {self.policy} estimates work with the planner's cost model, "
+                                 f"which cannot read this model ({exc})") from None
+            self.pipeline = Pipeline.from_parallelism(cfg.parallelism, self.work)
 
     def order(self, samples: Sequence, pad_id: int) -> Optional[List[int]]:
         """Step sample index of each trainer position; None where the order stays as it is."""
