@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
-from mimo.comm import build_communicator
 from mimo.balance.step import StepBalancer
+from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import PAD_ID, build_dataset, collate, move, shard_indices
 from mimo.data.items import divide_items, sample_item_bounds
