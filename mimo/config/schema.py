@@ -19,6 +19,8 @@ INIT_MODES = ("reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 DATA_KINDS = ("mock", "llava", "energon")
+# data.balance: which samples each DP rank and microbatch runs (mimo.balance).
+BALANCE_POLICIES = ("none", "mmscale", "entrain")
 BAD_RECORD_MODES = ("skip", "error")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # swiglu is the gated form (silu(gate) * up) Llama, Mistral and Qwen2 use.
@@ -164,6 +166,8 @@ class DataConfig:
     on_bad_record: str = "skip"
     max_images_per_sample: int = 2
     max_audio_per_sample: int = 1
+    # Data-aware microbatching: none | mmscale | entrain (see docs/balance.md).
+    balance: str = "none"
 
 
 @dataclass

@@ -12,6 +12,7 @@ from .load import Problem
 from .schema import (
     ATTENTION_KINDS,
     BAD_RECORD_MODES,
+    BALANCE_POLICIES,
     DATA_KINDS,
     CP_POLICIES,
     ENCODER_KINDS,
@@ -82,6 +83,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
 
     _check_choice(cfg.data.kind, DATA_KINDS, "data.kind", add)
     _check_data(cfg, add)
+    _check_balance(cfg, add)
     tr = cfg.training
     _check_choice(tr.optimizer, OPTIMIZERS, "training.optimizer", add)
     _check_choice(tr.precision, PRECISIONS, "training.precision", add)
@@ -105,6 +107,26 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
 
     _check_parallelism(cfg, world_size, add)
     return problems
+
+
+def _check_balance(cfg: MimoConfig, add) -> None:
+    """`entrain` defers LLM work to a later pipelined microbatch: it needs a pipeline, and the
+    trainer does not execute deferral (split encoder backward) yet."""
+    path, policy = "data.balance", cfg.data.balance
+    if policy not in BALANCE_POLICIES:
+        _check_choice(policy, BALANCE_POLICIES, path, add)
+        return
+    if policy != "entrain":
+        return
+    lang = cfg.parallelism.get(LANGUAGE, ParallelConfig())
+    remote = [n for n in cfg.model.encoders
+              if n in cfg.parallelism and placement(cfg.parallelism[n], lang) == "non-colocated"]
+    if lang.pp < 2 and not remote:
+        add(path, "entrain defers LLM work between pipelined microbatches, but the layout has no pipeline "
+                  "(parallelism.language.pp = 1 and no non-colocated encoder); use mmscale or none")
+    else:
+        add(path, "entrain is not executed by the trainer yet (deferred samples need a split encoder "
+                  "backward); use mmscale, or inspect entrain's assignment with tools/balance.py")
 
 
 def _check_data(cfg: MimoConfig, add) -> None:

@@ -4,7 +4,9 @@ Each stage is one set of GPUs running its ops in a fixed 1F1B order: ``w``
 warm-up forwards, then alternating forward/backward, then ``w`` cool-down
 backwards, where ``w`` is the number of stages after it on its longest path to
 the loss (Cornstarch's multi-pipeline view: an encoder stage counts the LLM
-stages behind it). A forward waits for the same microbatch's forward on every
+stages behind it). A stage's forward and backward times are one number for
+every microbatch, or one per microbatch (data-aware microbatching gives
+microbatches different work). A forward waits for the same microbatch's forward on every
 input stage plus that edge's transfer; a backward waits for the backward of
 every consumer, plus the transfer back. Stages through which no gradient
 flows (frozen, nothing trainable before them) run forwards only and never
@@ -24,8 +26,8 @@ from typing import Mapping, Sequence
 @dataclass
 class SimStage:
     name: str
-    forward: float
-    backward: float
+    forward: float | Sequence[float]   # seconds, for every microbatch or per microbatch
+    backward: float | Sequence[float]
     inputs: Mapping[str, float] = field(default_factory=dict)  # producer -> transfer seconds
 
 
@@ -40,6 +42,15 @@ class SimResult:
         if not self.busy or self.iteration_time <= 0:
             return 0.0
         return 1.0 - sum(self.busy.values()) / (len(self.busy) * self.iteration_time)
+
+
+def _per_microbatch(value: float | Sequence[float], m: int, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * m
+    out = [float(v) for v in value]
+    if len(out) != m:
+        raise ValueError(f"{what}: {len(out)} microbatch times for {m} microbatches")
+    return out
 
 
 def _topology(stages: Sequence[SimStage]):
@@ -84,9 +95,11 @@ def simulate_1f1b(stages: Sequence[SimStage], num_microbatches: int, record: boo
     depth: dict[str, int] = {}
     for n in reversed(order):
         depth[n] = 0 if not succ[n] else 1 + max(depth[q] for q in succ[n])
+    fwd = {n: _per_microbatch(by_name[n].forward, m, f"stage {n} forward") for n in order}
+    bwd = {n: _per_microbatch(by_name[n].backward, m, f"stage {n} backward") for n in order}
     has_b: dict[str, bool] = {}
     for n in order:
-        has_b[n] = by_name[n].backward > 0 or any(has_b[p] for p in by_name[n].inputs)
+        has_b[n] = any(b > 0 for b in bwd[n]) or any(has_b[p] for p in by_name[n].inputs)
 
     ops: dict[str, list[tuple[str, int]]] = {}
     for n in order:
@@ -131,7 +144,7 @@ def simulate_1f1b(stages: Sequence[SimStage], num_microbatches: int, record: boo
                 t = ready(n, kind, k)
                 if t is None:
                     break
-                dur = by_name[n].forward if kind == "F" else by_name[n].backward
+                dur = fwd[n][k] if kind == "F" else bwd[n][k]
                 start = max(free[n], t)
                 free[n] = start + dur
                 end[(n, kind, k)] = free[n]

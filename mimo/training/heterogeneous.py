@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
+from mimo.balance.step import StepBalancer
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
-from mimo.data import build_dataset, collate, move, shard_indices
+from mimo.data import PAD_ID, build_dataset, collate, move, shard_indices
 from mimo.data.items import divide_items, sample_item_bounds
 from mimo.model import MultimodalModel, assemble_embeddings, build_encoder, build_llm, encode, llm_loss
 from mimo.model.encoder_stages import build_encoder_stage
@@ -190,6 +191,8 @@ class HeterogeneousTrainer(TrainerBase):
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
         self.dataset = build_dataset(cfg)
+        self.balancer = StepBalancer(cfg)
+        self._order = None  # data.balance: step sample index of each trainer position (None: identity)
         self.dataset.prefetch(lambda step, mine=self._encoded_indices(): mine,
                               pin_memory=runtime.device.type == "cuda", encoders=self._held_encoders)
         self.offload = None
@@ -229,9 +232,14 @@ class HeterogeneousTrainer(TrainerBase):
     def _token_counts(self, batch, name: str) -> torch.Tensor:
         return batch[f"{name}_counts"].to(torch.int64) * tokens_per_item(self.cfg, name)
 
+    def _placed(self, positions: List[int]) -> List[int]:
+        """Step sample indices at trainer positions (data.balance reorders the step)."""
+        return positions if self._order is None else [self._order[p] for p in positions]
+
     def _llm_indices(self) -> List[List[int]]:
         tr, c = self.cfg.training, self.llm_grid.coords
-        return shard_indices(tr.global_batch_size, tr.micro_batch_size, c["dp"], self.llm_grid.layout.dp)
+        return [self._placed(mb) for mb in
+                shard_indices(tr.global_batch_size, tr.micro_batch_size, c["dp"], self.llm_grid.layout.dp)]
 
     def _window_order(self, name: str, mb: int) -> List[int]:
         """The samples of a boundary window, in the order the LLM DP shards hold them (shard-major).
@@ -241,10 +249,10 @@ class HeterogeneousTrainer(TrainerBase):
         back to back."""
         tr, dL = self.cfg.training, self.cfg.parallelism[LANGUAGE].dp
         if name in self.colocated:
-            return [i for j in range(dL) for m in shard_indices(tr.global_batch_size, tr.micro_batch_size, j, dL)
-                    for i in m]
+            return self._placed([i for j in range(dL)
+                                 for m in shard_indices(tr.global_batch_size, tr.micro_batch_size, j, dL) for i in m])
         W = tr.micro_batch_size * dL
-        return list(range(mb * W, (mb + 1) * W))
+        return self._placed(list(range(mb * W, (mb + 1) * W)))
 
     def _window(self, name: str, mb: int = 0):
         """(edge plan, step-batch item ids in window order) of one boundary window of `name`.
@@ -284,8 +292,9 @@ class HeterogeneousTrainer(TrainerBase):
         G = self.cfg.training.global_batch_size
         # Every rank can load any sample, so the global normaliser needs no communication.
         # A rank collates (and so decodes) only the items of the encoders it holds.
-        host = collate([self.dataset.sample(step * G + i) for i in range(G)], self.cfg.placeholder_ids,
-                       self._held_encoders)
+        samples = [self.dataset.sample(step * G + i) for i in range(G)]
+        self._order = self.balancer.order(samples, PAD_ID)
+        host = collate(samples, self.cfg.placeholder_ids, self._held_encoders)
         # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
         self._item_counts = {n: host[f"{n}_counts"].tolist() for n in self.encoders}
         self._step_batch = move(host, self.runtime.device, self.dtype)

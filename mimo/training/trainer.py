@@ -23,8 +23,9 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.attention import enable_context_parallel_rope, plan_context_parallel, shard_microbatch
+from mimo.balance.step import StepBalancer
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.data import build_dataset, collate, move, shard_indices
+from mimo.data import PAD_ID, build_dataset, collate, move, shard_indices
 from mimo.hf import check_hf_weights, hf_modules, load_hf_part
 from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
@@ -199,9 +200,12 @@ class Trainer(TrainerBase):
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optimizers = {name: build_optimizer(p, cfg.training) for name, p in self.params.items()}
         self.dataset = build_dataset(cfg)
+        self.balancer = StepBalancer(cfg)
         tr, mine = cfg.training, self.grid.coords["dp"]
         shard = [i for mb in shard_indices(tr.global_batch_size, tr.micro_batch_size, mine, self.grid.layout.dp)
                  for i in mb]
+        if self.balancer.policy != "none":  # the step's order decides the shard: every rank sizes every sample
+            shard = list(range(tr.global_batch_size))
         self.dataset.prefetch(lambda step: shard, pin_memory=runtime.device.type == "cuda")
 
     # -- construction ---------------------------------------------------------------------------
@@ -210,8 +214,11 @@ class Trainer(TrainerBase):
 
     def microbatches(self, step: int):
         tr, c = self.cfg.training, self.grid.coords
-        for idx in shard_indices(tr.global_batch_size, tr.micro_batch_size, c["dp"], self.grid.layout.dp):
-            samples = [self.dataset.sample(step * tr.global_batch_size + i) for i in idx]
+        G = tr.global_batch_size
+        order = (None if self.balancer.policy == "none"
+                 else self.balancer.order([self.dataset.sample(step * G + i) for i in range(G)], PAD_ID))
+        for idx in shard_indices(G, tr.micro_batch_size, c["dp"], self.grid.layout.dp):
+            samples = [self.dataset.sample(step * G + (i if order is None else order[i])) for i in idx]
             yield move(collate(samples, self.cfg.placeholder_ids), self.runtime.device, self.dtype)
 
     def forward_backward(self, step: int):

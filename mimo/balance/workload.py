@@ -1,0 +1,121 @@
+"""Per-sample work of each module, estimated from the planner's cost model.
+
+Balancing runs on every training step, so the estimate is a closed form
+evaluated with numpy over all samples at once. The planner's per-layer
+roofline model is sampled once per model to get:
+
+* encoder: seconds per item (image, clip), forward plus the backward autograd
+  really runs (frozen-aware: a frozen tower with a trainable projector pays
+  the projector's gradients only);
+* LLM: ``a * t + b * t**2`` seconds for a sample of ``t`` tokens (text plus
+  the items' placeholder tokens). The quadratic term is causal attention,
+  which grows with the sample's own length, not with the padded sequence.
+
+All numbers are seconds at TP = CP = 1 on the chosen GPU; only their ratios
+matter to the assignment, the simulator scales them to a layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from mimo.planner.cost_model import CostModel, Workload
+from mimo.planner.costs import backward_costs, llm_upstream_requires_grad
+from mimo.planner.hardware import get_gpu
+from mimo.planner.spec import ModelSpec, read_model
+
+# LLM lengths the quadratic is fitted through: long enough that every layer is compute-bound.
+_FIT_LENGTHS = (2048.0, 8192.0)
+
+# A LLaVA-1.5-like 7B model: what tools/balance.py assumes without --config.
+LLAVA_7B: Mapping[str, Any] = {
+    "language": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                 "ffn_hidden_size": 11008, "vocab_size": 32000},
+    "encoders": {"images": {"kind": "vision", "num_layers": 24, "hidden_size": 1024,
+                            "num_attention_heads": 16, "ffn_hidden_size": 4096, "image_size": 336,
+                            "patch_size": 14, "frozen": True, "projector": {"kind": "mlp", "frozen": False}}},
+}
+
+
+@dataclass(frozen=True)
+class ModuleRate:
+    """Forward and backward seconds of one unit of work (an item, or the LLM's polynomial)."""
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def forward_share(self) -> float:
+        return self.forward / self.total if self.total > 0 else 1.0
+
+
+class WorkloadModel:
+    def __init__(self, spec: ModelSpec, gpu: str = "h100", precision: str = "bf16"):
+        self.spec = spec
+        cm = CostModel(get_gpu(gpu), precision)
+        hidden = spec.language.hidden_size
+        chains = {}
+        self.per_item: dict[str, ModuleRate] = {}
+        self.tokens_per_item: dict[str, int] = {}
+        for enc in spec.encoders:
+            costs = cm.module_costs(enc, 1, 1, 1.0, Workload(enc.tokens_per_item, {enc.name: 1.0}), hidden)
+            chains[enc.name] = costs
+            self.per_item[enc.name] = ModuleRate(sum(c.forward for c in costs), sum(backward_costs(costs)))
+            self.tokens_per_item[enc.name] = enc.tokens_per_item
+        upstream = llm_upstream_requires_grad(chains.values())
+
+        def llm(t: float) -> ModuleRate:
+            costs = cm.module_costs(spec.language, 1, 1, 1.0, Workload(int(t)))
+            return ModuleRate(sum(c.forward for c in costs), sum(backward_costs(costs, upstream)))
+
+        (s1, s2), (c1, c2) = _FIT_LENGTHS, [llm(s) for s in _FIT_LENGTHS]
+        # total(t) = a t + b t^2 through both points (b >= 0: attention never speeds a token up).
+        b = max(0.0, (c2.total / s2 - c1.total / s1) / (s2 - s1))
+        self.llm_linear, self.llm_quadratic = max(0.0, c1.total / s1 - b * s1), b
+        self.llm_forward_share = c1.forward_share
+
+    @classmethod
+    def from_model(cls, model: Any = None, gpu: str = "h100", precision: str = "bf16") -> "WorkloadModel":
+        """From a `model:` section (dict or mimo.config dataclass); None: the LLaVA-1.5-like 7B."""
+        return cls(read_model(LLAVA_7B if model is None else model), gpu, precision)
+
+    @property
+    def vision(self) -> str | None:
+        """The first vision encoder: the one records' ``image_tokens`` feed."""
+        return next((e.name for e in self.spec.encoders if e.kind == "vision"), None)
+
+    @property
+    def encoder_forward_share(self) -> float:
+        rates = list(self.per_item.values())
+        total = sum(r.total for r in rates)
+        return sum(r.forward for r in rates) / total if total > 0 else 1.0
+
+    def llm(self, tokens: np.ndarray) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)
+        return t * (self.llm_linear + self.llm_quadratic * t)
+
+    def encoder(self, items: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Seconds of encoder work per sample from its item counts per encoder."""
+        out = None
+        for name, counts in items.items():
+            w = np.asarray(counts, dtype=np.float64) * self.per_item[name].total
+            out = w if out is None else out + w
+        return np.zeros(0) if out is None else out
+
+    def from_tokens(self, text_tokens: np.ndarray, image_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(encoder, llm) seconds per sample of records that give token counts only.
+
+        Image tokens are the vision encoder's items times its tokens per item; the LLM sees
+        text and image tokens. A model without a vision encoder has no encoder work."""
+        text = np.asarray(text_tokens, dtype=np.float64)
+        image = np.asarray(image_tokens, dtype=np.float64)
+        name = self.vision
+        enc = (np.zeros_like(image) if name is None
+               else self.encoder({name: image / self.tokens_per_item[name]}))
+        return enc, self.llm(text + image)

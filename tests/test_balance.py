@@ -1,0 +1,208 @@
+"""Data-aware microbatching: workload estimate, the policies' rules, the algorithms against
+brute force, tools/balance.py and the config checks (pure numpy, no process group)."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mimo.balance import POLICIES, Pipeline, WorkloadModel, assign, cv, microbatch_loads, violations
+from mimo.balance.deferral import SubsetTable, bottleneck_pairs
+from mimo.balance.lpt import dealt
+from mimo.balance.mmscale import bubble_order
+from mimo.planner.simulator import SimStage, simulate_1f1b
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from make_balance_samples import skewed  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def work():
+    return WorkloadModel.from_model()
+
+
+def step(work, n, seed=0):
+    text, image = skewed(n, seed)
+    return work.from_tokens(text, image)
+
+
+def test_workload_estimate(work):
+    enc, llm = work.from_tokens(np.array([100, 100, 100, 200]), np.array([0, 576, 1152, 0]))
+    assert enc[0] == 0 and enc[2] == pytest.approx(2 * enc[1])          # images x per-image cost
+    assert llm[1] > llm[0] and llm[3] > 2 * llm[0]                       # image tokens count; attention term
+    # Frozen-aware: a trainable tower pays its weight gradients too.
+    raw = {"language": dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256),
+           "encoders": {"images": dict(kind="vision", num_layers=2, hidden_size=32, num_attention_heads=2,
+                                       image_size=32, patch_size=8, frozen=True)}}
+    frozen = WorkloadModel.from_model(raw).per_item["images"].total
+    raw["encoders"]["images"]["frozen"] = False
+    assert WorkloadModel.from_model(raw).per_item["images"].total > 1.5 * frozen
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dp,mbs,m", [(1, 4, 1), (2, 4, 3), (3, 8, 8)])
+def test_rules(work, policy, dp, mbs, m):
+    enc, llm = step(work, dp * mbs * m, seed=dp + m)
+    a = assign(policy, enc, llm, dp, mbs, Pipeline(llm_stages=2))
+    assert violations(a, len(llm)) == []
+    assert a.dp == dp and all(len(r) == mbs for r in a.encoder + a.llm)
+    if policy == "none":
+        assert a.llm == a.encoder
+        assert a.encoder[dp - 1][mbs - 1] == list(range(len(llm) - m, len(llm)))
+        assert a.order() == list(range(len(llm)))
+    if policy == "mmscale":  # a permutation the trainer can slice: equal microbatches, llm == encoder
+        assert a.llm == a.encoder and sorted(a.order()) == list(range(len(llm)))
+
+
+def test_violations_catch_broken_assignments(work):
+    a = assign("none", *step(work, 8), 1, 4)
+    a.llm[0][0], a.llm[0][1] = a.llm[0][1], a.llm[0][0]   # LLM before encoder
+    assert any("before its encoder" in v for v in violations(a, 8))
+    b = assign("none", *step(work, 8), 2, 2)
+    b.encoder[1][0] = b.encoder[0][0]                       # a sample twice, another nowhere
+    assert violations(b, 8)
+
+
+def test_policies_balance_the_skewed_distribution(work):
+    enc, llm = step(work, 4 * 16 * 8)
+    got = {p: assign(p, enc, llm, 4, 16) for p in POLICIES}
+    llm_cv = {p: cv(microbatch_loads(llm, a.llm)) for p, a in got.items()}
+    enc_cv = {p: cv(microbatch_loads(enc, a.encoder)) for p, a in got.items()}
+    assert llm_cv["mmscale"] < llm_cv["none"] / 5 and llm_cv["entrain"] < llm_cv["none"] / 3
+    assert enc_cv["entrain"] < enc_cv["none"] / 5
+    # Entrain defers only to the partner right after: microbatch 2k+1 holds what 2k gave away.
+    a = got["entrain"]
+    for d in range(a.dp):
+        for k in range(0, a.microbatches - 1, 2):
+            moved = set(a.encoder[d][k]) - set(a.llm[d][k])
+            assert moved <= set(a.llm[d][k + 1]) and set(a.llm[d][k]) <= set(a.encoder[d][k])
+
+
+def test_dealt_keeps_counts_and_balances():
+    w = np.random.default_rng(1).lognormal(0, 0.5, 256)
+    bins = dealt(w, 32)
+    assert np.bincount(bins, minlength=32).tolist() == [8] * 32
+    loads = np.bincount(bins, weights=w, minlength=32)
+    contiguous = w.reshape(32, 8).sum(1)
+    assert loads.max() / loads.mean() < 1.08 < 1.2 < contiguous.max() / contiguous.mean()
+
+
+def test_subset_sum_against_brute_force():
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        units = rng.integers(0, 30, rng.integers(1, 8)).tolist()
+        table = SubsetTable.build(units, 1.0)
+        every = {sum(c) for r in range(len(units) + 1) for c in itertools.combinations(units, r)}
+        for target in np.arange(0, sum(units) + 3, 0.5):
+            best = table.closest(float(target))
+            assert best in every and abs(best - target) == min(abs(s - target) for s in every)
+            assert sum(units[i] for i in table.subset(best)) == best
+
+
+def test_bottleneck_matching_against_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        k = int(rng.integers(1, 5))
+        over = np.sort(rng.uniform(5, 10, k))[::-1]
+        under = np.sort(rng.uniform(0, 5, k + int(rng.integers(0, 2))))[::-1]
+        V = np.maximum(over[:, None] - rng.uniform(0, 3, (k, len(under))), under[None, :] + 1)
+        V = np.minimum(V, over[:, None])
+        T, match = bottleneck_pairs(over, under, V)
+        brute = min(max([V[i, p[i]] for i in range(k)] + [under.max()])
+                    for p in itertools.permutations(range(len(under)), k))
+        assert T == pytest.approx(brute)
+        assert len(set(match.values())) == len(match)
+        assert all(V[i, j] <= T for i, j in match.items()) and all(over[i] <= T for i in range(k) if i not in match)
+
+
+def test_bubble_order_and_simulator_check():
+    assert bubble_order([5, 1, 4, 2, 3, 6], 3) == [1, 5, 0, 2, 4, 3]
+    assert bubble_order([3, 1, 2], 1) == [0, 1, 2]
+    rng = np.random.default_rng(4)
+    pipe = Pipeline(llm_stages=3, encoder_stages=1)
+    enc, llm = rng.uniform(0, 1, 16), rng.uniform(0, 4, 16)
+    mbs = [[i] for i in range(16)]
+    ordered = [mbs[k] for k in bubble_order((enc + llm).tolist(), pipe.depth)]
+    assert pipe.replica_time(enc, llm, ordered, ordered).iteration_time <= \
+        pipe.replica_time(enc, llm, mbs, mbs).iteration_time
+
+
+def test_simulator_takes_per_microbatch_times():
+    same = simulate_1f1b([SimStage("a", 1.0, 2.0), SimStage("b", 1.0, 2.0, {"a": 0.0})], 4).iteration_time
+    listed = simulate_1f1b([SimStage("a", [1.0] * 4, [2.0] * 4), SimStage("b", [1.0] * 4, [2.0] * 4, {"a": 0.0})],
+                           4).iteration_time
+    assert listed == same
+    slow = simulate_1f1b([SimStage("a", [1.0, 5.0, 1.0, 1.0], 2.0), SimStage("b", 1.0, 2.0, {"a": 0.0})], 4)
+    assert slow.iteration_time > same
+    with pytest.raises(ValueError, match="3 microbatch times for 4"):
+        simulate_1f1b([SimStage("a", [1.0] * 3, 0.0)], 4)
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "balance.py"), *args],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_tool_contract(tmp_path):
+    path = tmp_path / "s.jsonl"
+    text, image = skewed(37)
+    path.write_text("".join(json.dumps({"id": f"r{i}", "text_tokens": int(t), "image_tokens": int(m)}) + "\n"
+                            for i, (t, m) in enumerate(zip(text, image))))
+    cfg = os.path.join(ROOT, "examples", "configs", "balance_llava7b_64gpu.yaml")
+    r = _tool("--samples", str(path), "--policy", "entrain", "--dp", "2", "--microbatches", "4",
+              "--micro-batch-size", "2", "--config", cfg)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["steps"]) == 2                               # 37 // 16; the partial step is dropped
+    for s, st in enumerate(out["steps"]):
+        flat = [i for rank in st["dp"] for mb in rank["encoder"] for i in mb]
+        assert sorted(flat) == sorted(f"r{i}" for i in range(16 * s, 16 * s + 16))
+        for rank in st["dp"]:
+            assert len(rank["encoder"]) == len(rank["llm"]) == 4
+            for k in range(4):
+                assert set(i for mb in rank["llm"][:k + 1] for i in mb) <= set(i for mb in rank["encoder"][:k + 1]
+                                                                            for i in mb)
+    assert "llm" in r.stderr and "predicted step time" in r.stderr
+    r = _tool("--samples", str(path), "--policy", "none", "--dp", "2", "--microbatches", "2")
+    st = json.loads(r.stdout)["steps"][0]["dp"]
+    assert st[0]["encoder"] == st[0]["llm"] == [["r0"], ["r2"]] and st[1]["llm"] == [["r1"], ["r3"]]
+
+
+def test_tool_bad_input(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": "a", "text_tokens": 3, "image_tokens": 0}\n{"id": "b", "text_tokens": 5}\n')
+    r = _tool("--samples", str(path), "--policy", "mmscale", "--dp", "1", "--microbatches", "1")
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "bad.jsonl:2" in r.stderr
+    assert "'b'" in r.stderr and "image_tokens" in r.stderr and "Traceback" not in r.stderr
+    r = _tool("--samples", str(path), "--policy", "fancy", "--dp", "1", "--microbatches", "1")
+    assert r.returncode == 2 and "error:" in r.stderr
+
+
+@pytest.mark.parametrize("policy,layout,message", [
+    ("fancy", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, "must be one of none, mmscale, entrain"),
+    ("entrain", {"language": {}, "images": {}}, "has no pipeline"),
+    ("entrain", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, "not executed by the trainer"),
+    ("mmscale", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, None),
+])
+def test_config_check(tmp_path, policy, layout, message):
+    import yaml
+
+    raw = {"model": {"language": dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
+                                      max_sequence_length=64),
+                     "encoders": {"images": dict(kind="vision", num_layers=1, hidden_size=16,
+                                                 num_attention_heads=2, image_size=8, patch_size=4)}},
+           "parallelism": layout, "data": {"seq_length": 48, "balance": policy},
+           "training": {"global_batch_size": 8, "micro_batch_size": 2}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(path)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    if message is None:
+        assert r.returncode == 0, r.stderr
+    else:
+        assert r.returncode == 2 and r.stderr.startswith("error: data.balance:") and message in r.stderr
