@@ -243,7 +243,7 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
 @pytest.mark.slow
 def test_export_cli_round_trip_is_exact(siglip_qwen2, tmp_path):
     """`python -m mimo.hf export` on a non-colocated layout (LLM TP2, tower on its own rank) writes
-    exactly the source tensors; `--load` answers with one error line until checkpoints exist."""
+    exactly the source tensors."""
     import yaml
 
     cfg = tmp_path / "c.yaml"
@@ -256,9 +256,88 @@ def test_export_cli_round_trip_is_exact(siglip_qwen2, tmp_path):
     assert set(src) == set(exported)
     for k in src:
         assert exported[k].dtype == src[k].dtype and torch.equal(exported[k], src[k]), k
-    r = subprocess.run([sys.executable, "-m", "mimo.hf", "export", "--config", str(cfg), "--load", str(tmp_path),
-                        "--out", out], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 2 and r.stderr.startswith("error: --load: ") and len(r.stderr.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(clip_llama, tmp_path_factory):
+    """clip_llama imported and trained 2 Adam steps on 1 rank with `training.save`: the checkpoint
+    directory and the trainer's weights after those steps (the ones saved at step 2)."""
+    from checkpoint_harness import train
+
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    raw = llava_config(clip_llama)
+    raw["data"] = {"seq_length": 64, "seed": 0}
+    raw["training"].update(micro_batch_size=1, train_iters=2, optimizer="adam", lr=0.01, seed=5, save=ckpt)
+    return {"dir": ckpt, "raw": raw, "params": train(raw)["params"]}
+
+
+def _export_load(cfg_path, out_dir, ckpt_dir):
+    """The CLI's own function, in this process (saves a Python start-up)."""
+    from mimo.hf.__main__ import main
+
+    return main(["export", "--config", str(cfg_path), "--load", str(ckpt_dir), "--out", str(out_dir)])
+
+
+def test_export_of_a_checkpoint_gives_its_trained_weights(clip_llama, llama_ckpt, tmp_path, capsys):
+    """`export --load` of the 1-rank checkpoint at another layout (colocated TP2): transformers loads
+    the export, and every tensor equals the trainer's weight after the 2 steps mapped to HF names;
+    the trained tensors differ from the source's (negative control). No checkpoint at --load: one
+    `error:` line before any rank starts."""
+    import yaml
+    from transformers import LlavaForConditionalGeneration
+
+    from mimo.checkpoint import paths
+    from mimo.hf import Source, hf_modules
+    from mimo.hf.convert import split_entry
+
+    assert paths.read_latest(llama_ckpt["dir"]) == 2
+    cfg = tmp_path / "export.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(clip_llama, language={"tp": 2}, images={"tp": 2})))
+    out = tmp_path / "out"
+    assert _export_load(cfg, out, llama_ckpt["dir"]) == 0  # DIR: its latest
+
+    saved, src = llama_ckpt["params"], Source(clip_llama)
+    expected = {}
+    for name, mod in hf_modules(load_config(llama_ckpt["raw"])).items():
+        for e in mod.entries:
+            expected.update(split_entry(e, saved[f"{name}.{e.mimo}"], src))
+    exported, source = _tensors(str(out)), _tensors(clip_llama)
+    assert set(exported) == set(source)
+    for k, v in expected.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    for k in set(source) - set(expected):  # tower layers past the feature layer: copied from the source
+        assert torch.equal(exported[k], source[k]), k
+    trained = [k for k in expected if not torch.equal(expected[k], source[k])]
+    assert len(trained) == len(expected)  # every tensor moved in 2 Adam steps (no frozen module here)
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(out))  # transformers reads the export
+    reloaded = model.state_dict()
+    emb = next(k for k in expected if k.endswith("embed_tokens.weight"))
+    assert torch.equal(next(v for k, v in reloaded.items() if k.endswith("embed_tokens.weight")), expected[emb])
+    assert sum(v.numel() for v in reloaded.values()) == sum(v.numel() for v in source.values())
+
+    capsys.readouterr()
+    assert _export_load(cfg, out, tmp_path / "none") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no checkpoint here" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_export_of_a_checkpoint_of_another_architecture_is_one_error_line(llama_ckpt, tmp_path, capsys):
+    """A Qwen2 config (QKV biases) exporting a Llama checkpoint named by its iter_NNNNNNN directory."""
+    import yaml
+
+    from mimo.checkpoint import paths
+
+    other = mk.make_llava(str(tmp_path / "other"), "clip", "qwen2")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(other)))
+    it = paths.iter_dir(llama_ckpt["dir"], 2)
+    capsys.readouterr()
+    assert _export_load(cfg, tmp_path / "out", it) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"error: {it}: language.decoder.layers.0.self_attention.linear_qkv.bias: not in the checkpoint"), err
 
 
 # -- Whisper ---------------------------------------------------------------------------------------

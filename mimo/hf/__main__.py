@@ -1,9 +1,10 @@
 """`python -m mimo.hf export --config FILE.yaml [--load CKPT_DIR] --out DIR`.
 
 Starts the ranks the config's layout needs (CPU, gloo), builds the model with
-its weights from the config's HF directory, and writes an HF directory that
-transformers loads (LlavaForConditionalGeneration for model.hf). Exit 2 with
-one `error:` line for bad input.
+its weights from the config's HF directory (or, with `--load`, from a mimo
+checkpoint: weights only, restored at the config's layout), and writes an HF
+directory that transformers loads (LlavaForConditionalGeneration for model.hf).
+Exit 2 with one `error:` line for bad input.
 """
 
 import argparse
@@ -25,17 +26,18 @@ def main(argv=None) -> int:
 
     from . import HFWeightsError, check_hf_weights
 
-    if args.load is not None:
-        print(f"error: --load: {args.load}: mimo checkpoints are not available in this version yet; export "
-              "a trained model in-process with mimo.training.hf_export.export_hf", file=sys.stderr)
-        return 2
+    from mimo.checkpoint import CheckpointError
+
     try:
         raw = apply_overrides(read_yaml(args.config), args.set)
         check_hf_weights(load_config(raw))
         # The launcher sits above the training layer it starts.
         from mimo.training.hf_export import export_config
 
-        export_config(raw, args.out)
+        export_config(raw, args.out, load=args.load)
+    except CheckpointError as exc:  # --load: missing, damaged, or another architecture than the config's
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (ConfigError, HFWeightsError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ of one module, and the device never holds more than one full parameter.
 from __future__ import annotations
 
 import os
-from typing import Dict
+from typing import Dict, Optional
 
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -69,18 +69,56 @@ def export_hf(trainer, out_dir: str) -> None:
     dist.barrier()
 
 
-def _rank_export(raw: Dict, out_dir: str) -> None:
+def _rank_export(raw: Dict, out_dir: str) -> str:
+    """One rank's part of `export_config`: '' when written, else the checkpoint's error line."""
     from .heterogeneous import make_trainer
 
-    export_hf(make_trainer(load_config(raw), select_runtime("cpu")), out_dir)
+    cfg = load_config(raw)
+    trainer = make_trainer(cfg, select_runtime("cpu"))
+    if cfg.training.load is not None:
+        from mimo.checkpoint import CheckpointError, checkpointer
+
+        try:
+            checkpointer(cfg, trainer, None).resume()  # weights only (load_optimizer: false)
+        except CheckpointError as exc:
+            # resume() agrees on its verdict over all ranks before raising, so every rank
+            # returns here together and none is left inside a collective.
+            return str(exc)
+    export_hf(trainer, out_dir)
+    return ""
 
 
-def export_config(raw: Dict, out_dir: str, timeout_s: float = 1800.0) -> None:
-    """Build the config's model on its ranks (weights from its HF directory) and export it."""
+def checkpoint_export_config(raw: Dict, ckpt_dir: str) -> Dict:
+    """`raw` set up to restore the weights of `ckpt_dir` (DIR with `latest`, or DIR/iter_NNNNNNN)
+    at its own layout, the equivalent of `training.load=ckpt_dir` + `training.load_optimizer=false`;
+    nothing is saved."""
+    raw = dict(raw)
+    training = {k: v for k, v in (raw.get("training") or {}).items()
+                if k not in ("save", "save_interval", "keep_last", "async_save")}
+    training.update(load=ckpt_dir, load_optimizer=False)
+    raw["training"] = training
+    return raw
+
+
+def export_config(raw: Dict, out_dir: str, load: Optional[str] = None, timeout_s: float = 1800.0) -> None:
+    """Build the config's model on its ranks and export it: weights from its HF directory, or from
+    the mimo checkpoint `load` (the HF directory then only supplies the names and the non-weight
+    files). Raises CheckpointError for a checkpoint that is missing, damaged or of another model."""
+    if load is not None:
+        from mimo.checkpoint import CheckpointError, preflight
+        from mimo.checkpoint.paths import resolve
+
+        resolve(load)  # `latest` or an iter_NNNNNNN directory, before any rank starts
+        raw = checkpoint_export_config(raw, load)
     cfg = load_config(raw)
     from mimo.hf import hf_modules
 
     problem = export_problems(cfg, hf_modules(cfg))
     if problem:
         raise ValueError(problem)
-    run_on_ranks(_rank_export, cfg.world_size, raw, out_dir, timeout_s=timeout_s)
+    if load is not None:
+        preflight(cfg)  # the manifest's files and sizes
+    errors = [e for e in run_on_ranks(_rank_export, cfg.world_size, raw, out_dir, timeout_s=timeout_s,
+                                      daemon=load is None) if e]
+    if errors:
+        raise CheckpointError(errors[0])
