@@ -6,8 +6,8 @@
 
 Search: prints the best candidate layouts (homogeneous, colocated,
 non-colocated; SP and recompute chosen per module), then a complete config
-for the best one; ``--json`` prints one JSON object instead (DESIGN.md "The
-planner against the paper"). Evaluate: costs the config's own layout
+for the best one; ``--json`` prints one JSON object instead (its keys are listed in
+docs/planner.md). Evaluate: costs the config's own layout
 (``--homogeneous``: the Megatron baseline built from ``parallelism.language``).
 Bad input: one ``error:`` line on stderr, exit 2.
 """
@@ -115,7 +115,7 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
 
 
 def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
-    """A complete config (DESIGN.md schema) for a searched candidate."""
+    """A complete config (the README's config schema) for a searched candidate."""
     cfg = {"model": copy.deepcopy(raw["model"])}
     cfg["model"]["language"].setdefault("max_sequence_length", searcher.work.seq_length)
     par = {}

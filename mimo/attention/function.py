@@ -170,7 +170,7 @@ def bitfield_attention_general(
 
 def bitfield_attention(q, k, v, mask, document_ids=None, softmax_scale=None,
                        return_lse: bool = False, kernel_config: Optional[KernelConfig] = None):
-    """Self-attention with one bitfield mask [b, s] for queries and keys (DESIGN.md contract)."""
+    """Self-attention with one bitfield mask [b, s] for queries and keys (docs/attention.md)."""
     return bitfield_attention_general(
         q, k, v, mask, mask, q_document_ids=document_ids, k_document_ids=document_ids,
         softmax_scale=softmax_scale, return_lse=return_lse, kernel_config=kernel_config,

@@ -1,6 +1,6 @@
 """Bitfield attention masks: one int64 per token encodes who it may attend to.
 
-Bit layout (see DESIGN.md, "Attention contract"):
+Bit layout (docs/attention.md):
   bit 0        TEXT           the LLM's own tokens
   bits 1..61   modality m     tokens produced by modality encoder m
   bit 62       CAUSAL         the token attends causally (text tokens)

@@ -36,7 +36,7 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _allowed(qm, qp, qd, km, kp, kd, HAS_DOC: tl.constexpr):
-    # qm/qp/qd: [M, 1]; km/kp/kd: [1, N]. The contract of DESIGN.md, bit for bit.
+    # qm/qp/qd: [M, 1]; km/kp/kd: [1, N]. The mask contract (docs/attention.md), bit for bit.
     q_low = qm & 0x3FFFFFFFFFFFFFFF
     k_low = km & 0x3FFFFFFFFFFFFFFF
     causal_ok = (kp <= qp) & ((q_low & k_low) != 0)

@@ -20,7 +20,7 @@ LLM_TYPES = ("llama", "mistral", "qwen2")
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 AUDIO_TYPES = ("whisper",)
 LLAVA_TYPES = ("llava",)
-# The encoder a LLaVA directory fills (DESIGN: model.hf -> language, images + projector).
+# The encoder a LLaVA directory fills (model.hf -> language, images + projector).
 LLAVA_ENCODER = "images"
 
 _ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh",

@@ -1,4 +1,4 @@
-"""Dataclasses mirroring the YAML contract in DESIGN.md.
+"""Dataclasses mirroring the YAML contract (README, "Config reference").
 
 Every field has the YAML name. Defaults live here and nowhere else, so the
 loader, the validator and the docs agree on them.

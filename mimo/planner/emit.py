@@ -1,4 +1,4 @@
-"""Turn a chosen candidate into a complete config (DESIGN.md schema)."""
+"""Turn a chosen candidate into a complete config (the config schema)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def build_config(raw: Mapping[str, Any], cand: Candidate, order: list[str], seq_
 
 def to_yaml(cfg: Mapping[str, Any]) -> str:
     # flow style for the short per-module parallelism maps keeps them one line,
-    # the way DESIGN.md writes them
+    # the way the config reference writes them
     class _Dumper(yaml.SafeDumper):
         pass
 

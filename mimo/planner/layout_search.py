@@ -51,8 +51,8 @@ def placement_of(spec: ModelSpec, pars: Mapping[str, Par]) -> str:
 def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: int, micro_batch: int,
                        seq_length: int, homogeneous: bool = False) -> list[str]:
     """Broken rules as ``parallelism.<module>...: reason`` strings. Encoder DP
-    divides items, not samples (DESIGN.md), so only the LLM's batch rule
-    ties DP to the batch."""
+    divides items, not samples (README, "Encoder data parallelism over items"),
+    so only the LLM's batch rule ties DP to the batch."""
     errs = []
     names = [m.name for m in spec.modules]
     for m in spec.modules:

@@ -75,7 +75,7 @@ ALLOCATOR_OVERHEAD = 1.05
 
 @dataclass(frozen=True)
 class Par:
-    """One module's layout and memory knobs (DESIGN.md ``parallelism.<module>``)."""
+    """One module's layout and memory knobs (config ``parallelism.<module>``)."""
     tp: int = 1
     cp: int = 1
     pp: int = 1

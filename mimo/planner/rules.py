@@ -29,7 +29,7 @@ def cp_ok(module: ModuleSpec, cp: int, seq_length: int) -> bool:
 
 
 def dp_pair_ok(d_enc: int, d_llm: int, global_batch: int, micro_batch: int, colocated: bool) -> bool:
-    """Encoder DP divides items (images, clips), not samples (DESIGN.md
+    """Encoder DP divides items (images, clips), not samples (README,
     "Encoder data parallelism over items"): any encoder DP pairs with any
     LLM DP; only the LLM's own batch rule remains (``layout_errors``)."""
     return d_enc >= 1 and d_llm >= 1

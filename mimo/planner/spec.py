@@ -1,7 +1,7 @@
 """The planner's own, deliberately small reading of a model config.
 
 It accepts a plain dict (parsed YAML) or an object with the same attribute
-names (``mimo.config`` dataclasses), applies DESIGN.md defaults and checks
+names (``mimo.config`` dataclasses), applies the config defaults and checks
 only what the cost model needs, raising ``ValueError`` with a dotted path.
 """
 

@@ -75,7 +75,7 @@ def reduce_step(timer: StepTimer, cfg: MimoConfig, runtime: Runtime, skipped_sam
 
 def step_record(cfg: MimoConfig, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
                 work: StepWork, times: StepTimes, world_size: int, peak: Optional[float]) -> dict:
-    """The JSONL object of one step (DESIGN.md, "Metrics, progress and traces"). `step` is 1-based."""
+    """The JSONL object of one step (README, "Watching a run"). `step` is 1-based."""
     tflops = step_flops(cfg, work) / step_time_s / world_size / 1e12
     return {
         "step": step,
