@@ -20,6 +20,22 @@ def allreduce_gradients(params: List[torch.nn.Parameter], group: Optional[dist.P
     parameter that saw no data this step (an encoder whose shard held no
     items) contributes zeros, which keeps every rank's buffer the same shape.
     """
+    _sum_flat(params, group)
+
+
+def allreduce_sequence_parallel_gradients(params: List[torch.nn.Parameter],
+                                          group: Optional[dist.ProcessGroup]) -> None:
+    """Sum, over the module's TP group, the gradients of weights replicated across TP but fed
+    only this rank's sequence shard under sequence parallelism (layernorms, row-parallel biases;
+    megatron marks them `sequence_parallel`). Afterwards every TP rank holds the whole gradient."""
+    sp = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    _sum_flat(sp, group)
+
+
+def _sum_flat(params: List[torch.nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+    """Fill missing gradients with zeros, then SUM all of them over `group` in one flat buffer."""
     if not params:
         return
     for p in params:
@@ -31,26 +47,6 @@ def allreduce_gradients(params: List[torch.nn.Parameter], group: Optional[dist.P
     dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
-
-
-def allreduce_sequence_parallel_gradients(params: List[torch.nn.Parameter],
-                                          group: Optional[dist.ProcessGroup]) -> None:
-    """Sum, over the module's TP group, the gradients of weights replicated across TP but fed
-    only this rank's sequence shard under sequence parallelism (layernorms, row-parallel biases;
-    megatron marks them `sequence_parallel`). Afterwards every TP rank holds the whole gradient."""
-    sp = [p for p in params if getattr(p, "sequence_parallel", False)]
-    if not sp or group is None or dist.get_world_size(group) == 1:
-        return
-    for p in sp:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in sp])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p in sp:
         n = p.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
