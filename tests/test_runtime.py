@@ -53,3 +53,18 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging():
     with pytest.raises(RankFailed, match="rank 1 failed: ValueError: boom on purpose"):
         run_on_ranks(_fail_on_rank_one, 2, timeout_s=120)
     assert time.time() - start < 100
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the check runs for real (minutes)")
+def test_gpu_check_says_there_is_nothing_to_check_without_cuda():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "gpu_check.py")], capture_output=True,
+                          text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["cuda"] is False and "nothing to check" in report["message"]

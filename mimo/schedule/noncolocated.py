@@ -3,8 +3,11 @@
 * `StageLink`: point-to-point between neighbouring stages of one module. Its
   tensor shape may change per microbatch (an encoder stage's activation has
   one row per item of the microbatch); both sides derive it from the data,
-  so no shape travels. Paired ops post send and receive together, so they
-  cannot deadlock against the neighbour's paired op.
+  so no shape travels. Paired ops post send and receive together (one
+  `batch_isend_irecv`), so they cannot deadlock against the neighbour's paired
+  op. No message tags (NCCL ignores them): encoders sharing a rank range talk
+  to each other's neighbours in config order on both sides (mimo.schedule.fused),
+  so messages between two ranks match in the order both post them.
 * `BoundarySource` / `BoundaryJoin`: the two ends of encoder -> LLM edges,
   driven through the boundary communicators, whose halves block. A join
   (LLM first stage fed by several encoders) visits its edges in config order
@@ -20,16 +23,6 @@ import torch.distributed as dist
 
 from .graph import Downstream, Upstream
 
-# Far from the communicators' per-edge tag blocks, which start at 0. Each module's
-# links get their own pair of tags, so two modules' links between the same two
-# ranks (encoders sharing a rank range) never match each other's messages.
-LINK_TAG_BASE = 100_001
-
-
-def link_tags(module_index: int) -> Tuple[int, int]:
-    """(forward tag, backward tag) of the stage links of the module_index-th module."""
-    return LINK_TAG_BASE + 2 * module_index, LINK_TAG_BASE + 2 * module_index + 1
-
 ShapeOf = Callable[[int], Sequence[int]]
 
 
@@ -37,50 +30,53 @@ class StageLink(Upstream, Downstream):
     """One side of the link(s) of a stage: `prev` feeds it, it feeds `next` (global ranks or None)."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], in_shape: Optional[ShapeOf],
-                 out_shape: Optional[ShapeOf], dtype: torch.dtype, device: torch.device,
-                 tags: Tuple[int, int] = link_tags(0)):
+                 out_shape: Optional[ShapeOf], dtype: torch.dtype, device: torch.device):
         self.prev, self.next = prev_rank, next_rank
-        self.fwd_tag, self.bwd_tag = tags
         self.in_shape, self.out_shape = in_shape, out_shape
         self.dtype, self.device = dtype, device
 
-    def _run(self, sends: List[Tuple[torch.Tensor, int, int]], recvs: List[Tuple[Sequence[int], int, int]]):
+    def _run(self, sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[Sequence[int], int]]):
+        """Post the sends and receives as one batch and wait for all of them.
+
+        Empty tensors (a microbatch without items) are skipped on both sides
+        alike, since both derive the shape from the data."""
         ops, outs = [], []
-        for t, peer, tag in sends:
+        for t, peer in sends:
             if t.numel():
-                ops.append(dist.isend(t.detach().contiguous(), dst=peer, tag=tag))
-        for shape, peer, tag in recvs:
+                ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer))
+        for shape, peer in recvs:
             buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
             if buf.numel():
-                ops.append(dist.irecv(buf, src=peer, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
             outs.append(buf)
-        for op in ops:
-            op.wait()
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         return outs
 
     def _fwd_in(self, mb):
-        return (self.in_shape(mb), self.prev, self.fwd_tag)
+        return (self.in_shape(mb), self.prev)
 
     def _bwd_in(self, mb):
-        return (self.out_shape(mb), self.next, self.bwd_tag)
+        return (self.out_shape(mb), self.next)
 
     def recv_forward(self, mb):
         return self._run([], [self._fwd_in(mb)])[0].requires_grad_()
 
     def send_backward(self, mb, grad):
-        self._run([(grad, self.prev, self.bwd_tag)], [])
+        self._run([(grad, self.prev)], [])
 
     def send_backward_recv_forward(self, mb_b, grad, mb_f):
-        return self._run([(grad, self.prev, self.bwd_tag)], [self._fwd_in(mb_f)])[0].requires_grad_()
+        return self._run([(grad, self.prev)], [self._fwd_in(mb_f)])[0].requires_grad_()
 
     def send_forward(self, mb, out):
-        self._run([(out, self.next, self.fwd_tag)], [])
+        self._run([(out, self.next)], [])
 
     def recv_backward(self, mb):
         return self._run([], [self._bwd_in(mb)])[0]
 
     def send_forward_recv_backward(self, mb_f, out, mb_b):
-        return self._run([(out, self.next, self.fwd_tag)], [self._bwd_in(mb_b)])[0]
+        return self._run([(out, self.next)], [self._bwd_in(mb_b)])[0]
 
 
 class BoundarySource(Downstream):

@@ -1,8 +1,11 @@
 """Point-to-point exchanges between neighbouring pipeline stages.
 
-Every exchange posts its send and its receive together and then waits for
-both, so two neighbours that both send before they receive (the steady
-1F1B state) cannot deadlock, on gloo as on NCCL.
+Every exchange posts its send and its receive together (one
+``batch_isend_irecv``) and then waits for both, so two neighbours that both
+send before they receive (the steady 1F1B state) cannot deadlock, on gloo as
+on NCCL. No message tags (NCCL ignores them): towards the next stage only
+activations travel and back only gradients, each in microbatch order, so
+messages match in the order both sides post them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-FORWARD_TAG, BACKWARD_TAG = 11, 12
+# Which counter a receive advances (not message tags: nothing is sent with a tag).
+FORWARD, BACKWARD = "activation", "gradient"
 
 
 class StagePeers:
@@ -30,50 +34,50 @@ class StagePeers:
         self.prev, self.next = prev_rank, next_rank
         self.shape_of = shape if callable(shape) else (lambda mb, s=tuple(shape): s)
         self.dtype, self.device = dtype, device
-        self._next = {FORWARD_TAG: 0, BACKWARD_TAG: 0}
+        self._next = {FORWARD: 0, BACKWARD: 0}
 
-    def _exchange(self, send: Optional[Tuple[torch.Tensor, int, int]], recv: Optional[Tuple[int, int]]):
+    def _exchange(self, send: Optional[Tuple[torch.Tensor, int]], recv: Optional[Tuple[int, str]]):
         ops: List = []
         out = None
         if send is not None:
-            tensor, dst, tag = send
-            ops.append(dist.isend(tensor.detach().contiguous(), dst=dst, tag=tag))
+            tensor, dst = send
+            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst))
         if recv is not None:
-            src, tag = recv
-            mb = self._next[tag]
-            self._next[tag] += 1
+            src, kind = recv
+            mb = self._next[kind]
+            self._next[kind] += 1
             out = torch.empty(self.shape_of(mb), dtype=self.dtype, device=self.device)
-            ops.append(dist.irecv(out, src=src, tag=tag))
-        for op in ops:
-            op.wait()
+            ops.append(dist.P2POp(dist.irecv, out, src))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
         return out
 
     def recv_forward(self) -> Optional[torch.Tensor]:
         if self.prev is None:
             return None
-        x = self._exchange(None, (self.prev, FORWARD_TAG))
+        x = self._exchange(None, (self.prev, FORWARD))
         return x.requires_grad_()
 
     def send_forward(self, y: torch.Tensor) -> None:
         if self.next is not None:
-            self._exchange((y, self.next, FORWARD_TAG), None)
+            self._exchange((y, self.next), None)
 
     def send_forward_recv_backward(self, y: torch.Tensor) -> Optional[torch.Tensor]:
         if self.next is None:
             return None
-        return self._exchange((y, self.next, FORWARD_TAG), (self.next, BACKWARD_TAG))
+        return self._exchange((y, self.next), (self.next, BACKWARD))
 
     def send_backward(self, g: Optional[torch.Tensor]) -> None:
         if self.prev is not None:
-            self._exchange((g, self.prev, BACKWARD_TAG), None)
+            self._exchange((g, self.prev), None)
 
     def send_backward_recv_forward(self, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.prev is None:
             return None
-        x = self._exchange((g, self.prev, BACKWARD_TAG), (self.prev, FORWARD_TAG))
+        x = self._exchange((g, self.prev), (self.prev, FORWARD))
         return x.requires_grad_()
 
     def recv_backward(self) -> Optional[torch.Tensor]:
         if self.next is None:
             return None
-        return self._exchange(None, (self.next, BACKWARD_TAG))
+        return self._exchange(None, (self.next, BACKWARD))

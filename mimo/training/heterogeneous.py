@@ -41,7 +41,7 @@ from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import ParameterOffload, Runtime
 from mimo.schedule.fused import Member, fuse
 from mimo.schedule.graph import Node, UpstreamUnion, run_node, stage_nodes
-from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, link_tags, run_island
+from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, run_island
 from mimo.schedule.three_phase import SlicedBoundary, StagedPass, WholePass, microbatch_offsets, run_three_phase
 from mimo.topology import Layout
 
@@ -461,8 +461,7 @@ class HeterogeneousTrainer(TrainerBase):
         shape = lambda mb: (tokens, items(mb), hidden)  # noqa: E731
         neighbour = lambda s: g.layout.rank(**{**g.coords, "pp": s})  # noqa: E731
         link = StageLink(neighbour(stage - 1) if not first else None, neighbour(stage + 1) if not last else None,
-                         shape, shape, self.dtype, self.runtime.device,
-                         tags=link_tags(1 + self.encoders.index(name)))
+                         shape, shape, self.dtype, self.runtime.device)
         return forward_step, link, first, last
 
     def _colocated_pass(self, step: int, name: str):
