@@ -3,7 +3,7 @@
 import copy
 import json
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -104,12 +104,15 @@ def test_show_text_and_bad_input(tmp_path, capsys):
     assert "--rank 9" in capsys.readouterr().err
 
 
-def test_module_entry_point():
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    res = subprocess.run([sys.executable, "-m", "mimo.schedule", "show", example("cpu_noncolocated.yaml"),
-                          "--rank", "2", "--json"], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    first = json.loads(res.stdout.splitlines()[0])
+def test_module_entry_point(monkeypatch, capsys):
+    """`python -m mimo.schedule` (run in this process: importing megatron again costs seconds)."""
+    monkeypatch.setattr(sys, "argv", ["mimo.schedule", "show", example("cpu_noncolocated.yaml"), "--rank", "2",
+                                      "--json"])
+    monkeypatch.delitem(sys.modules, "mimo.schedule.__main__")  # imported above for `main`; run it afresh
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("mimo.schedule", run_name="__main__")
+    assert done.value.code == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
     # LLM stage 1 (tp 0) first receives microbatch 0's activation from stage 0 (tp 0)
     assert (first["op"], first["tensor"], first["mb"], first["peer"]) == ("recv", "activation", 0, 0)
 
@@ -349,3 +352,25 @@ def test_checker_catches_collective_not_reached():
     plan.actions[5] = [a for a in plan.actions[5] if a.name != "boundary images gradient mb 3"]
     with pytest.raises(PlanError, match=r"boundary images gradient mb 3.*rank 5"):
         check_plan(plan)
+
+
+def test_random_heterogeneous_layouts_plan_and_check():
+    """Random valid layouts (colocated, non-colocated, shared ranks, islands, frozen edges) all check,
+    and the plan's reading of the config agrees with the heterogeneous trainer's."""
+    import random
+
+    from mimo.schedule.plan_build import island_encoders as plan_islands
+    from mimo.training.heterogeneous import island_encoders
+    from test_heterogeneous_parity import random_layout
+
+    islands = 0
+    for seed in range(60):
+        raw, world = random_layout(random.Random(seed))
+        cfg = load_config(raw)
+        plan = build_plan(cfg)
+        assert plan.world_size == world and plan.family == "heterogeneous"
+        check_plan(plan)
+        remote = [n for n in cfg.model.encoders if not set(cfg.parallelism[n].ranks) & set(cfg.parallelism[LANGUAGE].ranks)]
+        assert plan_islands(cfg, remote) == island_encoders(cfg)
+        islands += bool(island_encoders(cfg))
+    assert islands  # the sample covers islands

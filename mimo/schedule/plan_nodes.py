@@ -14,7 +14,6 @@ so a collective is the faithful, data-independent unit.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .plan import ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, RankActions
