@@ -374,3 +374,15 @@ def test_random_heterogeneous_layouts_plan_and_check():
         assert plan_islands(cfg, remote) == island_encoders(cfg)
         islands += bool(island_encoders(cfg))
     assert islands  # the sample covers islands
+
+
+@pytest.mark.parametrize("trainer", ["Trainer", "HeterogeneousTrainer"])
+def test_trainers_check_the_plan_before_anything_else(trainer, monkeypatch):
+    """Both trainers stop at start, before any process group, when the plan would deadlock."""
+    import mimo.training.heterogeneous as het
+    import mimo.training.trainer as hom
+
+    monkeypatch.setattr(hom, "build_plan", lambda cfg: _send_send(batched=False))
+    cls = getattr(het, trainer)
+    with pytest.raises(PlanError, match="deadlocks"):
+        cls(load_config(tiny()), runtime=None)

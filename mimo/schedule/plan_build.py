@@ -197,7 +197,9 @@ def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: Li
     stepped = [n for n in held if module_trainable(cfg, n)]
     for n in stepped:
         lay = layouts[n]
-        if cfg.parallelism[n].sp and lay.tp > 1:  # sequence-parallel weights: summed over TP first
+        # Sequence-parallel weights (the transformer's norms) are summed over TP first.
+        transformer_trainable = not (cfg.model.language if n == LANGUAGE else cfg.model.encoders[n]).frozen
+        if cfg.parallelism[n].sp and lay.tp > 1 and transformer_trainable:
             tp = lay.group_of(rank, ["tp"])
             out.collective(f"grad_sync {n} tp {tp}", tp, n)
         dp_cp = lay.group_of(rank, ["cp", "dp"])
