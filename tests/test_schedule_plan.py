@@ -386,3 +386,19 @@ def test_trainers_check_the_plan_before_anything_else(trainer, monkeypatch):
     cls = getattr(het, trainer)
     with pytest.raises(PlanError, match="deadlocks"):
         cls(load_config(tiny()), runtime=None)
+
+
+def test_plan_matches_island_engine_call_order():
+    """An island rank (images stage 0 and audio on ranks 2-3): `run_island`'s order is the plan's."""
+    from mimo.schedule.fused import Member
+    from mimo.schedule.noncolocated import run_island
+
+    plan = build_plan(load_config(example("cpu_island.yaml")))
+    depth = stage_nodes({LANGUAGE: 2, "images": 2, "audio": 1}, ["images", "audio"])
+    log = []
+    members = [Member(name, lambda mb, x: log.append(("F", mb)), lambda mb, x, y, g: log.append(("B", mb)),
+                      None, port, True)
+               for name, port in (("images", RecordingLink(log)), ("audio", RecordingPort(log)))]
+    level = {"images": depth[Node("images", 0, 2)], "audio": depth[Node("audio", 0, 1)]}
+    run_island(4, members, level, {"images": 0, "audio": 1})
+    assert log == _kinds(plan.actions[2])
