@@ -15,8 +15,8 @@ from mimo.schedule.__main__ import main
 from mimo.schedule.check import check_plan
 from mimo.schedule.graph import Downstream, Node, Upstream, run_node, stage_nodes
 from mimo.schedule.one_f_one_b import run_1f1b
-from mimo.schedule.plan import PlanError, RankActions, StepPlan
-from mimo.schedule.plan_build import build_plan, is_homogeneous
+from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
+from mimo.schedule.plan_build import is_homogeneous
 from mimo.training.trainer import unsupported_layout
 from tiny import TINY, tiny
 
@@ -226,7 +226,8 @@ class RecordingPeers:
 
 def test_plan_matches_1f1b_engine_call_order():
     M, pp = 6, 4
-    plan = build_plan(load_config(text_only(pp=pp), [f"training.global_batch_size={2 * M}"]))
+    plan = build_plan(load_config(text_only(pp=pp)), num_microbatches=M)
+    assert sum(a.op == "forward" for a in plan.actions[0]) == M
     for stage in range(pp):
         log = []
         w = torch.ones(1, requires_grad=True)

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from mimo.config import load_config  # noqa: E402
 from mimo.schedule.check import check_plan  # noqa: E402
-from mimo.schedule.plan_build import build_plan, num_microbatches  # noqa: E402
+from mimo.schedule.plan import build_plan
+from mimo.schedule.plan_build import num_microbatches  # noqa: E402
 from tiny import TINY  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,8 +11,7 @@ import sys
 from mimo.config import ConfigError, load_config
 
 from .check import check_plan
-from .plan import PlanError
-from .plan_build import build_plan
+from .plan import PlanError, build_plan
 
 
 def main(argv=None) -> int:

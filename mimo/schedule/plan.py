@@ -8,7 +8,8 @@ step its optimizers. Actions of one rank that share a `group` number are
 posted together (one `batch_isend_irecv`) and complete together; every other
 action is a group of its own.
 
-`mimo.schedule.check.check_plan` proves, before a step runs, that the plan
+`build_plan(cfg)` makes it (the builders are in `plan_build` and
+`plan_nodes`); `mimo.schedule.check.check_plan` proves, before a step runs, that the plan
 completes when every send waits for its matching receive (no message tags).
 """
 
@@ -117,3 +118,11 @@ class RankActions:
     def collective(self, name: str, ranks: Sequence[int], module: Optional[str] = None, mb: Optional[int] = None,
                    tensor: Optional[str] = None) -> None:
         self._post([dict(op=COLLECTIVE, module=module, mb=mb, tensor=tensor, ranks=tuple(sorted(ranks)), name=name)])
+
+
+def build_plan(cfg, num_microbatches: Optional[int] = None) -> StepPlan:
+    """The plan of one step of `cfg` (a `MimoConfig`); `num_microbatches` overrides the step's
+    LLM microbatch count (default: global batch / (micro batch x LLM dp))."""
+    from .plan_build import build_step_plan  # imported here: the builders use this module's types
+
+    return build_step_plan(cfg, num_microbatches)

@@ -1,4 +1,4 @@
-"""`build_plan(cfg)`: the step plan of a config, from layouts alone (no process group).
+"""The step plan of a config, from layouts alone (no process group): `plan.build_plan`'s builders.
 
 Two families, as the trainers run them:
 
@@ -16,6 +16,7 @@ sums over DP x CP, one global gradient norm) and the optimizer steps.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
@@ -52,7 +53,11 @@ def num_microbatches(cfg: MimoConfig) -> int:
     return tr.global_batch_size // (tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp)
 
 
-def build_plan(cfg: MimoConfig) -> StepPlan:
+def build_step_plan(cfg: MimoConfig, microbatches: Optional[int] = None) -> StepPlan:
+    if microbatches is not None:  # the same config with a global batch of that many LLM microbatches
+        tr = cfg.training
+        size = microbatches * tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp
+        cfg = replace(cfg, training=replace(tr, global_batch_size=size))
     layouts = {n: Layout.from_config(p) for n, p in cfg.parallelism.items()}
     family = HOMOGENEOUS if is_homogeneous(cfg) else HETEROGENEOUS
     plan = StepPlan(family)

@@ -36,7 +36,7 @@ from mimo.runtime import Runtime, StepTimer, synchronize
 from mimo.schedule.check import check_plan
 from mimo.schedule.one_f_one_b import run_1f1b
 from mimo.schedule.p2p import StagePeers
-from mimo.schedule.plan_build import build_plan
+from mimo.schedule.plan import build_plan
 from mimo.topology import Topology, build_topology
 
 from .grad_sync import (allreduce_gradients, allreduce_sequence_parallel_gradients, clip_by_global_norm,
