@@ -33,8 +33,10 @@ from mimo.model.transformer_config import dtype_of
 from mimo.model.sequence_parallel import shard_len
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.runtime import Runtime, StepTimer, synchronize
+from mimo.schedule.check import check_plan
 from mimo.schedule.one_f_one_b import run_1f1b
 from mimo.schedule.p2p import StagePeers
+from mimo.schedule.plan import build_plan
 from mimo.topology import Topology, build_topology
 
 from .grad_sync import (allreduce_gradients, allreduce_sequence_parallel_gradients, clip_by_global_norm,
@@ -88,6 +90,7 @@ class TrainerBase:
         """Refuse a layout the subclass cannot run (before any collective), then build the topology."""
         if problems:
             raise ValueError("\n".join(problems))
+        check_plan(build_plan(cfg))  # a plan that would deadlock stops here, naming ranks and actions
         self.cfg, self.runtime = cfg, runtime
         self.dtype = dtype_of(cfg.training.precision)
         # HF weights: every rank checks every needed tensor before building anything.

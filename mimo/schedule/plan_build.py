@@ -1,0 +1,215 @@
+"""The step plan of a config, from layouts alone (no process group): `plan.build_plan`'s builders.
+
+Two families, as the trainers run them:
+
+* `homogeneous`: every module on the language's layout, with PP = CP = 1
+  when there are encoders (one forward/backward per microbatch through all
+  modules), or a text-only LLM with any PP/CP (1F1B over its stages);
+* `heterogeneous`: per-module layouts. LLM ranks run 1F1B over their stage
+  node (non-colocated encoders only) or the three phases (colocated encoders,
+  mixed with live non-colocated edges in phase 2); ranks away from the LLM
+  run their encoder stage node(s): alone, fused, or as an island.
+
+Every plan ends with the step's reductions (the loss, per-module gradient
+sums over DP x CP, one global gradient norm) and the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+from mimo.config import LANGUAGE, MimoConfig, placement
+from mimo.topology.layout import Layout
+
+from .graph import Node, stage_nodes
+from .plan import BACKWARD, FORWARD, OPTIMIZER, PlanError, RankActions, StepPlan
+from .plan_nodes import Edge, Join, Link, Member, Source, fused_node, island_actions, node_actions, work
+
+HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
+
+
+def is_homogeneous(cfg: MimoConfig) -> bool:
+    """Whether the homogeneous trainer runs the layout (`trainer.unsupported_layout` is empty)."""
+    lang = cfg.parallelism[LANGUAGE]
+    shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.ep, p.rank_offset)  # noqa: E731
+    same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
+    return same and (not cfg.model.encoders or (lang.pp == 1 and lang.cp == 1))
+
+
+def trainable_edge(cfg: MimoConfig, name: str) -> bool:
+    """Whether gradients cross the encoder's boundary (encoder or projector trainable)."""
+    enc = cfg.model.encoders[name]
+    return not (enc.frozen and enc.projector.frozen)
+
+
+def module_trainable(cfg: MimoConfig, name: str) -> bool:
+    return not cfg.model.language.frozen if name == LANGUAGE else trainable_edge(cfg, name)
+
+
+def num_microbatches(cfg: MimoConfig) -> int:
+    tr = cfg.training
+    return tr.global_batch_size // (tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp)
+
+
+def build_step_plan(cfg: MimoConfig, microbatches: Optional[int] = None) -> StepPlan:
+    if microbatches is not None:  # the same config with a global batch of that many LLM microbatches
+        tr = cfg.training
+        size = microbatches * tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp
+        cfg = replace(cfg, training=replace(tr, global_batch_size=size))
+    layouts = {n: Layout.from_config(p) for n, p in cfg.parallelism.items()}
+    family = HOMOGENEOUS if is_homogeneous(cfg) else HETEROGENEOUS
+    plan = StepPlan(family)
+    for rank in range(cfg.world_size):
+        out = RankActions(rank)
+        held = [n for n in list(cfg.model.encoders) + [LANGUAGE] if layouts[n].contains(rank)]
+        if family == HOMOGENEOUS:
+            _homogeneous(cfg, layouts[LANGUAGE], rank, out)
+        else:
+            _heterogeneous(cfg, layouts, rank, out)
+        _reductions(cfg, layouts, rank, held, out)
+        plan.actions.append(out.actions)
+    return plan
+
+
+def _link(out: RankActions, module: str, lay: Layout, rank: int) -> Link:
+    c = lay.coords(rank)
+    at = lambda s: lay.rank(**{**c, "pp": s}) if 0 <= s < lay.pp else None  # noqa: E731
+    return Link(out, module, c["pp"], at(c["pp"] - 1), at(c["pp"] + 1))
+
+
+def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> None:
+    M = num_microbatches(cfg)
+    # The loss-token count is summed over the language's DP group first.
+    dp = lay.group_of(rank, ["dp"])
+    out.collective(f"loss tokens dp {dp}", dp)
+    if lay.pp == 1 and lay.cp == 1:
+        # One backward call per microbatch covers every module: the LLM first, then the encoders.
+        encoders = list(cfg.model.encoders)
+        for mb in range(M):
+            for name in encoders + [LANGUAGE]:
+                out.local(FORWARD, name, 0, mb)
+            for name in [LANGUAGE] + encoders:
+                out.local(BACKWARD, name, 0, mb)
+        return
+    link = _link(out, LANGUAGE, lay, rank)
+    stage = link.stage
+    node_actions(M, lay.pp - 1 - stage, link, link, work(out, FORWARD, [(LANGUAGE, stage)]),
+                 work(out, BACKWARD, [(LANGUAGE, stage)]))
+
+
+@lru_cache(maxsize=None)  # the same on every rank of a plan
+def _edge_ranks(src: Layout, dst: Layout) -> Tuple[int, ...]:
+    """Ranks that take part in an edge's calls: the source's last stage and the LLM's first stage."""
+    return tuple(sorted({r for r in src.ranks if src.coords(r)["pp"] == src.pp - 1}
+                        | {r for r in dst.ranks if dst.coords(r)["pp"] == 0}))
+
+
+def island_encoders(cfg: MimoConfig, remote: List[str]) -> List[str]:
+    """Non-colocated encoders sharing their rank range with one of another pp (`run_island`)."""
+    par = cfg.parallelism
+    return [a for a in remote if any(par[b].ranks == par[a].ranks and par[b].pp != par[a].pp for b in remote)]
+
+
+def _heterogeneous(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, out: RankActions) -> None:
+    par, lang = cfg.parallelism, layouts[LANGUAGE]
+    encoders = list(cfg.model.encoders)
+    if par[LANGUAGE].ep != 1 or any(par[n].cp != 1 or par[n].ep != 1 for n in encoders):
+        raise PlanError("parallelism: encoders need cp = ep = 1 and the language ep = 1 at the boundary")
+    M = num_microbatches(cfg)
+    kinds = {n: placement(par[n], par[LANGUAGE]) for n in encoders}
+    colocated = [n for n in encoders if kinds[n] == "colocated"]
+    remote = [n for n in encoders if kinds[n] == "non-colocated"]
+    island = island_encoders(cfg, remote)
+    edge_ranks = {n: _edge_ranks(layouts[n], lang) for n in encoders}
+    edge = lambda n: Edge(out, n, edge_ranks[n])  # noqa: E731
+    depth = stage_nodes({n: layouts[n].pp for n in [LANGUAGE] + encoders}, encoders)
+
+    if not lang.contains(rank):
+        names = [n for n in remote if layouts[n].contains(rank)]
+        members = []
+        for n in names:
+            lay = layouts[n]
+            link = _link(out, n, lay, rank)
+            last = link.stage == lay.pp - 1
+            members.append(Member(n, link.stage, link if link.stage > 0 else None,
+                                  Source(edge(n)) if last else link, trainable_edge(cfg, n)))
+        if not members:
+            return
+        level = {m.name: depth[Node(m.name, m.stage, layouts[m.name].pp)] for m in members}
+        if names[0] in island:
+            return island_actions(out, M, members, level, {n: encoders.index(n) for n in names})
+        return fused_node(out, M, level[names[0]], members)
+
+    link = _link(out, LANGUAGE, lang, rank)
+    stage = link.stage
+    join = None
+    if stage == 0 and remote:
+        join = Join([(edge(n), trainable_edge(cfg, n), n in island) for n in remote], M)
+
+    def llm_node(up) -> None:
+        node_actions(M, lang.pp - 1 - stage, link if stage > 0 else up, link if stage < lang.pp - 1 else None,
+                     work(out, FORWARD, [(LANGUAGE, stage)]), work(out, BACKWARD, [(LANGUAGE, stage)]))
+
+    if not colocated:
+        return llm_node(join)
+    _three_phase(cfg, layouts, colocated, rank, out, edge, llm_node, join)
+
+
+def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out: RankActions, edge, llm_node,
+                 join: Optional[Join]) -> None:
+    """`run_three_phase` on an LLM rank: encoder forwards and edges, the LLM, edges back and encoder backwards."""
+    M = num_microbatches(cfg)
+    for n in colocated:
+        lay = layouts[n]
+        link = _link(out, n, lay, rank)
+        if lay.pp == 1:
+            out.local(FORWARD, n, 0)
+        else:  # one chunk per LLM microbatch, GPipe order (`StagedPass`)
+            for c in range(M):
+                link.recv_forward(c)
+                out.local(FORWARD, n, link.stage, c)
+                link.send_forward(c)
+        if rank in edge(n).ranks:
+            edge(n).forward(None)
+    if cfg.training.offload_encoders:
+        out.local("offload")
+    # Phase 2: the first LLM stage slices the colocated tensors locally and joins the live edges.
+    llm_node(join)
+    if cfg.training.offload_encoders:
+        out.local("reload")
+    for n in colocated:
+        if not trainable_edge(cfg, n):
+            continue
+        if rank in edge(n).ranks:
+            edge(n).backward(None)
+        lay = layouts[n]
+        link = _link(out, n, lay, rank)
+        if lay.pp == 1:
+            out.local(BACKWARD, n, 0)
+        else:
+            for c in range(M):
+                link.recv_backward(c)
+                out.local(BACKWARD, n, link.stage, c)
+                link.send_backward(c)
+
+
+def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: List[str], out: RankActions) -> None:
+    """The loss sum, per-module gradient sums, the global norm and the optimizer steps (`train_step`)."""
+    world = list(range(cfg.world_size))
+    out.collective("loss", world)
+    stepped = [n for n in held if module_trainable(cfg, n)]
+    for n in stepped:
+        lay = layouts[n]
+        # Sequence-parallel weights (the transformer's norms) are summed over TP first.
+        transformer_trainable = not (cfg.model.language if n == LANGUAGE else cfg.model.encoders[n]).frozen
+        if cfg.parallelism[n].sp and lay.tp > 1 and transformer_trainable:
+            tp = lay.group_of(rank, ["tp"])
+            out.collective(f"grad_sync {n} tp {tp}", tp, n)
+        dp_cp = lay.group_of(rank, ["cp", "dp"])
+        if len(dp_cp) > 1:
+            out.collective(f"grad_sync {n} dp_cp {dp_cp}", dp_cp, n)
+    out.collective("grad norm", world)
+    for n in stepped:
+        out.local(OPTIMIZER, n)

@@ -1,0 +1,247 @@
+"""Actions of one stage node: the plan-side mirror of `graph.run_node`, `run_island` and their ports.
+
+Ports here emit actions instead of moving tensors, with the same call order
+as the engine's ports (`StageLink`, `BoundarySource`, `BoundaryJoin`, fused
+ports; the colocated slices of `UpstreamUnion` are local and emit
+nothing), so a plan lists exactly what a rank does.
+
+Boundary communicator calls appear as one `collective` per call, over the
+ranks that take part in the edge (the source's last-stage ranks and the
+LLM's first-stage ranks): which leaders exchange pieces depends on the
+step's items, but every one of those ranks makes the call in the same order,
+so a collective is the faithful, data-independent unit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .plan import ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, RankActions
+
+
+class Up:
+    """Where a node's inputs come from (mirror of `graph.Upstream`)."""
+
+    def recv_forward(self, mb: int) -> None:
+        pass
+
+    def send_backward(self, mb: int) -> None:
+        pass
+
+    def send_backward_recv_forward(self, mb_b: int, mb_f: int) -> None:
+        self.send_backward(mb_b)
+        self.recv_forward(mb_f)
+
+
+class Down:
+    """Where a node's outputs go (mirror of `graph.Downstream`)."""
+
+    def send_forward(self, mb: int) -> None:
+        pass
+
+    def recv_backward(self, mb: int) -> None:
+        pass
+
+    def send_forward_recv_backward(self, mb_f: int, mb_b: int) -> None:
+        self.recv_backward(mb_b)
+        self.send_forward(mb_f)
+
+
+class Link(Up, Down):
+    """Paired point-to-point with the neighbouring stages of one module (`StageLink`, `StagePeers`)."""
+
+    def __init__(self, out: RankActions, module: str, stage: int, prev: Optional[int], next_: Optional[int]):
+        self.out, self.module, self.stage, self.prev, self.next = out, module, stage, prev, next_
+
+    def _x(self, *ops) -> None:
+        self.out.exchange(self.module, self.stage, ops)
+
+    def recv_forward(self, mb):
+        self._x((RECV, ACTIVATION, mb, self.prev))
+
+    def send_backward(self, mb):
+        self._x((SEND, GRADIENT, mb, self.prev))
+
+    def send_backward_recv_forward(self, mb_b, mb_f):
+        self._x((SEND, GRADIENT, mb_b, self.prev), (RECV, ACTIVATION, mb_f, self.prev))
+
+    def send_forward(self, mb):
+        self._x((SEND, ACTIVATION, mb, self.next))
+
+    def recv_backward(self, mb):
+        self._x((RECV, GRADIENT, mb, self.next))
+
+    def send_forward_recv_backward(self, mb_f, mb_b):
+        self._x((SEND, ACTIVATION, mb_f, self.next), (RECV, GRADIENT, mb_b, self.next))
+
+
+class Edge:
+    """One boundary communicator as this rank calls it: a collective per call."""
+
+    def __init__(self, out: RankActions, name: str, ranks: Sequence[int]):
+        self.out, self.name, self.ranks = out, name, sorted(ranks)
+
+    def forward(self, mb: Optional[int]) -> None:
+        label = "step" if mb is None else f"mb {mb}"
+        self.out.collective(f"boundary {self.name} activation {label}", self.ranks, self.name, mb, ACTIVATION)
+
+    def backward(self, mb: Optional[int]) -> None:
+        label = "step" if mb is None else f"mb {mb}"
+        self.out.collective(f"boundary {self.name} gradient {label}", self.ranks, self.name, mb, GRADIENT)
+
+
+class Source(Down):
+    """An encoder's last stage (`BoundarySource`)."""
+
+    def __init__(self, edge: Edge):
+        self.edge = edge
+
+    def send_forward(self, mb):
+        self.edge.forward(mb)
+
+    def recv_backward(self, mb):
+        self.edge.backward(mb)
+
+
+class Join(Up):
+    """The LLM's first stage fed by non-colocated edges (`BoundaryJoin`), edges in config order:
+    (edge, trainable, all_at_once) — island edges deliver every microbatch at the first receive."""
+
+    def __init__(self, edges: List[Tuple[Edge, bool, bool]], num_microbatches: int):
+        self.edges, self.M, self.buffered = edges, num_microbatches, False
+
+    def recv_forward(self, mb):
+        if not self.buffered and any(e[2] for e in self.edges):
+            self.buffered = True
+            for k in range(self.M):
+                for edge, _, at_once in self.edges:
+                    if at_once:
+                        edge.forward(k)
+        for edge, _, at_once in self.edges:
+            if not at_once:
+                edge.forward(mb)
+
+    def send_backward(self, mb):
+        for edge, trainable, _ in self.edges:
+            if trainable:
+                edge.backward(mb)
+
+
+class Member:
+    """One encoder stage of a rank that holds several (`fused.Member`)."""
+
+    def __init__(self, name: str, stage: int, up: Optional[Up], down: Down, with_backward: bool):
+        self.name, self.stage, self.up, self.down, self.with_backward = name, stage, up, down, with_backward
+
+
+class FusedUp(Up):
+    def __init__(self, members: List[Member]):
+        self.members = [m for m in members if m.up is not None]
+
+    def recv_forward(self, mb):
+        for m in self.members:
+            m.up.recv_forward(mb)
+
+    def send_backward(self, mb):
+        for m in self.members:
+            if m.with_backward:
+                m.up.send_backward(mb)
+
+
+class FusedDown(Down):
+    def __init__(self, members: List[Member]):
+        self.members = members
+
+    def send_forward(self, mb):
+        for m in self.members:
+            m.down.send_forward(mb)
+
+    def recv_backward(self, mb):
+        for m in self.members:
+            if m.with_backward:
+                m.down.recv_backward(mb)
+
+
+Step = Callable[[int], None]
+
+
+def work(out: RankActions, op: str, members: Sequence[Tuple[str, int]]) -> Step:
+    """A forward or backward step over (module, stage) pairs, in order."""
+    def step(mb):
+        for module, stage in members:
+            out.local(op, module, stage, mb)
+    return step
+
+
+def node_actions(M: int, warmup: int, up: Optional[Up], down: Optional[Down], forward: Step, backward: Step,
+                 with_backward: bool = True) -> None:
+    """1F1B over one stage node: the call order of `graph.run_node` (and `run_1f1b`)."""
+    if not with_backward:
+        for mb in range(M):
+            if up:
+                up.recv_forward(mb)
+            forward(mb)
+            if down:
+                down.send_forward(mb)
+        return
+    warmup = min(warmup, M)
+    for mb in range(warmup):
+        if up:
+            up.recv_forward(mb)
+        forward(mb)
+        down.send_forward(mb)
+    steady = M - warmup
+    if up and steady > 0:
+        up.recv_forward(warmup)
+    for i in range(steady):
+        forward(warmup + i)
+        if down:
+            down.send_forward_recv_backward(warmup + i, i)
+        backward(i)
+        if up:
+            if i == steady - 1:
+                up.send_backward(i)
+            else:
+                up.send_backward_recv_forward(i, warmup + i + 1)
+    for i in range(steady, M):
+        if down:
+            down.recv_backward(i)
+        backward(i)
+        if up:
+            up.send_backward(i)
+
+
+def island_actions(out: RankActions, M: int, members: List[Member], level: Dict[str, int],
+                   order: Dict[str, int]) -> None:
+    """All forwards, then all backwards, in `run_island`'s global message order."""
+    fwd = sorted([(level[m.name] + 1, order[m.name], RECV, m) for m in members if m.up is not None]
+                 + [(level[m.name], order[m.name], SEND, m) for m in members], key=lambda e: (-e[0], e[1]))
+    bwd = sorted([(level[m.name], order[m.name], RECV, m) for m in members if m.with_backward]
+                 + [(level[m.name] + 1, order[m.name], SEND, m) for m in members
+                    if m.with_backward and m.up is not None], key=lambda e: (e[0], e[1]))
+    for mb in range(M):
+        for _, _, kind, m in fwd:
+            if kind == RECV:
+                m.up.recv_forward(mb)
+            else:
+                out.local(FORWARD, m.name, m.stage, mb)
+                m.down.send_forward(mb)
+    for mb in range(M):
+        for _, _, kind, m in bwd:
+            if kind == RECV:
+                m.down.recv_backward(mb)
+                out.local(BACKWARD, m.name, m.stage, mb)
+            else:
+                m.up.send_backward(mb)
+
+
+def fused_node(out: RankActions, M: int, warmup: int, members: List[Member]) -> None:
+    """Encoders sharing a rank range with one pp: one node in lock-step (`fused.fuse`)."""
+    if len(members) == 1:
+        m = members[0]
+        return node_actions(M, warmup, m.up, m.down, work(out, FORWARD, [(m.name, m.stage)]),
+                            work(out, BACKWARD, [(m.name, m.stage)]), m.with_backward)
+    up = FusedUp(members) if members[0].up is not None else None
+    node_actions(M, warmup, up, FusedDown(members), work(out, FORWARD, [(m.name, m.stage) for m in members]),
+                 work(out, BACKWARD, [(m.name, m.stage) for m in members if m.with_backward]),
+                 any(m.with_backward for m in members))

@@ -1,0 +1,405 @@
+"""The step plan, its checker and `python -m mimo.schedule show` (pure Python, no process group)."""
+
+import copy
+import json
+import os
+import runpy
+import sys
+
+import pytest
+import torch
+import yaml
+
+from mimo.config import LANGUAGE, load_config
+from mimo.schedule.__main__ import main
+from mimo.schedule.check import check_plan
+from mimo.schedule.graph import Downstream, Node, Upstream, run_node, stage_nodes
+from mimo.schedule.one_f_one_b import run_1f1b
+from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
+from mimo.schedule.plan_build import is_homogeneous
+from mimo.training.trainer import unsupported_layout
+from tiny import TINY, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "examples", "configs")
+KEYS = ["rank", "op", "module", "stage", "mb", "peer", "tensor", "group"]
+
+
+def text_only(**layout):
+    raw = copy.deepcopy(TINY)
+    raw["model"]["language"]["num_layers"] = 4
+    raw["model"]["encoders"] = {}
+    raw["parallelism"] = {"language": dict(layout)}
+    if layout.get("cp", 1) > 1:
+        raw["model"]["language"]["attention"] = "bitfield"
+    return raw
+
+
+def example(name):
+    return os.path.join(CONFIGS, name)
+
+
+def as_file(tmp_path, raw):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def show_json(capsys, path, *extra):
+    assert main(["show", path, "--json", *extra]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+FAMILIES = {
+    "homogeneous_tp2_dp2": lambda tmp: as_file(tmp, tiny(tp=2, dp=2)),
+    "text_pp2": lambda tmp: as_file(tmp, text_only(pp=2)),
+    "text_pp4_cp2": lambda tmp: as_file(tmp, text_only(pp=4, cp=2)),
+    "noncolocated": lambda tmp: example("cpu_noncolocated.yaml"),
+    "island": lambda tmp: example("cpu_island.yaml"),
+    "shared_encoders": lambda tmp: example("cpu_shared_encoders.yaml"),
+    "colocated_llm_pp2": lambda tmp: example("cpu_pipelined_colocated.yaml"),
+    "mixed": lambda tmp: example("cpu_mixed_placement.yaml"),
+    "offload": lambda tmp: example("cpu_colocated.yaml"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_show_json_each_family(family, tmp_path, capsys):
+    path = FAMILIES[family](tmp_path)
+    extra = ["--set", "training.offload_encoders=true"] if family == "offload" else []
+    rows = show_json(capsys, path, *extra)
+    cfg = load_config(path, extra[1:])
+    assert [r["rank"] for r in rows] == sorted(r["rank"] for r in rows)  # ranks in order
+    assert {r["rank"] for r in rows} == set(range(cfg.world_size))
+    for r in rows:
+        assert list(r)[:len(KEYS)] == KEYS
+        if r["op"] == "collective":
+            assert r["rank"] in r["ranks"] and r["name"]
+        if r["op"] in ("send", "recv"):
+            assert r["tensor"] in ("activation", "gradient") and r["peer"] != r["rank"]
+    for rank in range(cfg.world_size):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [r["group"] for r in mine] == sorted(r["group"] for r in mine)
+        assert mine[-1]["op"] == "optimizer"
+        assert sum(r["op"] == "collective" and r["name"] == "grad norm" for r in mine) == 1
+    # --rank R prints exactly that rank's rows
+    assert show_json(capsys, path, *extra, "--rank", "1") == [r for r in rows if r["rank"] == 1]
+    # the plan checker agrees and the trainers' choice of family agrees
+    plan = build_plan(cfg)
+    check_plan(plan)
+    assert is_homogeneous(cfg) == (not unsupported_layout(cfg))
+
+
+def test_show_text_and_bad_input(tmp_path, capsys):
+    assert main(["show", example("cpu_island.yaml"), "--rank", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out and all(line.startswith("rank   0") for line in out)
+    assert any("recv activation mb 0 <- rank 1" in line or "boundary" in line for line in out)
+    bad = tiny(tp=2, dp=2)
+    bad["parallelism"]["language"]["tp"] = "two"
+    assert main(["show", as_file(tmp_path, bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "parallelism.language.tp" in err
+    assert main(["show", example("cpu_island.yaml"), "--rank", "9"]) == 2
+    assert "--rank 9" in capsys.readouterr().err
+
+
+def test_module_entry_point(monkeypatch, capsys):
+    """`python -m mimo.schedule` (run in this process: importing megatron again costs seconds)."""
+    monkeypatch.setattr(sys, "argv", ["mimo.schedule", "show", example("cpu_noncolocated.yaml"), "--rank", "2",
+                                      "--json"])
+    monkeypatch.delitem(sys.modules, "mimo.schedule.__main__")  # imported above for `main`; run it afresh
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("mimo.schedule", run_name="__main__")
+    assert done.value.code == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    # LLM stage 1 (tp 0) first receives microbatch 0's activation from stage 0 (tp 0)
+    assert (first["op"], first["tensor"], first["mb"], first["peer"]) == ("recv", "activation", 0, 0)
+
+
+def _forwards_before_first_backward(actions):
+    n = 0
+    for a in actions:
+        if a.op == "backward":
+            return n
+        n += a.op == "forward"
+    return n
+
+
+def test_1f1b_warmups_and_first_messages():
+    M, pp = 8, 4
+    cfg = load_config(text_only(pp=pp, cp=2), [f"training.global_batch_size={2 * M}"])
+    plan = build_plan(cfg)
+    check_plan(plan)
+    for rank, actions in enumerate(plan.actions):
+        stage = rank // 2  # cp varies fastest
+        assert _forwards_before_first_backward(actions) == min(pp - stage - 1, M) + 1
+        if stage > 0:
+            recv = next(a for a in actions if a.op == "recv")
+            assert (recv.tensor, recv.mb, recv.peer) == ("activation", 0, rank - 2)
+
+
+def test_graph_warmups_match_stage_nodes():
+    cfg = load_config(example("cpu_noncolocated.yaml"))  # LLM tp2 pp2 on 0-3, images dp2 on 4-5
+    M = 4
+    plan = build_plan(cfg)
+    depth = stage_nodes({LANGUAGE: 2, "images": 1}, ["images"])
+    expect = {0: depth[Node(LANGUAGE, 0, 2)], 2: depth[Node(LANGUAGE, 1, 2)], 4: depth[Node("images", 0, 1)]}
+    for rank, warmup in expect.items():
+        assert _forwards_before_first_backward(plan.actions[rank]) == min(warmup, M) + 1
+
+
+def test_island_join_takes_every_microbatch_first():
+    plan = build_plan(load_config(example("cpu_island.yaml")))
+    first = plan.actions[0]
+    before = first[:next(i for i, a in enumerate(first) if a.op == "forward")]
+    got = [(a.module, a.mb) for a in before if a.op == "collective"]
+    # both encoders share ranks 2-3 with different pp (an island): every microbatch, (mb, config) order
+    assert got == [(name, mb) for mb in range(4) for name in ("images", "audio")]
+
+
+def test_offload_between_phases():
+    cfg = load_config(example("cpu_colocated.yaml"), ["training.offload_encoders=true"])
+    ops = [(a.op, a.module) for a in build_plan(cfg).actions[0]]
+    off, back = ops.index(("offload", None)), ops.index(("reload", None))
+    assert ops.index(("forward", "images")) < off < ops.index(("forward", LANGUAGE))
+    assert max(i for i, o in enumerate(ops) if o == ("backward", LANGUAGE)) < back < ops.index(("backward", "images"))
+
+
+# -- the plan is what the engine does -------------------------------------------------------------
+
+def _kinds(actions):
+    """(F|B|act|grad, mb) of a rank's step actions (reductions and optimizer left out)."""
+    out = []
+    for a in actions:
+        if a.op in ("forward", "backward"):
+            out.append((a.op[0].upper(), a.mb))
+        elif a.tensor is not None:
+            out.append(("act" if a.tensor == "activation" else "grad", a.mb))
+    return out
+
+
+class RecordingPeers:
+    """`StagePeers` without processes: records what the engine asks for, in order."""
+
+    def __init__(self, log, first, last):
+        self.log, self.first, self.last, self.n = log, first, last, {"act": 0, "grad": 0}
+
+    def _take(self, kind):
+        self.log.append((kind, self.n[kind]))
+        self.n[kind] += 1
+
+    def recv_forward(self):
+        if self.first:
+            return None
+        self._take("act")
+        return torch.ones(1, requires_grad=True)
+
+    def send_forward(self, y):
+        if not self.last:
+            self.log.append(("act", None))
+
+    def send_forward_recv_backward(self, y):
+        if self.last:
+            return None
+        self.log.append(("act", None))
+        self._take("grad")
+        return torch.ones(1)
+
+    def send_backward(self, g):
+        if not self.first:
+            self.log.append(("grad", None))
+
+    def send_backward_recv_forward(self, g):
+        if self.first:
+            return None
+        self.log.append(("grad", None))
+        self._take("act")
+        return torch.ones(1, requires_grad=True)
+
+    def recv_backward(self):
+        if self.last:
+            return None
+        self._take("grad")
+        return torch.ones(1)
+
+
+def test_plan_matches_1f1b_engine_call_order():
+    M, pp = 6, 4
+    plan = build_plan(load_config(text_only(pp=pp)), num_microbatches=M)
+    assert sum(a.op == "forward" for a in plan.actions[0]) == M
+    for stage in range(pp):
+        log = []
+        w = torch.ones(1, requires_grad=True)
+
+        def forward_step(mb, x, log=log, w=w):
+            log.append(("F", mb))
+            y = (x if x is not None else torch.ones(1)) * w
+            return y.sum() if stage == pp - 1 else y
+
+        class Span:  # the engine's span hook marks each backward
+            def __init__(self, action, mb):
+                self.action, self.mb = action, mb
+
+            def __enter__(self):
+                if self.action == "B":
+                    log.append(("B", self.mb))
+
+            def __exit__(self, *exc):
+                return False
+
+        run_1f1b(M, stage, pp, RecordingPeers(log, stage == 0, stage == pp - 1), forward_step, span=Span)
+        planned = _kinds(plan.actions[stage])
+        # Sends carry no counter in the recording: compare kinds everywhere, microbatches where known.
+        assert [k for k, _ in log] == [k for k, _ in planned]
+        assert all(mb is None or mb == p for (_, mb), (_, p) in zip(log, planned))
+
+
+class RecordingPort(Upstream, Downstream):
+    def __init__(self, log):
+        self.log = log
+
+    def recv_forward(self, mb):
+        self.log.append(("act", mb))
+
+    def send_backward(self, mb, grad):
+        self.log.append(("grad", mb))
+
+    def send_forward(self, mb, out):
+        self.log.append(("act", mb))
+
+    def recv_backward(self, mb):
+        self.log.append(("grad", mb))
+
+
+class RecordingLink(RecordingPort):
+    """Like `StageLink`: a paired forward send posts before the gradient receive."""
+
+    def send_forward_recv_backward(self, mb_f, out, mb_b):
+        self.send_forward(mb_f, out)
+        self.recv_backward(mb_b)
+
+
+def test_plan_matches_graph_engine_call_order():
+    """Non-colocated graph: every rank's plan is `run_node`'s call order for its stage node."""
+    cfg = load_config(example("cpu_noncolocated.yaml"))
+    plan, M = build_plan(cfg), 4
+    depth = stage_nodes({LANGUAGE: 2, "images": 1}, ["images"])
+    # (node, upstream, downstream): "link" a StageLink, "edge" a boundary port, None none
+    nodes = {0: (Node(LANGUAGE, 0, 2), "edge", "link"), 2: (Node(LANGUAGE, 1, 2), "link", None),
+             4: (Node("images", 0, 1), None, "edge")}
+    for rank, (node, up, down) in nodes.items():
+        log = []
+        port = {"link": RecordingLink(log), "edge": RecordingPort(log), None: None}
+        run_node(M, depth[node], port[up], port[down],
+                 lambda mb, x: log.append(("F", mb)), lambda mb, x, y, g: log.append(("B", mb)))
+        assert log == _kinds(plan.actions[rank]), rank
+
+
+# -- the checker ------------------------------------------------------------------------------------
+
+def _plan(*ranks):
+    return StepPlan("test", [r.actions for r in ranks])
+
+
+def test_checker_catches_swapped_recv():
+    a, b = RankActions(0), RankActions(1)
+    a.exchange("language", 0, [("send", "activation", 0, 1)])
+    a.exchange("language", 0, [("send", "activation", 1, 1)])
+    b.exchange("language", 1, [("recv", "activation", 1, 0)])
+    b.exchange("language", 1, [("recv", "activation", 0, 0)])
+    with pytest.raises(PlanError, match=r"from rank 0 to rank 1 does not match.*mb 0.*mb 1"):
+        check_plan(_plan(a, b))
+
+
+def test_checker_catches_missing_recv():
+    a, b = RankActions(0), RankActions(1)
+    for mb in range(2):
+        a.exchange("language", 0, [("send", "activation", mb, 1)])
+    b.exchange("language", 1, [("recv", "activation", 0, 0)])
+    with pytest.raises(PlanError, match=r"rank 0's `send activation mb 1 -> rank 1.*no matching recv on rank 1"):
+        check_plan(_plan(a, b))
+
+
+def _send_send(batched):
+    ranks = [RankActions(0), RankActions(1)]
+    for me, out in enumerate(ranks):
+        ops = [("send", "activation", 0, 1 - me), ("recv", "activation", 0, 1 - me)]
+        if batched:
+            out.exchange("language", 0, ops)
+        else:
+            for op in ops:
+                out.exchange("language", 0, [op])
+    return _plan(*ranks)
+
+
+def test_checker_catches_unbatched_send_send():
+    check_plan(_send_send(batched=True))  # control: posted together, both complete
+    with pytest.raises(PlanError, match=r"(?s)deadlocks.*rank 0 blocks.*waits for rank 1.*rank 1 blocks"):
+        check_plan(_send_send(batched=False))
+
+
+def test_checker_catches_broken_real_plan():
+    plan = build_plan(load_config(example("cpu_noncolocated.yaml")))
+    check_plan(plan)
+    # rank 2 (LLM stage 1) loses its last activation receive: the message count no longer matches
+    plan.actions[2] = [a for a in plan.actions[2] if not (a.op == "recv" and a.mb == 3 and a.tensor == "activation")]
+    with pytest.raises(PlanError, match=r"rank 0 posts \d+ sends to rank 2"):
+        check_plan(plan)
+
+
+def test_checker_catches_collective_not_reached():
+    plan = build_plan(load_config(example("cpu_noncolocated.yaml")))
+    plan.actions[5] = [a for a in plan.actions[5] if a.name != "boundary images gradient mb 3"]
+    with pytest.raises(PlanError, match=r"boundary images gradient mb 3.*rank 5"):
+        check_plan(plan)
+
+
+def test_random_heterogeneous_layouts_plan_and_check():
+    """Random valid layouts (colocated, non-colocated, shared ranks, islands, frozen edges) all check,
+    and the plan's reading of the config agrees with the heterogeneous trainer's."""
+    import random
+
+    from mimo.schedule.plan_build import island_encoders as plan_islands
+    from mimo.training.heterogeneous import island_encoders
+    from test_heterogeneous_parity import random_layout
+
+    islands = 0
+    for seed in range(60):
+        raw, world = random_layout(random.Random(seed))
+        cfg = load_config(raw)
+        plan = build_plan(cfg)
+        assert plan.world_size == world and plan.family == "heterogeneous"
+        check_plan(plan)
+        remote = [n for n in cfg.model.encoders if not set(cfg.parallelism[n].ranks) & set(cfg.parallelism[LANGUAGE].ranks)]
+        assert plan_islands(cfg, remote) == island_encoders(cfg)
+        islands += bool(island_encoders(cfg))
+    assert islands  # the sample covers islands
+
+
+@pytest.mark.parametrize("trainer", ["Trainer", "HeterogeneousTrainer"])
+def test_trainers_check_the_plan_before_anything_else(trainer, monkeypatch):
+    """Both trainers stop at start, before any process group, when the plan would deadlock."""
+    import mimo.training.heterogeneous as het
+    import mimo.training.trainer as hom
+
+    monkeypatch.setattr(hom, "build_plan", lambda cfg: _send_send(batched=False))
+    cls = getattr(het, trainer)
+    with pytest.raises(PlanError, match="deadlocks"):
+        cls(load_config(tiny()), runtime=None)
+
+
+def test_plan_matches_island_engine_call_order():
+    """An island rank (images stage 0 and audio on ranks 2-3): `run_island`'s order is the plan's."""
+    from mimo.schedule.fused import Member
+    from mimo.schedule.noncolocated import run_island
+
+    plan = build_plan(load_config(example("cpu_island.yaml")))
+    depth = stage_nodes({LANGUAGE: 2, "images": 2, "audio": 1}, ["images", "audio"])
+    log = []
+    members = [Member(name, lambda mb, x: log.append(("F", mb)), lambda mb, x, y, g: log.append(("B", mb)),
+                      None, port, True)
+               for name, port in (("images", RecordingLink(log)), ("audio", RecordingPort(log)))]
+    level = {"images": depth[Node("images", 0, 2)], "audio": depth[Node("audio", 0, 1)]}
+    run_island(4, members, level, {"images": 0, "audio": 1})
+    assert log == _kinds(plan.actions[2])
