@@ -254,37 +254,44 @@ def _train_counting_decodes(raw, steps):
     return out
 
 
-def test_layouts_match_one_rank_on_packed_llava(sample_dir):
+def _run_packed(raw, world):
     from mimo.runtime import run_on_ranks
+
+    results = run_on_ranks(_train_counting_decodes, world, raw, 1)
+    merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world, "placement": "x"}
+    for r in results:
+        assert r["losses"] == merged["losses"]
+        merged["grads"].update(r["grads"])
+        merged["params"].update(r["params"])
+    return merged, results
+
+
+@pytest.fixture(scope="module")
+def packed_reference(sample_dir):
+    ref, ref_ranks = _run_packed(llava_raw(sample_dir), 1)
+    assert ref_ranks[0]["decoded"] > 0
+    return ref
+
+
+# The colocated layout runs with -m slow; the non-colocated one keeps packed LLaVA parity (and the rule
+# that LLM-only ranks decode no image) in the default run.
+@pytest.mark.parametrize("parallelism,world", [
+    ({"language": {"dp": 2}, "images": {"rank_offset": 2}}, 3),
+    pytest.param({"language": {"tp": 2}, "images": {"dp": 2}}, 2, marks=pytest.mark.slow),
+], ids=["noncolocated", "colocated"])
+def test_layouts_match_one_rank_on_packed_llava(sample_dir, packed_reference, parallelism, world):
     from mimo.training.parity import compare
 
-    base = llava_raw(sample_dir)
-    noncol = copy.deepcopy(base)
-    noncol["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
-    coloc = copy.deepcopy(base)
-    coloc["parallelism"] = {"language": {"tp": 2}, "images": {"dp": 2}}
-
-    def run(raw, world):
-        results = run_on_ranks(_train_counting_decodes, world, raw, 1)
-        merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world,
-                  "placement": "x"}
-        for r in results:
-            assert r["losses"] == merged["losses"]
-            merged["grads"].update(r["grads"])
-            merged["params"].update(r["params"])
-        return merged, results
-
-    ref, ref_ranks = run(base, 1)
-    assert ref_ranks[0]["decoded"] > 0
-    for raw, world in ((noncol, 3), (coloc, 2)):
-        got, ranks = run(raw, world)
-        report = compare(ref, got, 1e-4)
-        assert report["ok"], report
-        for r in ranks:  # LLM-only ranks never decode an image; encoder ranks do
-            assert (r["decoded"] == 0) == r["llm_only"], [(x["decoded"], x["llm_only"]) for x in ranks]
+    raw = llava_raw(sample_dir)
+    raw["parallelism"] = parallelism
+    got, ranks = _run_packed(raw, world)
+    report = compare(packed_reference, got, 1e-4)
+    assert report["ok"], report
+    for r in ranks:  # LLM-only ranks never decode an image; encoder ranks do
+        assert (r["decoded"] == 0) == r["llm_only"], [(x["decoded"], x["llm_only"]) for x in ranks]
     # Negative control: the criterion sees a 1e-3 relative change of the losses.
-    other = dict(ref, losses=[x * (1 + 1e-3) for x in ref["losses"]])
-    assert not compare(ref, other, 1e-4)["ok"]
+    other = dict(packed_reference, losses=[x * (1 + 1e-3) for x in packed_reference["losses"]])
+    assert not compare(packed_reference, other, 1e-4)["ok"]
 
 
 def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):

@@ -37,12 +37,16 @@ def text_reference():
     return run_on_ranks(_train, 1, text_only(), STEPS)[0]
 
 
+# The default run keeps pp2-uneven (1F1B over two stages, stage_layers honoured). The rest run with
+# -m slow; their combinations stay covered by default tests: PP x TP by
+# test_memory_knobs.py::test_noncolocated_llm_pp2_sp_selective_recompute_of_bitfield_attention (LLM tp2 x pp2),
+# PP x DP by test_item_parallel.py::test_colocated_encoder_dp_over_items (LLM pp3 x dp2).
 @pytest.mark.parametrize("layout,world", [
-    (dict(pp=2), 2),
+    pytest.param(dict(pp=2), 2, marks=pytest.mark.slow),
     (dict(pp=2, stage_layers=[3, 1]), 2),
     pytest.param(dict(pp=4), 4, marks=pytest.mark.slow),
-    (dict(tp=2, pp=2), 4),
-    (dict(pp=2, dp=2), 4),
+    pytest.param(dict(tp=2, pp=2), 4, marks=pytest.mark.slow),
+    pytest.param(dict(pp=2, dp=2), 4, marks=pytest.mark.slow),
 ], ids=["pp2", "pp2-uneven", "pp4", "tp2xpp2", "pp2xdp2"])
 def test_pipeline_equals_single_rank(text_reference, layout, world):
     results = run_on_ranks(_train, world, text_only(**layout), STEPS)
@@ -89,9 +93,11 @@ def bitfield_reference():
             os.environ["TRITON_INTERPRET"] = saved
 
 
+# cp2xtp2 runs with -m slow: TP x CP stays in the default run through
+# tests/attention/test_cp_model.py::test_gpt_model_cp_matches_cp1 (a TP2 x CP2 GPTModel vs CP1).
 @pytest.mark.parametrize("layout,world", [
     (dict(cp=2), 2),
-    (dict(cp=2, tp=2), 4),
+    pytest.param(dict(cp=2, tp=2), 4, marks=pytest.mark.slow),
     (dict(cp=2, pp=2), 4),
 ], ids=["cp2", "cp2xtp2", "cp2xpp2"])
 def test_context_parallel_training_equals_cp1(bitfield_reference, layout, world, monkeypatch):

@@ -65,8 +65,11 @@ def _membership(raw):
     return out
 
 
+# The colocated case runs with -m slow: the non-colocated one checks the same group building for both
+# modules, and every colocated parity test (e.g. test_heterogeneous_parity.py::test_colocated_fan_in_three_phase)
+# trains on colocated groups.
 @pytest.mark.parametrize("language,images,placement", [
-    (dict(tp=2, dp=2), dict(tp=2, dp=2), "colocated"),
+    pytest.param(dict(tp=2, dp=2), dict(tp=2, dp=2), "colocated", marks=pytest.mark.slow),
     (dict(tp=2, dp=1), dict(tp=1, dp=2, rank_offset=2), "non-colocated"),
 ])
 def test_real_groups_match_layout(language, images, placement):

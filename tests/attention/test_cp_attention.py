@@ -1,6 +1,8 @@
 """All-gather context-parallel attention on CPU ranks (gloo) vs the single-rank reference.
 
-One 4-rank launch runs every case: CP=2 on groups {0,1} and {2,3}, CP=4 on {0..3}.
+The default run is one 2-rank launch of the CP=2 cases (every policy, packed documents, padding, a
+Triton case); the 4-rank launch with -m slow runs every case: CP=2 on groups {0,1} and {2,3}, CP=4
+on {0..3} (including a rank that holds only padding).
 Every rank computes the dense single-process reference from the same global
 tensors and checks its own outputs and gradients (dq, dk, dv after the
 reduce-scatter) against that reference cut to its slots; outputs are also
@@ -8,6 +10,7 @@ gathered and un-permuted to check the whole sequence, and un-permuting with a
 different policy's layout must fail the check.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,10 +21,10 @@ TOL = dict(atol=2e-6, rtol=2e-5)
 
 
 def _groups():
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for cp, members_list in ((2, [[0, 1], [2, 3]]), (4, [[0, 1, 2, 3]])):
-        for members in members_list:
+    for cp in (2, 4):
+        for members in [list(range(i, i + cp)) for i in range(0, world - cp + 1, cp)]:
             g = dist.new_group(members)  # collective over the world: every rank creates every group
             if rank in members:
                 out[cp] = (g, members)
@@ -102,13 +105,20 @@ def _attention_worker(cases, triton_cases):
     return done
 
 
-def test_cp_attention_matches_single_rank(monkeypatch):
+CP2_CASES = [c for c in CASES if c[1] == 2] + [("text_blind_to_audio", 2, "random", 7, True, 1)]
+
+
+@pytest.mark.parametrize("world,cases", [
+    (2, CP2_CASES),
+    pytest.param(4, CASES, marks=pytest.mark.slow),
+], ids=["cp2", "cp2-and-cp4"])
+def test_cp_attention_matches_single_rank(monkeypatch, world, cases):
     # The Triton case runs in the interpreter: the environment must say so before ranks start.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     triton_cases = [("embedded_image_audio", 2, "lpt", 16, False, 1)]
-    results = run_on_ranks(_attention_worker, 4, CASES, triton_cases, timeout_s=600)
-    assert len(results) == 4
+    results = run_on_ranks(_attention_worker, world, cases, triton_cases, timeout_s=600)
+    assert len(results) == world
     for rank_result in results:
-        assert len(rank_result) == len(CASES) + len(triton_cases)
+        assert len(rank_result) == len(cases) + len(triton_cases)
         # The wrong-layout check ran (layouts differ) in most cases, and always caught the error.
-        assert sum(1 for _, caught in rank_result if caught) >= len(CASES) - 2
+        assert sum(1 for _, caught in rank_result if caught) >= len(cases) - 2
