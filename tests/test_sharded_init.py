@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from mimo.config import LANGUAGE, load_config
+from mimo.config import ConfigError, LANGUAGE, load_config
 from mimo.model import build_encoder, build_llm
 from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.reference_init import global_name, tp_slice
@@ -207,3 +207,11 @@ def test_unknown_parameter_is_an_error():
     holder.register_parameter("gamma", torch.nn.Parameter(torch.empty(3)))
     with pytest.raises(ValueError, match="'gamma'"):
         init_sharded(holder, load_config(_raw()), LANGUAGE, 0, 0, 1)
+
+
+def test_sharded_is_the_default_and_an_unknown_mode_names_the_field():
+    assert load_config(tiny()).training.init == "sharded"
+    raw = tiny()
+    raw["training"]["init"] = "lazy"
+    with pytest.raises(ConfigError, match=r"training\.init: must be one of sharded, reference, local, got 'lazy'"):
+        load_config(raw)
