@@ -3,7 +3,7 @@
 Every parameter is stored under `module.name`, with the name's layer index made
 global (`language.decoder.layers.5...` whatever pipeline stage holds layer 5)
 and its full, unsharded shape: the same names `mimo.training.state.full_state`
-and the reference initialisation use. A tensor-parallel shard becomes one
+and the sharded and reference initialisations use. A tensor-parallel shard becomes one
 ShardedTensor (megatron's `partition_dim`), or `partition_stride` of them for
 strided shards (megatron's gated MLP: rank r holds piece r of each of the
 `stride` parts). Copies held by TP ranks (unsharded parameters), DP/CP ranks or

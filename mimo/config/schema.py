@@ -15,7 +15,7 @@ PROJECTOR_KINDS = ("mlp", "linear")
 ATTENTION_KINDS = ("sdpa", "bitfield")
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
-INIT_MODES = ("reference", "local")
+INIT_MODES = ("sharded", "reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 DATA_KINDS = ("mock", "llava", "energon")
@@ -183,10 +183,13 @@ class TrainingConfig:
     clip_grad: float = 0.0
     log_interval: int = 1
     timeout_minutes: float = 10.0
-    # reference: every rank slices its shard out of the full module built from
-    # the seed (identical weights for every layout; one full copy in host memory
-    # per rank while initialising). local: megatron initialises each shard in place.
-    init: str = "reference"
+    # sharded: each rank draws only its own part, every parameter from a generator
+    # seeded by (seed, module, global parameter name): identical weights for every
+    # layout at the memory of one part. reference: every rank slices its shard out
+    # of the full module built from the seed with megatron's initialisation (one
+    # full copy in host memory per rank while initialising). local: megatron
+    # initialises each shard in place (weights depend on the layout).
+    init: str = "sharded"
     # Colocated encoders on the three-phase schedule: release their weights'
     # device memory while the LLM runs (phase 2), restore them for phase 3.
     offload_encoders: bool = False

@@ -3,8 +3,8 @@
 Stage s holds layers per `stage_layer_counts` of the encoder's parallelism;
 only the first stage embeds (patch/frame embedding + learned positions), only
 the last applies the final layernorm and the projector. Parameter names match
-the whole `EncoderWithProjector` up to the layer offset, so reference init
-(`load_shard`) and full-state gathering work unchanged.
+the whole `EncoderWithProjector` up to the layer offset, so sharded and
+reference init and full-state gathering work unchanged.
 
 Activations between stages are sequence-first [tokens, n_items, hidden]
 ([tokens / tp, ...] with sequence parallelism); tokens include a vision class

@@ -24,7 +24,7 @@ from .norm import block_spec
 from .projector import build_projector, project
 from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
 from .specs import llm_layer_spec
-from .transformer_config import transformer_config
+from .transformer_config import initialized_by_megatron, transformer_config
 
 
 class EncoderWithProjector(torch.nn.Module):
@@ -41,7 +41,8 @@ class EncoderWithProjector(torch.nn.Module):
 def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> EncoderWithProjector:
     enc = cfg.model.encoders[name]
     precision = cfg.training.precision
-    ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name])
+    initialize = initialized_by_megatron(cfg.training)
+    ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name], initialize=initialize)
     if enc.kind == "vision":
         encoder = VisionEncoder(ecfg, enc, pg_collection)
     else:
@@ -49,7 +50,7 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
     # The projector lives with its encoder (same ranks, same TP group) but
     # speaks the LLM's width. It runs on the encoder's gathered output (no
     # sequence parallelism: its rows are packed items, not one sequence).
-    lcfg = transformer_config(cfg.model.language, layout, precision)
+    lcfg = transformer_config(cfg.model.language, layout, precision, initialize=initialize)
     projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp, enc.projector.activation)
     module = EncoderWithProjector(encoder, projector)
     module.to(ecfg.params_dtype)
@@ -60,7 +61,8 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
 
 def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
-    config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE])
+    config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE],
+                                initialize=initialized_by_megatron(cfg.training))
     spec = block_spec(llm_layer_spec(lang.attention, lang.normalization), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,

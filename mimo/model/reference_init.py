@@ -38,12 +38,25 @@ def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
 def load_shard(module: torch.nn.Module, full_state: Dict[str, torch.Tensor], layer_offset: int, tp_rank: int,
                tp_size: int) -> None:
     """Copy each parameter's slice of the full state into `module` (same names up to the layer offset)."""
+    for name, p in module.named_parameters():
+        key = global_name(name, layer_offset)
+        if key not in full_state:
+            raise KeyError(f"reference state has no {key!r} (for stage parameter {name!r})")
+        copy_shard(name, p, full_state[key], tp_rank, tp_size)
+
+
+def copy_shard(name: str, param: torch.nn.Parameter, full: torch.Tensor, tp_rank: int, tp_size: int) -> None:
+    """Copy this TP rank's slice of the full value `full` into `param` (cast to its dtype)."""
+    piece = tp_slice(full, param, tp_rank, tp_size)
+    if piece.shape != param.shape:
+        raise ValueError(f"{name}: shard shape {tuple(piece.shape)} != parameter shape {tuple(param.shape)}")
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            key = global_name(name, layer_offset)
-            if key not in full_state:
-                raise KeyError(f"reference state has no {key!r} (for stage parameter {name!r})")
-            piece = tp_slice(full_state[key], p, tp_rank, tp_size)
-            if piece.shape != p.shape:
-                raise ValueError(f"{name}: shard shape {tuple(piece.shape)} != parameter shape {tuple(p.shape)}")
-            p.copy_(piece)
+        param.copy_(piece)
+
+
+def full_shape(param: torch.nn.Parameter, tp_size: int) -> torch.Size:
+    """The unsharded shape of a (possibly TP-split) parameter."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+        shape[param.partition_dim] *= tp_size
+    return torch.Size(shape)

@@ -20,7 +20,7 @@ from mimo.config import MimoConfig, ParallelConfig
 from .norm import block_spec
 from .architecture import finish_llm, gpt_model_kwargs
 from .specs import llm_layer_spec
-from .transformer_config import transformer_config
+from .transformer_config import initialized_by_megatron, transformer_config
 
 
 def stage_layer_counts(num_layers: int, par: ParallelConfig) -> List[int]:
@@ -57,7 +57,8 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
     lang = cfg.model.language
     counts = stage_layer_counts(lang.num_layers, par)
     stage_layout = dataclasses.replace(layout, pp=1)
-    config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par)
+    config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par,
+                                initialize=initialized_by_megatron(cfg.training))
     spec = block_spec(llm_layer_spec(lang.attention, lang.normalization), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,

@@ -10,6 +10,20 @@ from mimo.topology import Layout
 from .architecture import architecture_kwargs
 
 
+# megatron's normal(0, std) weight initialisation; mimo.model.sharded_init draws with the same std.
+INIT_METHOD_STD = 0.02
+
+
+def _leave_unset(tensor: torch.Tensor) -> None:
+    """An init method that draws nothing (see `transformer_config(initialize=False)`)."""
+
+
+def initialized_by_megatron(training) -> bool:
+    """Whether megatron draws the initial weights while building a module: not under
+    `training.init: sharded`, where mimo.model.sharded_init overwrites every parameter anyway."""
+    return training.init != "sharded"
+
+
 def dtype_of(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
@@ -31,7 +45,7 @@ def memory_knobs(par, tp: int) -> dict:
 
 
 def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: int = None,
-                       par=None) -> TransformerConfig:
+                       par=None, initialize: bool = True) -> TransformerConfig:
     """The megatron config of one module.
 
     Always CPU initialisation: megatron then draws each TP-split weight from
@@ -39,8 +53,14 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
     tensor-parallel size (the precondition for layout-independent parity).
     Dropout is off so runs are deterministic and comparable. `par` (the
     module's ParallelConfig) supplies the memory knobs `sp` and `recompute`.
+    `initialize=False` leaves megatron's weights unset (the caller fills them):
+    its init methods draw nothing. (megatron's `perform_initialization=False`
+    would also skip tagging the weights with their TP partition dim and stride,
+    which shard slicing, the gradient norm and checkpoints read.)
     """
     dtype = dtype_of(precision)
+    no_draw = {} if initialize else dict(init_method=_leave_unset, output_layer_init_method=_leave_unset,
+                                         embedding_init_method=_leave_unset)
     return TransformerConfig(
         num_layers=num_layers if num_layers is not None else module_cfg.num_layers,
         hidden_size=module_cfg.hidden_size,
@@ -57,7 +77,8 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         pipeline_dtype=dtype,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=0.02,
+        init_method_std=INIT_METHOD_STD,
+        **no_draw,
         # Norm, activation, biases, head dim: the module's architecture fields.
         **architecture_kwargs(module_cfg),
         # The fused kernels are CUDA-only; the unfused paths run everywhere.

@@ -16,7 +16,7 @@
   boundary communicators of the non-colocated ones.
 
 Same interface and numerics as mimo.training.trainer.Trainer: layout-independent
-reference init, loss normalised by the global batch's loss-token count, per-module
+initialisation, loss normalised by the global batch's loss-token count, per-module
 DP(x CP) gradient sums and optimizers, one global gradient norm.
 """
 

@@ -22,10 +22,10 @@ SAME_SECTIONS = ("model", "data", "training")
 
 
 def parity_overrides(raw: Dict, steps: int) -> Dict:
-    """FP32, reference init and `steps` iterations: what makes two layouts comparable."""
+    """FP32, layout-independent (sharded) init and `steps` iterations: what makes two layouts comparable."""
     raw = copy.deepcopy(raw)
     tr = raw.setdefault("training", {})
-    tr.update(precision="fp32", init="reference", train_iters=steps)
+    tr.update(precision="fp32", init="sharded", train_iters=steps)
     return raw
 
 

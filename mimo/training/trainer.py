@@ -29,6 +29,7 @@ from mimo.data import PAD_ID, build_dataset, collate, move, shard_indices
 from mimo.hf import check_hf_weights, hf_modules, load_hf_part
 from mimo.model import MultimodalModel, build_encoder, build_llm, encode
 from mimo.model.reference_init import load_shard
+from mimo.model.sharded_init import init_sharded
 from mimo.model.transformer_config import dtype_of
 from mimo.model.sequence_parallel import shard_len
 from mimo.model.stages import build_llm_stage, stage_layer_offset
@@ -114,16 +115,20 @@ class TrainerBase:
         """
         seed = module_seed(self.cfg.training.seed, name)
         torch.manual_seed(seed)
-        part = build(pgs)
+        part = build(pgs)  # under `sharded` megatron leaves the weights unset (see initialized_by_megatron)
+        grid = self.topo.grid(name)
+        tp_rank, tp_size = grid.coords["tp"], grid.layout.tp
         hf = self.hf_modules.get(name)
-        if self.cfg.training.init == "reference" and not (hf and hf.complete):
-            torch.manual_seed(seed)
-            full = self._reference_module(name)
-            grid = self.topo.grid(name)
-            load_shard(part, full.state_dict(keep_vars=False), layer_offset, grid.coords["tp"], grid.layout.tp)
+        init = self.cfg.training.init
+        if not (hf and hf.complete):  # a module wholly loaded from HF needs no initial weights
+            if init == "sharded":
+                init_sharded(part, self.cfg, name, layer_offset, tp_rank, tp_size)
+            elif init == "reference":
+                torch.manual_seed(seed)
+                full = self._reference_module(name)
+                load_shard(part, full.state_dict(keep_vars=False), layer_offset, tp_rank, tp_size)
         if hf:
-            grid = self.topo.grid(name)
-            load_hf_part(part, hf, self.hf_sources[hf.directory], layer_offset, grid.coords["tp"], grid.layout.tp)
+            load_hf_part(part, hf, self.hf_sources[hf.directory], layer_offset, tp_rank, tp_size)
         return part
 
     def _reference_module(self, name: str) -> torch.nn.Module:
