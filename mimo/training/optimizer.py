@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
@@ -161,3 +162,89 @@ class ModelOptimizer:
                 opt.step_with_ready_grads()
             self.scheduler.step(increment=1)
         return norm
+
+    def reload_model_params(self) -> None:
+        """After the weights changed outside the optimizer (a checkpoint load): refresh the fp32 masters."""
+        with optimizer_scope(self.runtime):
+            for opt in self.optimizers.values():
+                opt.reload_model_params()
+
+    # -- per-parameter state (checkpoints) ----------------------------------------------------
+
+    def _owned(self, name: str) -> Dict[int, tuple]:
+        """id(model param) -> (the inner optimizer's param for it, its flat range in the model param or
+        None for all of it). With the distributed optimizer only the params this DP rank owns a
+        piece of appear; bf16 params map to their fp32 master copies."""
+        opt = self.optimizers[name]
+        out = {}
+        if isinstance(opt, DistributedOptimizer):
+            for models, shards in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                   (opt.model_fp32_groups, opt.shard_fp32_groups)):
+                for mg, sg in zip(models, shards):
+                    for p, s in zip(mg, sg):
+                        r = opt._get_model_param_range_map(p)["param"]
+                        out[id(p)] = (s, (r.start, r.end))
+        elif hasattr(opt, "float16_groups"):  # bf16: fp32 master weights
+            for mg, sg in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                out.update({id(p): (s, None) for p, s in zip(mg, sg)})
+            out.update({id(p): (p, None) for g in opt.fp32_from_fp32_groups for p in g})
+        else:
+            out.update({id(p): (p, None) for g in opt.optimizer.param_groups for p in g["params"]})
+        return out
+
+    def param_state(self, name: str) -> Dict[int, Dict[str, torch.Tensor]]:
+        """id(model param) -> {"exp_avg", "exp_avg_sq" (Adam, once stepped), "master" (bf16): fp32 tensors
+        shaped like the model param; "step": scalar} for module `name`'s trainable params. Collective over
+        the module's DP x CP group with the distributed optimizer (each owner contributes its piece)."""
+        opt, owned = self.optimizers[name], self._owned(name)
+        inner, dist_opt = opt.optimizer, isinstance(opt, DistributedOptimizer)
+        group = self.topo.grid(name).groups["dp_cp"]
+        states = [inner.state.get(key, {}) for key, _ in owned.values()]
+        # Adam's moments exist once the module has stepped; with the distributed optimizer a DP rank
+        # may own no piece of the module, so the owners tell it.
+        seen = torch.tensor([max([float("exp_avg" in st) for st in states], default=0.0),
+                             max([float(st["step"]) for st in states if "step" in st], default=0.0)],
+                            device=self.runtime.device)
+        if dist_opt:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+        stepped, step = bool(seen[0]), seen[1].reshape(()).float().cpu()
+        names = (["exp_avg", "exp_avg_sq"] if stepped else []) + (["master"] if opt.config.bf16 else [])
+        out = {}
+        for p in trainable(self.ddp[name].module.parameters()):
+            key, rng = owned.get(id(p), (None, None))
+            state = inner.state.get(key, {}) if key is not None else {}
+            tensors = {}
+            for s in names:
+                local = key if s == "master" else state.get(s)
+                if not dist_opt:
+                    tensors[s] = local.detach().view(p.shape)
+                    continue
+                full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
+                if rng is not None:
+                    full[rng[0]:rng[1]] = local.detach().view(-1)
+                dist.all_reduce(full, group=group)  # the owners' pieces are disjoint
+                tensors[s] = full.view(p.shape)
+            if stepped:
+                tensors["step"] = step.clone()
+            if tensors:
+                out[id(p)] = tensors
+        return out
+
+    def load_param_state(self, name: str, states: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """Install `param_state`-shaped entries (full tensors of this rank's params) into module `name`'s
+        optimizer; with the distributed optimizer each rank keeps its own piece."""
+        opt, owned = self.optimizers[name], self._owned(name)
+        for p in trainable(self.ddp[name].module.parameters()):
+            if id(p) not in states or id(p) not in owned:
+                continue
+            key, rng = owned[id(p)]
+            piece = (lambda t: t.reshape(-1)[rng[0]:rng[1]].clone()) if rng else (lambda t: t.clone())
+            full = states[id(p)]
+            state = {s: piece(t.to(key.device, torch.float32)).view_as(key) for s, t in full.items()
+                     if s not in ("step", "master")}
+            if "master" in full:
+                key.data.copy_(piece(full["master"].to(key.device, torch.float32)).view_as(key))
+            if "step" in full:
+                state["step"] = full["step"].reshape(()).to(torch.float32)
+            if state:
+                opt.optimizer.state[key] = state
