@@ -99,6 +99,12 @@ def test_rule_names_the_field(path, value, field):
     assert field in [p for p, _ in probs], probs
 
 
+def test_distributed_optimizer_refuses_encoder_offload():
+    raw = with_(with_(tiny(), "training.offload_encoders", True), "training.use_distributed_optimizer", True)
+    assert [p for p, _ in errors(raw)] == ["training.use_distributed_optimizer"]
+    assert errors(with_(raw, "training.offload_encoders", False)) == []  # control
+
+
 @pytest.mark.parametrize("layout,world,field,needle", [
     # TP divides heads (4), query groups (2), hidden (32), ffn (128)
     (dict(language=dict(tp=4), images=dict(tp=4), audio=dict(tp=4)), 4, "parallelism.language.tp", "num_query_groups"),

@@ -221,6 +221,9 @@ def _check_schedule(tr, add) -> None:
     if tr.lr_warmup_iters > tr.train_iters:
         add("training.lr_warmup_iters", f"warmup ({tr.lr_warmup_iters} steps) is longer than the run "
             f"(train_iters = {tr.train_iters})")
+    if tr.use_distributed_optimizer and tr.offload_encoders:
+        add("training.use_distributed_optimizer", "cannot be combined with training.offload_encoders (offloading "
+            "replaces the parameters' storage, which the distributed optimizer gathers updated weights into)")
     if not 0 <= tr.min_lr <= tr.lr:
         add("training.min_lr", f"must be between 0 and training.lr ({tr.lr}), got {tr.min_lr}")
     if tr.lr_decay_style == "constant" and tr.min_lr not in (0, tr.lr):

@@ -87,6 +87,7 @@ class ModelOptimizer:
         self.cfg, self.runtime, self.topo = cfg, runtime, topo
         self.clip = tr.clip_grad
         self.ddp: Dict[str, DistributedDataParallel] = {}
+        self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=tr.overlap_grad_reduce,
@@ -96,11 +97,14 @@ class ModelOptimizer:
             bf16=tr.precision == "bf16", params_dtype=dtype_of(tr.precision),
             use_distributed_optimizer=tr.use_distributed_optimizer, clip_grad=tr.clip_grad, sgd_momentum=0.0)
         with optimizer_scope(runtime), _module_param_groups():
-            for name, part in parts.items():
-                if not is_trainable(part):
-                    continue  # frozen: no grad buffer, no optimizer
+            # Config order on every rank: the step's per-module collectives then come in one order.
+            for name in cfg.modules:
+                part = parts.get(name)
+                if part is None or not is_trainable(part):
+                    continue  # not held, or frozen: no grad buffer, no optimizer
                 pgs = topo.grid(name).pg_collection()
                 pgs.intra_dist_opt = pgs.dp_cp  # one distributed-optimizer instance over the module's DP x CP
+                self.groups[name] = pgs
                 config = copy.copy(transformer_config(part))
                 # The loss is already divided by the global batch's loss-token count, so DP ranks
                 # SUM their gradients (megatron's per-token-loss mode) rather than average them.
@@ -146,7 +150,7 @@ class ModelOptimizer:
             local = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
             for name, ddp in self.ddp.items():
                 # DP (x CP) reduction, then the TP sum of sequence-parallel replicated weights' grads.
-                finalize_model_grads([ddp], pg_collection=self.topo.grid(name).pg_collection())
+                finalize_model_grads([ddp], pg_collection=self.groups[name])
                 opt = self.optimizers[name]
                 opt.prepare_grads()
                 local += self._local_sq_norm(name, opt)
