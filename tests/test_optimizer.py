@@ -1,7 +1,6 @@
 """megatron-core optimizer stack: LR schedule values, the distributed optimizer vs one rank (FP32),
 bf16 with fp32 master weights vs FP32, and frozen modules without optimizer or gradient buffer."""
 
-import copy
 import math
 
 import pytest
