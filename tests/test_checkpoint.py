@@ -100,3 +100,15 @@ def test_checkpoint_fields_are_validated():
     with pytest.raises(ConfigError, match="training.save"):
         load_config(with_ckpt(layout(), save=""))
     assert load_config(with_ckpt(layout(), save="d", save_interval=5, keep_last=2, load="d")).training.keep_last == 2
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_state_resumes_on_one_rank(tmp_path):
+    """DP2 with the distributed optimizer saves per-parameter Adam state gathered from its owners;
+    one rank without it resumes and continues like the uninterrupted DP2 run."""
+    dp2 = layout(language=dict(dp=2), images=dict(dp=2), audio=dict(dp=2))
+    ref = train(with_ckpt(dp2, save=str(tmp_path / "ref"), save_interval=2, use_distributed_optimizer=True))
+    got = train(with_ckpt(layout(), load=paths.iter_dir(str(tmp_path / "ref"), 2)))
+    assert got["start"] == 2
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=1e-4, atol=0)
+    assert max_rel_diff(got["params"], ref["params"]) <= 1e-4

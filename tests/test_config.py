@@ -71,6 +71,14 @@ def test_tiny_is_valid():
     ("model.language.attention", "flash", "model.language.attention"),
     ("training.optimizer", "lion", "training.optimizer"),
     ("training.precision", "fp8", "training.precision"),
+    ("training.lr_decay_style", "step", "training.lr_decay_style"),
+    # optimizer and learning-rate schedule
+    ("training.use_distributed_optimizer", "yes", "training.use_distributed_optimizer"),
+    ("training.lr_warmup_iters", -1, "training.lr_warmup_iters"),
+    ("training.lr_warmup_iters", 4, "training.lr_warmup_iters"),  # longer than train_iters = 3
+    ("training.min_lr", 0.5, "training.min_lr"),  # above lr = 0.1
+    ("training.min_lr", -0.01, "training.min_lr"),
+    ("training.min_lr", 0.05, "training.min_lr"),  # lr_decay_style constant: min_lr would be ignored
     ("data.kind", "webdataset", "data.kind"),
     # shapes
     ("model.encoders.images.image_size", 10, "model.encoders.images.image_size"),
@@ -89,6 +97,12 @@ def test_tiny_is_valid():
 def test_rule_names_the_field(path, value, field):
     probs = errors(with_(tiny(), path, value))
     assert field in [p for p, _ in probs], probs
+
+
+def test_distributed_optimizer_refuses_encoder_offload():
+    raw = with_(with_(tiny(), "training.offload_encoders", True), "training.use_distributed_optimizer", True)
+    assert [p for p, _ in errors(raw)] == ["training.use_distributed_optimizer"]
+    assert errors(with_(raw, "training.offload_encoders", False)) == []  # control
 
 
 @pytest.mark.parametrize("layout,world,field,needle", [

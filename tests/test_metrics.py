@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mimo.attention.mask import CAUSAL, LOW
-from mimo.config import build_config, validate
+from mimo.config import build_config, load_config, validate
 from mimo.data import Sample
 from mimo.training.flops import StepWork, attention_pairs, module_flops, peak_tflops, step_work
 from mimo.training.metrics import Progress, missing_packages
@@ -163,7 +163,8 @@ def test_run_writes_jsonl_trace_tensorboard_and_pictures(tmp_path):
              "parallelism.audio.tp=1", "parallelism.audio.rank_offset=1"]
     r = subprocess.run(TORCHRUN + ["--nproc-per-node", "2", SCRIPT, "--config", cfg, "--device", "cpu",
                                    "--set", "training.train_iters=2", "--set", f"training.timeline={trace}",
-                                   "--set", f"training.tensorboard_dir={tb}", "--log-json", str(log)]
+                                   "--set", f"training.tensorboard_dir={tb}", "--set", "training.lr_warmup_iters=1",
+                                   "--log-json", str(log)]
                        + [a for kv in small for a in ("--set", kv)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -174,6 +175,8 @@ def test_run_writes_jsonl_trace_tensorboard_and_pictures(tmp_path):
     assert "\r" not in r.stdout and "it/s" not in r.stdout
     rows = [json.loads(l) for l in log.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
+    # The schedule's lr each step trained with: one warmup step from 0, then the configured lr.
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == load_config(cfg).training.lr
     for row in rows:
         for key, tp in KEYS.items():
             assert isinstance(row[key], tp), (key, row[key])

@@ -21,16 +21,16 @@ def _train(raw, steps, sabotage=None):
     cfg = load_config(raw)
     trainer = Trainer(cfg, select_runtime("cpu"))
     if sabotage == "no_dp_sync":
-        import mimo.training.trainer as t
+        import mimo.training.optimizer as o
 
-        t.allreduce_gradients = lambda params, group: [setattr(p, "grad", p.grad if p.grad is not None
-                                                               else torch.zeros_like(p)) for p in params]
+        o.finalize_model_grads = lambda model, pg_collection: None  # no DP (nor TP) gradient reduction
     run = record_run(trainer, steps)
     frozen = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if not p.requires_grad}
-    in_optimizer = {id(p) for o in trainer.optimizers.values() if o is not None
-                    for g in o.param_groups for p in g["params"]}
-    registered = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if id(p) in in_optimizer}
-    return dict(run, frozen=frozen, registered=registered)
+    # A parameter is in a module's optimizer when DDP gave it a gradient buffer the optimizer steps.
+    registered = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters()
+                  if n in trainer.optimizers and hasattr(p, "main_grad")}
+    return dict(run, frozen=frozen, registered=registered, modules=sorted(trainer.optimizers),
+                buffers=sorted(trainer.optim.ddp))
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,8 @@ def test_frozen_modules_get_no_gradients_and_no_optimizer_state(reference):
     assert not any(k in reference["grads"] for k in frozen)
     assert not frozen & reference["registered"]
     assert reference["registered"] == set(reference["grads"])
+    # Audio's frozen encoder shares its part with a trainable projector: one optimizer per trainable part.
+    assert reference["modules"] == reference["buffers"] == ["audio", "images", "language"]
     # The frozen encoder's weights never move; its trainable projector does.
     init = run_on_ranks(_train, 1, tiny(), 0)[0]["params"]
     for k in frozen:

@@ -77,10 +77,13 @@ class Checkpointer:
             request["optimizer"] = optimizer_request(self.trainer, self.shards, saved)
         loaded = dist_checkpointing.load(request, ckpt)
         assign_weights(self.shards, loaded["weights"])
+        self.trainer.optim.reload_model_params()  # bf16: fp32 masters follow the loaded weights
         if not tr.load_optimizer:
             return 0
         assign_optimizer(self.trainer, self.shards, loaded["optimizer"])
         meta = read_meta(ckpt)
+        if meta.get("lr_scheduler") is not None:
+            self.trainer.optim.scheduler.load_state_dict(meta["lr_scheduler"])
         data_state = meta.get("data")
         if data_state is not None and hasattr(self.trainer.dataset, "load_state_dict"):
             self.trainer.dataset.load_state_dict(data_state)
@@ -115,7 +118,8 @@ class Checkpointer:
         dataset = self.trainer.dataset
         meta = {"format": FORMAT, "step": steps_done, "config": dataclasses.asdict(self.cfg),
                 "world_size": dist.get_world_size(), "layout": layout_of(self.cfg),
-                "data": dataset.state_dict() if hasattr(dataset, "state_dict") else None}
+                "data": dataset.state_dict() if hasattr(dataset, "state_dict") else None,
+                "lr_scheduler": self.trainer.optim.scheduler.state_dict()}
         state = {META: meta, "weights": weights_state(self.shards),
                  "optimizer": optimizer_state(self.trainer, self.shards)}
         rng = capture()  # now: an async save publishes after later steps have drawn numbers

@@ -1,13 +1,12 @@
 """The optimizer part of a checkpoint, resharded like the parameters it belongs to.
 
-Today every module has a plain torch optimizer over the trainable parameters a
-rank holds (mimo.training.optim). Each per-parameter state tensor shaped like its
-parameter (Adam's `exp_avg`, `exp_avg_sq`; SGD's momentum) is stored under
-`optimizer.<parameter key>.<state name>` with the parameter's global shape and
-sharding, so it loads on any layout exactly like the weights; scalars (Adam's
-`step`) are stored once per parameter. This is the one module to replace when
-the optimizer becomes megatron-core's (whose `sharded_state_dict` gives the same
-kind of layout-independent entries).
+Every module's megatron-core optimizer state is stored per parameter, independent of
+the layout (mimo.training.optimizer.ModelOptimizer.param_state): each tensor shaped
+like its parameter (Adam's `exp_avg`, `exp_avg_sq`; bf16 runs' fp32 `master` weight)
+under `optimizer.<parameter key>.<state name>` with the parameter's global shape and
+sharding, so it loads on any layout exactly like the weights (with the distributed
+optimizer the DP owners' pieces are gathered first); scalars (Adam's `step`) are
+stored once per parameter. The learning-rate schedule's state goes in the metadata.
 """
 
 from __future__ import annotations
@@ -37,26 +36,25 @@ def _entry(s: ParamShard, name: str) -> str:
 
 
 def optimizer_state(trainer, shards: List[ParamShard]) -> Dict[str, List[ShardedTensor]]:
-    """Sharded state dict of every optimizer state tensor this rank holds (for saving)."""
+    """Sharded state dict of every optimizer state tensor of this rank's parameters (for saving).
+    Collective over each module's DP group with the distributed optimizer: every rank calls it."""
     of = _by_param(shards)
     out = {}
-    for opt in trainer.optimizers.values():
-        if opt is None:
+    for module in trainer.cfg.modules:  # the same order on every rank
+        if module not in trainer.optimizers:
             continue
-        for p, state in opt.state.items():
-            s = of[id(p)]
+        for pid, state in trainer.optim.param_state(module).items():
+            s = of[pid]
             for name, value in state.items():
-                if not torch.is_tensor(value):
-                    continue
                 key = f"{PREFIX}{s.key}.{name}"
-                if value.shape == p.shape:
+                if value.shape == s.param.shape:
                     out[_entry(s, name)] = s.sharded(key, value.detach())
                 elif value.numel() == 1:
                     out[_entry(s, name)] = [ShardedTensor.from_rank_offsets(key, value.detach().reshape(1),
                                                                             replica_id=_scalar_replica(s))]
                 else:
                     raise ValueError(f"optimizer state {name!r} of {s.key} has shape {tuple(value.shape)}, "
-                                     f"neither the parameter's {tuple(p.shape)} nor a scalar")
+                                     f"neither the parameter's {tuple(s.param.shape)} nor a scalar")
     return out
 
 
@@ -65,9 +63,7 @@ def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[st
     (`saved`: its tensors' metadata). A parameter without saved state (frozen when saved) starts fresh."""
     of = _by_param(shards)
     out = {}
-    for module, opt in trainer.optimizers.items():
-        if opt is None:
-            continue
+    for module in trainer.optimizers:
         for p in trainer.params[module]:
             s = of[id(p)]
             head = f"{PREFIX}{s.key}."
@@ -76,7 +72,7 @@ def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[st
                     continue
                 name = key[len(head):]
                 if tuple(meta.global_shape) == s.full_shape:
-                    out[_entry(s, name)] = s.sharded(key, torch.empty_like(p.detach()))
+                    out[_entry(s, name)] = s.sharded(key, torch.empty_like(p.detach(), dtype=meta.dtype))
                 else:
                     out[_entry(s, name)] = [ShardedTensor.from_rank_offsets(
                         key, torch.empty(1, dtype=meta.dtype), replica_id=_scalar_replica(s))]
@@ -84,11 +80,10 @@ def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[st
 
 
 def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict) -> None:
-    """Install the loaded state tensors into the torch optimizers (replacing any state they had)."""
+    """Install the loaded state tensors into the module optimizers (replacing any state they had)."""
     of = _by_param(shards)
-    for module, opt in trainer.optimizers.items():
-        if opt is None:
-            continue
+    for module in trainer.optimizers:
+        states = {}
         for p in trainer.params[module]:
             s = of[id(p)]
             head = _entry(s, "")
@@ -98,4 +93,5 @@ def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict) -> None:
                     t = s.join(pieces)
                     state[entry[len(head):]] = t if t.shape == p.shape else t.reshape(())
             if state:
-                opt.state[p] = state
+                states[id(p)] = state
+        trainer.optim.load_param_state(module, states)

@@ -15,6 +15,7 @@ PROJECTOR_KINDS = ("mlp", "linear")
 ATTENTION_KINDS = ("sdpa", "bitfield")
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 INIT_MODES = ("sharded", "reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
@@ -181,6 +182,15 @@ class TrainingConfig:
     precision: str = "fp32"
     weight_decay: float = 0.0
     clip_grad: float = 0.0
+    # Each DP rank of a module keeps the optimizer state (and fp32 master weights) of its
+    # 1/dp share of the module's parameters (megatron-core's distributed optimizer).
+    use_distributed_optimizer: bool = False
+    # Learning rate: linear warmup from 0 over lr_warmup_iters steps, then decay to min_lr at train_iters.
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    # Start each module's gradient reduction while backward still runs (GPU; off on CPU ranks).
+    overlap_grad_reduce: bool = False
     log_interval: int = 1
     timeout_minutes: float = 10.0
     # sharded: each rank draws only its own part, every parameter from a generator

@@ -18,6 +18,7 @@ from .schema import (
     ENCODER_KINDS,
     INIT_MODES,
     LANGUAGE,
+    LR_DECAY_STYLES,
     OPTIMIZERS,
     PRECISIONS,
     PROJECTOR_KINDS,
@@ -94,6 +95,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         add("training.weight_decay", "must be >= 0")
     if tr.clip_grad < 0:
         add("training.clip_grad", "must be >= 0 (0 disables clipping)")
+    _check_schedule(tr, add)
     if not tr.timeout_minutes > 0:
         add("training.timeout_minutes", "must be > 0")
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:
@@ -197,7 +199,7 @@ def _check_checkpoints(tr, add) -> None:
 
 def _positive_ints(cfg: MimoConfig, add) -> None:
     """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
-    non_negative = {"rank_offset", "seed", "num_workers"}
+    non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters"}
     sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
     sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
     sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
@@ -211,6 +213,21 @@ def _positive_ints(cfg: MimoConfig, add) -> None:
                     add(f"{path}.{f.name}", f"must be >= 0, got {v}")
             elif v < 1:
                 add(f"{path}.{f.name}", f"must be a positive integer, got {v}")
+
+
+def _check_schedule(tr, add) -> None:
+    """The learning-rate schedule: warmup, then decay from lr to min_lr by the last step."""
+    _check_choice(tr.lr_decay_style, LR_DECAY_STYLES, "training.lr_decay_style", add)
+    if tr.lr_warmup_iters > tr.train_iters:
+        add("training.lr_warmup_iters", f"warmup ({tr.lr_warmup_iters} steps) is longer than the run "
+            f"(train_iters = {tr.train_iters})")
+    if tr.use_distributed_optimizer and tr.offload_encoders:
+        add("training.use_distributed_optimizer", "cannot be combined with training.offload_encoders (offloading "
+            "replaces the parameters' storage, which the distributed optimizer gathers updated weights into)")
+    if not 0 <= tr.min_lr <= tr.lr:
+        add("training.min_lr", f"must be between 0 and training.lr ({tr.lr}), got {tr.min_lr}")
+    if tr.lr_decay_style == "constant" and tr.min_lr not in (0, tr.lr):
+        add("training.min_lr", "has no effect with lr_decay_style: constant (use linear or cosine)")
 
 
 def _check_choice(value, choices, path, add) -> None:

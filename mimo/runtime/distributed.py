@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -47,6 +48,11 @@ def setup_megatron(runtime: Runtime, seed: int) -> None:
     mcore_random.get_cuda_rng_tracker().add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
+
+
+def optimizer_scope(runtime: Runtime):
+    """Context for megatron-core DDP / optimizer calls: CPU ranks need `megatron_cpu.optimizer_on_cpu`."""
+    return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.optimizer_on_cpu()
 
 
 def shutdown() -> None:

@@ -24,14 +24,19 @@ megatron-core assumes a GPU in three places we reach:
    those two functions become no-ops here.
 
 Everything is idempotent and undone by :func:`restore` (used by tests).
+
+5. megatron-core's DDP grad buffers and optimizers (``optimizer_on_cpu``, a
+   context entered only around those calls, see its docstring).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.tensor_parallel import random as mcore_random
 
 _saved = {}
@@ -104,3 +109,55 @@ def restore() -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER = None
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     parallel_state._GLOBAL_MEMORY_BUFFER = None
+
+
+def _on_cpu(device):
+    return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
+
+def _cpu_torch():
+    """The `torch` namespace as megatron's optimizer module sees it inside `optimizer_on_cpu`:
+    tensors it creates on "cuda" are created on the CPU instead."""
+    ns = types.ModuleType("torch")
+    ns.__dict__.update(torch.__dict__)
+    ns.tensor = lambda *a, device=None, **kw: torch.tensor(*a, device=_on_cpu(device), **kw)
+    ns.zeros = lambda *a, device=None, **kw: torch.zeros(*a, device=_on_cpu(device), **kw)
+    return ns
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    """`Tensor.type()` with no argument names a CPU tensor's type as its CUDA twin ("torch.cuda.BFloat16Tensor")."""
+    name = _tensor_type(self, *args, **kwargs)
+    if args or kwargs or self.is_cuda or not isinstance(name, str):
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def optimizer_on_cpu():
+    """Run megatron-core DDP / optimizer calls (construction, grad sync, step) on a CPU rank.
+
+    megatron-core 0.16.1 assumes CUDA there; inside this context:
+    * ``torch.cuda.current_device()`` answers the CPU device: grad and param buffers
+      (distributed/param_and_grad_buffer.py, the ``torch.zeros(..., device=torch.cuda.current_device())``
+      of ``_ParamAndGradBuffer.__init__``), the distributed optimizer's shard buffers
+      (optimizer/distrib_optimizer.py) and ``ChainedOptimizer.get_loss_scale`` (optimizer/optimizer.py);
+    * optimizer/optimizer.py's ``torch.tensor(..., device='cuda')`` (``found_inf``, ``_scale_one``,
+      ``_dummy_overflow_buf`` of ``MixedPrecisionOptimizer``, ``_scale`` of ``FP32Optimizer``) are made
+      on the CPU;
+    * ``Float16OptimizerWithFloat16Params`` sorts parameters by ``param.type()`` against the strings
+      'torch.cuda.BFloat16Tensor' / 'torch.cuda.FloatTensor' and rejects anything else, so a CPU
+      tensor reports its CUDA type name.
+    Remove this when megatron-core allocates on the parameters' device.
+    """
+    saved = (torch.cuda.current_device, mcore_optimizer.torch, torch.Tensor.type)
+    torch.cuda.current_device = _cpu_device
+    mcore_optimizer.torch = _cpu_torch()
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, mcore_optimizer.torch, torch.Tensor.type = saved

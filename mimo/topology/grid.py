@@ -73,6 +73,7 @@ class ModuleGrid:
         pgs.expt_tp = self.groups["tp"]
         pgs.tp_ep = self.groups["tp"]
         pgs.expt_dp = self.groups["dp"]
+        pgs.tp_ep_pp = self.groups["mp"]
         return pgs
 
 

@@ -45,8 +45,6 @@ from mimo.schedule.noncolocated import BoundaryJoin, BoundarySource, StageLink, 
 from mimo.schedule.three_phase import SlicedBoundary, StagedPass, WholePass, microbatch_offsets, run_three_phase
 from mimo.topology import Layout
 
-from .grad_sync import trainable
-from .optim import build_optimizer
 from .trainer import Trainer, TrainerBase, unsupported_layout
 
 COLOCATED, NON_COLOCATED = "colocated", "non-colocated"
@@ -188,8 +186,7 @@ class HeterogeneousTrainer(TrainerBase):
                 enable_context_parallel_rope(self.parts[LANGUAGE])
         for m in self.parts.values():
             m.to(runtime.device)
-        self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
-        self.optimizers = {name: build_optimizer(p, tr) for name, p in self.params.items()}
+        self._build_optimizer()
         self.dataset = build_dataset(cfg)
         self.balancer = StepBalancer(cfg)
         self._order = None  # data.balance: step sample index of each trainer position (None: identity)

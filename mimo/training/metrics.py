@@ -260,9 +260,7 @@ class StepReporter:
 
         G = tr.global_batch_size
         work = step_work(self.cfg, [self.trainer.dataset.sample(step * G + i) for i in range(G)])
-        opts = [o for o in self.trainer.optimizers.values() if o is not None]
-        lr = opts[0].param_groups[0]["lr"] if opts else tr.lr
-        rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, lr, res.step_time_s, work, res.times,
+        rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, res.lr, res.step_time_s, work, res.times,
                           self.world, self.peak)
         rec["packing_efficiency"] = self.trainer.dataset.metrics(step)["packing_efficiency"]
         self.writers.write(rec)

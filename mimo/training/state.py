@@ -38,7 +38,8 @@ def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], 
         for name, p in m.named_parameters():
             if only_trainable and not p.requires_grad:
                 continue
-            t = p.grad if grads else p
+            # megatron-core DDP accumulates (and reduces) gradients in `main_grad`.
+            t = getattr(p, "main_grad", p.grad) if grads else p
             if t is None:
                 continue
             key = global_name(name, (layer_offsets or {}).get(module, 0))

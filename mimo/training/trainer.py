@@ -40,10 +40,8 @@ from mimo.schedule.p2p import StagePeers
 from mimo.schedule.plan import build_plan
 from mimo.topology import Topology, build_topology
 
-from .grad_sync import (allreduce_gradients, allreduce_sequence_parallel_gradients, clip_by_global_norm,
-                        local_grad_sq_norm, trainable)
 from .metrics import StepTimes, reduce_step
-from .optim import build_optimizer
+from .optimizer import ModelOptimizer, trainable
 
 
 def unsupported_layout(cfg: MimoConfig) -> List[str]:
@@ -79,12 +77,13 @@ class StepResult:
     loss_tokens: int     # positions that carry a loss
     step_time_s: float
     times: Optional[StepTimes] = None  # per-module times, peak memory, skipped samples (max over ranks)
+    lr: float = 0.0                    # the learning rate this step trained with (the schedule's)
 
 
 class TrainerBase:
-    """What every mimo trainer shares: initialisation of a module part, per-module
-    gradient reduction, the global norm, the optimizer steps and timing.
-    Subclasses call `_start`, set `params` and `optimizers` and provide
+    """What every mimo trainer shares: initialisation of a module part, the optimizer
+    step (per-module gradient reduction, the global norm, per-module optimizers) and timing.
+    Subclasses call `_start`, build `parts`, call `_build_optimizer` and provide
     `forward_backward`."""
 
     def _start(self, cfg: MimoConfig, runtime: Runtime, problems: List[str]) -> None:
@@ -143,36 +142,31 @@ class TrainerBase:
             return build_llm(self.cfg, layout, pgs)
         return build_encoder(self.cfg, name, layout, pgs)
 
-    def reduce_gradients(self) -> float:
-        local = torch.zeros((), dtype=torch.float64)
-        for name, params in self.params.items():
-            g = self.topo.grid(name)
-            allreduce_sequence_parallel_gradients(params, g.groups["tp"])
-            allreduce_gradients(params, g.groups["dp_cp"])
-            c = g.coords
-            local += local_grad_sq_norm(params, c["tp"], c["dp"] * g.layout.cp + c["cp"])
-        return clip_by_global_norm(list(self.params.values()), local, self.cfg.training.clip_grad,
-                                   self.runtime.device)
+    def _build_optimizer(self) -> None:
+        """Per-module DDP wrappers and megatron optimizers over this rank's `parts` (frozen: none)."""
+        self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
+        self.optim = ModelOptimizer(self.cfg, self.parts, self.topo, self.runtime)
+
+    @property
+    def optimizers(self):
+        """module -> megatron-core optimizer, for the trainable module parts this rank holds."""
+        return self.optim.optimizers
 
     def train_step(self, step: int) -> StepResult:
         synchronize(self.runtime)
         start = time.perf_counter()
         self.timer.reset()
-        for params in self.params.values():
-            for p in params:
-                p.grad = None
+        self.optim.zero_grad()
+        lr = self.optim.lr
         loss, n_tokens = self.forward_backward(step)
-        norm = self.reduce_gradients()
-        for opt in self.optimizers.values():
-            if opt is not None:
-                opt.step()
+        norm = float(self.optim.step())
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
         tr = self.cfg.training
         # Records the data side skipped so far (cumulative; mock data skips none).
         times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"])
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          elapsed, times)
+                          elapsed, times, lr)
 
 
 class Trainer(TrainerBase):
@@ -205,8 +199,7 @@ class Trainer(TrainerBase):
         for m in self.parts.values():
             m.to(runtime.device)
         self.model = MultimodalModel(cfg, {n: self.parts[n] for n in cfg.model.encoders}, llm)
-        self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
-        self.optimizers = {name: build_optimizer(p, cfg.training) for name, p in self.params.items()}
+        self._build_optimizer()
         self.dataset = build_dataset(cfg)
         self.balancer = StepBalancer(cfg)
         tr, mine = cfg.training, self.grid.coords["dp"]

@@ -1,0 +1,254 @@
+"""megatron-core's DDP and optimizers per module, one global gradient-norm clip and one step.
+
+Each trainable module part a rank holds is wrapped in megatron-core's
+`DistributedDataParallel` over the module's own DP (x CP) group and gets its own
+megatron optimizer (Adam or SGD; bf16 params with fp32 master weights; optionally
+the distributed optimizer). The schedules keep calling the inner modules: DDP's
+hooks accumulate each gradient into `param.main_grad`.
+
+The step clips with ONE norm over every trainable parameter of the whole model,
+on every rank (also ranks without a trainable module take part in its all-reduce),
+then steps every module's optimizer and the learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Dict, Iterable, List
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from mimo.config import MimoConfig, TrainingConfig
+from mimo.model.transformer_config import dtype_of
+from mimo.runtime import Runtime, optimizer_scope
+from mimo.topology import Topology
+
+
+def trainable(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    return [p for p in params if p.requires_grad]
+
+
+def is_trainable(module: torch.nn.Module) -> bool:
+    return bool(trainable(module.parameters()))
+
+
+def transformer_config(part: torch.nn.Module) -> TransformerConfig:
+    """The megatron config a module part was built with (its own, else its first submodule's)."""
+    for m in part.modules():
+        if isinstance(getattr(m, "config", None), TransformerConfig):
+            return m.config
+    raise ValueError(f"{type(part).__name__} holds no megatron-core module with a TransformerConfig")
+
+
+def lr_scheduler(optimizer, tr: TrainingConfig) -> OptimizerParamScheduler:
+    """Linear warmup from 0 over `lr_warmup_iters` steps, then `lr_decay_style` to `min_lr` at `train_iters`.
+
+    Step s (0-based) trains with the schedule's value after s increments (megatron-core's convention)."""
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=tr.lr, min_lr=tr.min_lr, lr_warmup_steps=tr.lr_warmup_iters,
+        lr_decay_steps=max(tr.train_iters, tr.lr_warmup_iters + 1), lr_decay_style=tr.lr_decay_style,
+        start_wd=tr.weight_decay, end_wd=tr.weight_decay, wd_incr_steps=max(tr.train_iters, 1),
+        wd_incr_style="constant")
+
+
+@contextlib.contextmanager
+def _module_param_groups():
+    """megatron-core's `_get_param_groups` all-gathers param-group keys over the WORLD so that every
+    rank of one model has the same groups for megatron's own optimizer checkpoints. mimo builds one
+    optimizer per module, on that module's ranks only (other ranks hold other modules), and
+    checkpoints per parameter; within a module every rank already has the same groups. Inside this
+    context the gather returns this rank's own keys for every rank (no communication)."""
+    gather = dist.all_gather_object
+
+    def own_keys(out, obj, group=None):
+        out[:] = [obj] * len(out)
+
+    dist.all_gather_object = own_keys
+    try:
+        yield
+    finally:
+        dist.all_gather_object = gather
+
+
+class ModelOptimizer:
+    """Per-module DDP wrappers and optimizers of this rank, one clip and one step for the whole model."""
+
+    def __init__(self, cfg: MimoConfig, parts: Dict[str, torch.nn.Module], topo: Topology, runtime: Runtime):
+        tr = cfg.training
+        if tr.overlap_grad_reduce and not runtime.is_cuda:
+            raise ValueError("training.overlap_grad_reduce: needs CUDA ranks (set it to false on CPU)")
+        self.cfg, self.runtime, self.topo = cfg, runtime, topo
+        self.clip = tr.clip_grad
+        self.ddp: Dict[str, DistributedDataParallel] = {}
+        self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
+        self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=tr.overlap_grad_reduce,
+            use_distributed_optimizer=tr.use_distributed_optimizer)
+        opt_config = OptimizerConfig(
+            optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,
+            bf16=tr.precision == "bf16", params_dtype=dtype_of(tr.precision),
+            use_distributed_optimizer=tr.use_distributed_optimizer, clip_grad=tr.clip_grad, sgd_momentum=0.0)
+        with optimizer_scope(runtime), _module_param_groups():
+            # Config order on every rank: the step's per-module collectives then come in one order.
+            for name in cfg.modules:
+                part = parts.get(name)
+                if part is None or not is_trainable(part):
+                    continue  # not held, or frozen: no grad buffer, no optimizer
+                pgs = topo.grid(name).pg_collection()
+                pgs.intra_dist_opt = pgs.dp_cp  # one distributed-optimizer instance over the module's DP x CP
+                self.groups[name] = pgs
+                config = copy.copy(transformer_config(part))
+                # The loss is already divided by the global batch's loss-token count, so DP ranks
+                # SUM their gradients (megatron's per-token-loss mode) rather than average them.
+                config.calculate_per_token_loss = True
+                self.ddp[name] = DistributedDataParallel(config, copy.copy(ddp_config), part, pg_collection=pgs)
+                chained = get_megatron_optimizer(opt_config, [self.ddp[name]], pg_collection=pgs,
+                                                 use_gloo_process_groups=False)
+                inner = [o for o in chained.chained_optimizers if o.get_parameters()]
+                if len(inner) != 1:
+                    raise RuntimeError(f"{name}: expected one megatron optimizer, got {len(inner)}")
+                self.optimizers[name] = inner[0]
+        # One schedule drives every module's param groups.
+        self.scheduler = lr_scheduler(ChainedOptimizer(list(self.optimizers.values())), tr)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return self.scheduler.get_lr({})
+
+    def zero_grad(self) -> None:
+        with optimizer_scope(self.runtime):
+            for name, ddp in self.ddp.items():
+                ddp.zero_grad_buffer()
+                self.optimizers[name].zero_grad()
+
+    def _local_sq_norm(self, name: str, opt) -> torch.Tensor:
+        """This rank's share of the squared norm of module `name`'s gradients, each element counted once:
+        TP shards all count, TP-replicated parameters on TP rank 0; DP/CP replicas on DP/CP rank 0 (the
+        distributed optimizer's DP ranks each own a disjoint shard: all count)."""
+        g = self.topo.grid(name)
+        c = g.coords
+        if not self.cfg.training.use_distributed_optimizer and c["dp"] * g.layout.cp + c["cp"] != 0:
+            return torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        grads = [p.grad for p in opt.get_parameters()
+                 if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or c["tp"] == 0)]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        return torch.stack([gr.detach().double().pow(2).sum() for gr in grads]).sum()
+
+    def step(self) -> torch.Tensor:
+        """Finish the gradient reductions, clip by the global norm, step every module; returns the norm."""
+        with optimizer_scope(self.runtime):
+            local = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+            for name, ddp in self.ddp.items():
+                # DP (x CP) reduction, then the TP sum of sequence-parallel replicated weights' grads.
+                finalize_model_grads([ddp], pg_collection=self.groups[name])
+                opt = self.optimizers[name]
+                opt.prepare_grads()
+                local += self._local_sq_norm(name, opt)
+            dist.all_reduce(local)  # every rank, also those without a trainable module
+            norm = local.sqrt()
+            if self.clip > 0:
+                coeff = (self.clip / (norm + 1e-6)).clamp(max=1.0).float()
+                for opt in self.optimizers.values():
+                    grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, coeff)
+            for opt in self.optimizers.values():
+                opt.step_with_ready_grads()
+            self.scheduler.step(increment=1)
+        return norm
+
+    def reload_model_params(self) -> None:
+        """After the weights changed outside the optimizer (a checkpoint load): refresh the fp32 masters."""
+        with optimizer_scope(self.runtime):
+            for opt in self.optimizers.values():
+                opt.reload_model_params()
+
+    # -- per-parameter state (checkpoints) ----------------------------------------------------
+
+    def _owned(self, name: str) -> Dict[int, tuple]:
+        """id(model param) -> (the inner optimizer's param for it, its flat range in the model param or
+        None for all of it). With the distributed optimizer only the params this DP rank owns a
+        piece of appear; bf16 params map to their fp32 master copies."""
+        opt = self.optimizers[name]
+        out = {}
+        if isinstance(opt, DistributedOptimizer):
+            for models, shards in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                   (opt.model_fp32_groups, opt.shard_fp32_groups)):
+                for mg, sg in zip(models, shards):
+                    for p, s in zip(mg, sg):
+                        r = opt._get_model_param_range_map(p)["param"]
+                        out[id(p)] = (s, (r.start, r.end))
+        elif hasattr(opt, "float16_groups"):  # bf16: fp32 master weights
+            for mg, sg in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                out.update({id(p): (s, None) for p, s in zip(mg, sg)})
+            out.update({id(p): (p, None) for g in opt.fp32_from_fp32_groups for p in g})
+        else:
+            out.update({id(p): (p, None) for g in opt.optimizer.param_groups for p in g["params"]})
+        return out
+
+    def param_state(self, name: str) -> Dict[int, Dict[str, torch.Tensor]]:
+        """id(model param) -> {"exp_avg", "exp_avg_sq" (Adam, once stepped), "master" (bf16): fp32 tensors
+        shaped like the model param; "step": scalar} for module `name`'s trainable params. Collective over
+        the module's DP x CP group with the distributed optimizer (each owner contributes its piece)."""
+        opt, owned = self.optimizers[name], self._owned(name)
+        inner, dist_opt = opt.optimizer, isinstance(opt, DistributedOptimizer)
+        group = self.topo.grid(name).groups["dp_cp"]
+        states = [inner.state.get(key, {}) for key, _ in owned.values()]
+        # Adam's moments exist once the module has stepped; with the distributed optimizer a DP rank
+        # may own no piece of the module, so the owners tell it.
+        seen = torch.tensor([max([float("exp_avg" in st) for st in states], default=0.0),
+                             max([float(st["step"]) for st in states if "step" in st], default=0.0)],
+                            device=self.runtime.device)
+        if dist_opt:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+        stepped, step = bool(seen[0]), seen[1].reshape(()).float().cpu()
+        names = (["exp_avg", "exp_avg_sq"] if stepped else []) + (["master"] if opt.config.bf16 else [])
+        out = {}
+        for p in trainable(self.ddp[name].module.parameters()):
+            key, rng = owned.get(id(p), (None, None))
+            state = inner.state.get(key, {}) if key is not None else {}
+            tensors = {}
+            for s in names:
+                local = key if s == "master" else state.get(s)
+                if not dist_opt:
+                    tensors[s] = local.detach().view(p.shape)
+                    continue
+                full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
+                if rng is not None:
+                    full[rng[0]:rng[1]] = local.detach().view(-1)
+                dist.all_reduce(full, group=group)  # the owners' pieces are disjoint
+                tensors[s] = full.view(p.shape)
+            if stepped:
+                tensors["step"] = step.clone()
+            if tensors:
+                out[id(p)] = tensors
+        return out
+
+    def load_param_state(self, name: str, states: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """Install `param_state`-shaped entries (full tensors of this rank's params) into module `name`'s
+        optimizer; with the distributed optimizer each rank keeps its own piece."""
+        opt, owned = self.optimizers[name], self._owned(name)
+        for p in trainable(self.ddp[name].module.parameters()):
+            if id(p) not in states or id(p) not in owned:
+                continue
+            key, rng = owned[id(p)]
+            piece = (lambda t: t.reshape(-1)[rng[0]:rng[1]].clone()) if rng else (lambda t: t.clone())
+            full = states[id(p)]
+            state = {s: piece(t.to(key.device, torch.float32)).view_as(key) for s, t in full.items()
+                     if s not in ("step", "master")}
+            if "master" in full:
+                key.data.copy_(piece(full["master"].to(key.device, torch.float32)).view_as(key))
+            if "step" in full:
+                state["step"] = full["step"].reshape(()).to(torch.float32)
+            if state:
+                opt.optimizer.state[key] = state

@@ -1,0 +1,130 @@
+"""megatron-core optimizer stack: LR schedule values, the distributed optimizer vs one rank (FP32),
+bf16 with fp32 master weights vs FP32, and frozen modules without optimizer or gradient buffer."""
+
+import math
+
+import pytest
+import torch
+
+from mimo.config import load_config
+from mimo.runtime import run_on_ranks, select_runtime
+from mimo.training import Trainer
+from mimo.training.optimizer import lr_scheduler
+from mimo.training.parity import max_rel_diff, record_run
+from tiny import tiny
+
+STEPS = 3
+
+
+# -- learning-rate schedule (no processes) ------------------------------------------------------
+
+class _Groups:
+    """The one thing the schedule touches: param groups (here one, without params)."""
+
+    def __init__(self):
+        self.param_groups = [{"params": []}]
+
+
+def _lrs(steps, **training):
+    raw = tiny()
+    raw["training"].update(lr=1.0, train_iters=10, **training)
+    tr = load_config(raw).training
+    opt = _Groups()
+    sched = lr_scheduler(opt, tr)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        assert sched.get_lr({}) == out[-1]  # what the metrics report is what the optimizer uses
+        sched.step(increment=1)
+    return out
+
+
+def test_constant_schedule_is_the_configured_lr():
+    assert _lrs(12) == [1.0] * 12
+
+
+def test_warmup_then_linear_decay_to_min_lr():
+    got = _lrs(12, lr_warmup_iters=2, lr_decay_style="linear", min_lr=0.1)
+    # Warmup from 0 over 2 steps, then lr - (lr - min_lr) * (s - 2) / (10 - 2); min_lr from step 10 on.
+    want = [0.0, 0.5, 1.0] + [0.1 + 0.9 * (1 - (s - 2) / 8) for s in range(3, 11)] + [0.1]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_cosine_decay_to_min_lr():
+    got = _lrs(11, lr_decay_style="cosine", min_lr=0.1)
+    want = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(11)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert got[5] == pytest.approx(0.55) and got[10] == pytest.approx(0.1)
+
+
+# -- training runs --------------------------------------------------------------------------------
+
+def _run(raw, steps, sabotage=None):
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    if sabotage == "no_param_gather":
+        from megatron.core.distributed import DistributedDataParallel
+
+        # Each DP rank then keeps only the update of its own shard of the parameters.
+        DistributedDataParallel.start_param_sync = lambda self, *a, **k: None
+    run = record_run(trainer, steps)
+    masters = {}
+    for name, opt in trainer.optimizers.items():
+        masters[name] = sorted({str(p.dtype) for p in opt.get_parameters()})
+    params = {f"{n}.{k}": str(p.dtype) for n, m in trainer.parts.items() for k, p in m.named_parameters()}
+    buffers = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if hasattr(p, "main_grad")}
+    return dict(run, modules=sorted(trainer.optimizers), ddp=sorted(trainer.optim.ddp), masters=masters,
+                param_dtypes=params, buffers=buffers)
+
+
+def _adam(layout=None, **training):
+    raw = tiny(**(layout or {}))
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, **training)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def adam_reference():
+    return run_on_ranks(_run, 1, _adam(), STEPS)[0]
+
+
+def test_distributed_optimizer_equals_single_rank(adam_reference):
+    results = run_on_ranks(_run, 2, _adam(dict(dp=2), use_distributed_optimizer=True), STEPS)
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(adam_reference["losses"]),
+                                   rtol=1e-5, atol=0)
+        # Adam's normalised update magnifies the DP summation order's rounding in near-zero gradients:
+        # the same bound as the checkpoint tests' Adam cross-layout resume.
+        assert max_rel_diff(got["params"], adam_reference["params"]) <= 1e-4
+
+
+def test_distributed_optimizer_parity_catches_a_missing_param_gather(adam_reference):
+    got = run_on_ranks(_run, 2, _adam(dict(dp=2), use_distributed_optimizer=True), STEPS, "no_param_gather")[0]
+    assert max_rel_diff(got["params"], adam_reference["params"]) > 1e-3
+
+
+def test_bf16_keeps_fp32_masters_tracks_fp32_and_learns(adam_reference):
+    got = run_on_ranks(_run, 1, _adam(precision="bf16"), STEPS)[0]
+    ref = adam_reference["losses"]
+    # bf16 weights and activations, fp32 master weights: within 2% of the FP32 run's losses.
+    for a, b in zip(got["losses"], ref):
+        assert abs(a - b) <= 0.02 * abs(b), (got["losses"], ref)
+    assert got["losses"][-1] < got["losses"][0]
+    # Model weights are bf16 (the LLM keeps its norms in fp32); what the optimizer steps is fp32.
+    fp32 = {k for k, v in got["param_dtypes"].items() if v != "torch.bfloat16"}
+    assert all("layernorm" in k for k in fp32), fp32
+    assert any("linear" in k for k in got["param_dtypes"]) and not any("linear" in k for k in fp32)
+    assert got["masters"] == {m: ["torch.float32"] for m in ("audio", "images", "language")}
+    # Negative control for the tolerance: bf16 differs from fp32 at all.
+    assert got["losses"] != ref
+
+
+def test_frozen_module_gets_no_optimizer_and_no_grad_buffer():
+    raw = tiny()
+    raw["model"]["encoders"]["audio"]["projector"]["frozen"] = True  # audio entirely frozen
+    got = run_on_ranks(_run, 1, raw, 0)[0]
+    assert got["modules"] == got["ddp"] == ["images", "language"]
+    assert got["buffers"] and not any(k.startswith("audio.") for k in got["buffers"])
+    # Control: with its projector trainable, audio has both.
+    both = run_on_ranks(_run, 1, tiny(), 0)[0]
+    assert both["modules"] == both["ddp"] == ["audio", "images", "language"]
+    assert any(k.startswith("audio.projector.") for k in both["buffers"])
