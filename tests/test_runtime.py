@@ -68,3 +68,17 @@ def test_gpu_check_says_there_is_nothing_to_check_without_cuda():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["cuda"] is False and "nothing to check" in report["message"]
+
+
+def _env_value():
+    import os
+
+    return os.environ.get("MIMO_TEST_ENV")
+
+
+def test_ranks_see_the_callers_environment_of_each_call(monkeypatch):
+    # Ranks fork from a long-lived fork server; they must still see changes made since it started.
+    monkeypatch.setenv("MIMO_TEST_ENV", "first")
+    assert run_on_ranks(_env_value, 1) == ["first"]
+    monkeypatch.setenv("MIMO_TEST_ENV", "second")
+    assert run_on_ranks(_env_value, 1) == ["second"]

@@ -322,14 +322,16 @@ def test_checker_catches_missing_recv():
 
 
 def _send_send(batched):
+    # Stage 0 sends an activation and receives a gradient; stage 1 the reverse; both send first.
     ranks = [RankActions(0), RankActions(1)]
     for me, out in enumerate(ranks):
-        ops = [("send", "activation", 0, 1 - me), ("recv", "activation", 0, 1 - me)]
+        mine, theirs = ("activation", "gradient")[::1 - 2 * me]
+        ops = [("send", mine, 0, 1 - me), ("recv", theirs, 0, 1 - me)]
         if batched:
-            out.exchange("language", 0, ops)
+            out.exchange("language", me, ops)
         else:
             for op in ops:
-                out.exchange("language", 0, [op])
+                out.exchange("language", me, [op])
     return _plan(*ranks)
 
 
@@ -337,6 +339,22 @@ def test_checker_catches_unbatched_send_send():
     check_plan(_send_send(batched=True))  # control: posted together, both complete
     with pytest.raises(PlanError, match=r"(?s)deadlocks.*rank 0 blocks.*waits for rank 1.*rank 1 blocks"):
         check_plan(_send_send(batched=False))
+
+
+def test_checker_catches_messages_crossed_between_modules():
+    # Two encoders' stage links between the same two ranks: without tags, the order is all that
+    # keeps their messages apart, so both ranks must post them in the same module order.
+    def plan(recv_order):
+        a, b = RankActions(0), RankActions(1)
+        for module in ("images", "audio"):
+            a.exchange(module, 0, [("send", "activation", 0, 1)])
+        for module in recv_order:
+            b.exchange(module, 1, [("recv", "activation", 0, 0)])
+        return _plan(a, b)
+
+    check_plan(plan(("images", "audio")))  # control: same order on both ranks
+    with pytest.raises(PlanError, match=r"from rank 0 to rank 1 does not match.*images.*audio"):
+        check_plan(plan(("audio", "images")))
 
 
 def test_checker_catches_broken_real_plan():

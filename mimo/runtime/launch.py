@@ -29,7 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, timeout_minutes):
+def _worker(rank, world_size, port, fn, args, results, timeout_minutes, environ):
+    # The fork server's environment is the one it started with; a rank must see the
+    # caller's environment as of this call (e.g. TRITON_INTERPRET set by a test).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Keep each rank single-threaded: N ranks share the machine's cores.
@@ -58,7 +62,8 @@ def _worker(rank, world_size, port, fn, args, results, timeout_minutes):
 
 # What every rank imports anyway. The fork server imports it once; each rank is then a fork
 # of that clean, single-threaded process instead of a fresh interpreter importing torch and
-# megatron-core again (seconds per rank on a small machine).
+# megatron-core again (seconds per rank on a small machine). CPU ranks only: nothing imported
+# here may initialise CUDA, which a forked process could not use.
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "mimo.runtime.distributed"]
 
 
@@ -78,7 +83,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 300.0,
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s / 60.0),
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s / 60.0, environ),
                          daemon=daemon) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,6 +1,7 @@
 """The few adaptations megatron-core 0.16 needs to run on CPU ranks (gloo).
 
-megatron-core assumes a GPU in three places we reach:
+megatron-core assumes a GPU in the places below (1-4 for models, then the
+optimizer stack in `optimizer_on_cpu`):
 
 1. Buffers are allocated with ``device=torch.cuda.current_device()`` (tensor
    parallel gathers, RoPE frequencies, the global memory buffer). On a CPU run

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Dict, List, Tuple
 
-from .plan import COLLECTIVE, RECV, SEND, Action, PlanError, StepPlan
+from .plan import ACTIVATION, COLLECTIVE, RECV, SEND, Action, PlanError, StepPlan
 
 Where = Tuple[int, int]  # (rank, index of the group in that rank's list)
 
@@ -47,7 +47,11 @@ def _match(plan: StepPlan, groups: List[List[List[Action]]]) -> Dict[Tuple[int, 
         s, v = sends[pair], recvs[pair]
         for n, (ws, wr) in enumerate(zip(s, v)):
             a, b = groups[ws[0]][ws[1]][ws[2]], groups[wr[0]][wr[1]][wr[2]]
-            if (a.tensor, a.mb) != (b.tensor, b.mb):
+            # Same kind, microbatch and module (encoders sharing ranks must not cross their
+            # messages), and the receiver is the sender's neighbouring stage in the flow's direction.
+            step = 1 if a.tensor == ACTIVATION else -1
+            if (a.tensor, a.mb, a.module) != (b.tensor, b.mb, b.module) or (
+                    a.stage is not None and b.stage is not None and b.stage != a.stage + step):
                 raise PlanError(f"message #{n} from rank {src} to rank {dst} does not match: rank {src} posts "
                                 f"`{a.describe()}` but rank {dst} posts `{b.describe()}` (messages between two "
                                 "ranks match in posting order; tags are not used)")

@@ -202,14 +202,15 @@ def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: Li
     stepped = [n for n in held if module_trainable(cfg, n)]
     for n in stepped:
         lay = layouts[n]
-        # Sequence-parallel weights (the transformer's norms) are summed over TP first.
+        # megatron-core's finalize_model_grads: the DP (x CP) reduction first, then the TP sum of the
+        # sequence-parallel weights (the transformer's norms).
+        dp_cp = lay.group_of(rank, ["cp", "dp"])
+        if len(dp_cp) > 1:
+            out.collective(f"grad_sync {n} dp_cp {dp_cp}", dp_cp, n)
         transformer_trainable = not (cfg.model.language if n == LANGUAGE else cfg.model.encoders[n]).frozen
         if cfg.parallelism[n].sp and lay.tp > 1 and transformer_trainable:
             tp = lay.group_of(rank, ["tp"])
             out.collective(f"grad_sync {n} tp {tp}", tp, n)
-        dp_cp = lay.group_of(rank, ["cp", "dp"])
-        if len(dp_cp) > 1:
-            out.collective(f"grad_sync {n} dp_cp {dp_cp}", dp_cp, n)
     out.collective("grad norm", world)
     for n in stepped:
         out.local(OPTIMIZER, n)

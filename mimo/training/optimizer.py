@@ -55,7 +55,10 @@ def lr_scheduler(optimizer, tr: TrainingConfig) -> OptimizerParamScheduler:
         optimizer, init_lr=0.0, max_lr=tr.lr, min_lr=tr.min_lr, lr_warmup_steps=tr.lr_warmup_iters,
         lr_decay_steps=max(tr.train_iters, tr.lr_warmup_iters + 1), lr_decay_style=tr.lr_decay_style,
         start_wd=tr.weight_decay, end_wd=tr.weight_decay, wd_incr_steps=max(tr.train_iters, 1),
-        wd_incr_style="constant")
+        wd_incr_style="constant",
+        # On resume the step count comes from the checkpoint and the shape of the schedule from this
+        # config, so a run extended with a larger train_iters decays over its new length.
+        override_opt_param_scheduler=True)
 
 
 @contextlib.contextmanager
@@ -207,7 +210,10 @@ class ModelOptimizer:
         # Adam's moments exist once the module has stepped; with the distributed optimizer a DP rank
         # may own no piece of the module, so the owners tell it.
         seen = torch.tensor([max([float("exp_avg" in st) for st in states], default=0.0),
-                             max([float(st["step"]) for st in states if "step" in st], default=0.0)],
+                             # torch's Adam counts steps per parameter; fused Adams (Transformer Engine,
+                             # apex) per param group.
+                             max([float(st["step"]) for st in states if "step" in st]
+                                 + [float(g["step"]) for g in inner.param_groups if "step" in g], default=0.0)],
                             device=self.runtime.device)
         if dist_opt:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
@@ -227,7 +233,8 @@ class ModelOptimizer:
                 if rng is not None:
                     full[rng[0]:rng[1]] = local.detach().view(-1)
                 dist.all_reduce(full, group=group)  # the owners' pieces are disjoint
-                tensors[s] = full.view(p.shape)
+                # To host memory at once: the device then holds one whole parameter's state at a time.
+                tensors[s] = full.view(p.shape).cpu()
             if stepped:
                 tensors["step"] = step.clone()
             if tensors:
@@ -252,3 +259,8 @@ class ModelOptimizer:
                 state["step"] = full["step"].reshape(()).to(torch.float32)
             if state:
                 opt.optimizer.state[key] = state
+            if "step" in full:
+                for g in opt.optimizer.param_groups:
+                    if "step" in g:
+                        g["step"] = type(g["step"])(full["step"]) if not torch.is_tensor(g["step"]) \
+                            else full["step"].reshape(()).to(g["step"])
