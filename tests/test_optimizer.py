@@ -89,12 +89,15 @@ def adam_reference():
 
 def test_distributed_optimizer_equals_single_rank(adam_reference):
     results = run_on_ranks(_run, 2, _adam(dict(dp=2), use_distributed_optimizer=True), STEPS)
+    plain = run_on_ranks(_run, 2, _adam(dict(dp=2)), STEPS)[0]
     for got in results:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(adam_reference["losses"]),
                                    rtol=1e-5, atol=0)
-        # Adam's normalised update magnifies the DP summation order's rounding in near-zero gradients:
-        # the same bound as the checkpoint tests' Adam cross-layout resume.
-        assert max_rel_diff(got["params"], adam_reference["params"]) <= 1e-4
+        # Against the same DP2 layout without it, sharding the optimizer changes nothing.
+        assert max_rel_diff(got["params"], plain["params"]) <= 1e-6
+        # Against 1 rank: Adam's normalised update (lr 0.01 here) magnifies the DP summation order's
+        # rounding in near-zero gradients; the plain DP2 run is exactly as far (measured 1.6e-4).
+        assert max_rel_diff(got["params"], adam_reference["params"]) <= 3e-4
 
 
 def test_distributed_optimizer_parity_catches_a_missing_param_gather(adam_reference):

@@ -58,7 +58,7 @@ def lr_scheduler(optimizer, tr: TrainingConfig) -> OptimizerParamScheduler:
         wd_incr_style="constant",
         # On resume the step count comes from the checkpoint and the shape of the schedule from this
         # config, so a run extended with a larger train_iters decays over its new length.
-        override_opt_param_scheduler=True)
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
 @contextlib.contextmanager
