@@ -45,11 +45,14 @@ def bitfield(raw):
 
 
 def _train(raw, steps, skip_sp_grad_sum=False):
-    from mimo.training import trainer as trainer_module
+    import importlib
+
     from mimo.training.heterogeneous import make_trainer
 
     if skip_sp_grad_sum:  # negative control: the TP sum of sequence-parallel weights' gradients left out
-        trainer_module.allreduce_sequence_parallel_gradients = lambda params, group: None
+        # (the module, not the function of the same name that megatron.core.distributed exports)
+        finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        finalize._allreduce_non_tensor_model_parallel_grads = lambda *args, **kwargs: None
     trainer = make_trainer(load_config(raw), select_runtime("cpu"))
     built = {}
     for name, part in trainer.parts.items():
