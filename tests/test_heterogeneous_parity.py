@@ -103,10 +103,6 @@ def test_parity_catches_a_wrong_gradient_route_into_a_pipelined_colocated_encode
         assert_same_run(dict(deeper_reference, losses=deeper_reference["losses"][:1], params={}), got)
 
 
-# -m slow: fan-out into a pipelined LLM stays covered by test_encoders_with_different_pipeline_depths_and_a_frozen_edge
-# (non-colocated encoders into LLM pp3) and test_bf16_mixed_placement_matches_the_single_rank_bf16_run (fan-out);
-# the boundary's fan-out itself is checked exactly by tests/comm/test_comm_boundary.py.
-@pytest.mark.slow
 def test_noncolocated_fan_out_with_llm_pp2(reference):
     # LLM pp2 x dp2 (ranks 0-3) fed by images dp1 (fan-out) and audio tp2 x dp1 (fan-out).
     _check(reference, layout(language=dict(pp=2, dp=2), images=dict(rank_offset=4), audio=dict(tp=2, rank_offset=5)),
@@ -150,9 +146,6 @@ def test_encoders_sharing_ranks_away_from_the_llm(reference):
     _check(reference, layout(images=dict(dp=2, rank_offset=1), audio=dict(tp=2, rank_offset=1)), 3)
 
 
-# -m slow (6 ranks): one colocated and one non-colocated encoder stay covered by
-# test_bf16_mixed_placement_matches_the_single_rank_bf16_run and test_random_layouts_do_not_deadlock[2].
-@pytest.mark.slow
 def test_colocated_and_noncolocated_encoders_in_one_model(reference):
     # images colocated with the LLM (three-phase, fan-in dp4 -> dp2), audio on its own ranks 4-5 (fan-out).
     _check(reference, layout(language=dict(tp=2, dp=2), images=dict(dp=4), audio=dict(rank_offset=4, tp=2)), 6)
