@@ -131,3 +131,40 @@ def test_frozen_module_gets_no_optimizer_and_no_grad_buffer():
     both = run_on_ranks(_run, 1, tiny(), 0)[0]
     assert both["modules"] == both["ddp"] == ["audio", "images", "language"]
     assert any(k.startswith("audio.projector.") for k in both["buffers"])
+
+
+# -- one global gradient norm ---------------------------------------------------------------------
+
+def _norms(raw, steps, sabotage=False):
+    if sabotage:  # TP-replicated weights (norms, biases) counted on every TP rank instead of once
+        from mimo.training import optimizer as optimizer_module
+
+        def every_tp_rank(self, name, opt):
+            grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
+            return torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
+
+        optimizer_module.ModelOptimizer._local_sq_norm = every_tp_rank
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    norms = [trainer.train_step(s).grad_norm for s in range(steps)]
+    return dict(record_run(trainer, 0), norms=norms)
+
+
+def test_global_grad_norm_and_clipping_match_one_rank():
+    # TP2 with sequence parallelism x DP2 with the distributed optimizer: each element of the
+    # gradient must be counted exactly once in the norm (TP shards all, TP-replicated and
+    # sequence-parallel weights once, DP replicas once, distributed-optimizer shards each once).
+    # clip_grad far below the norm: every step clips, so a wrong norm changes the weights.
+    training = dict(clip_grad=0.05)
+    ref = run_on_ranks(_norms, 1, _adam(**training), STEPS)[0]
+    assert all(n > 0.05 for n in ref["norms"])
+    layout = dict(tp=2, dp=2, sp=True)
+    got = run_on_ranks(_norms, 4, _adam(layout, use_distributed_optimizer=True, **training), STEPS)
+    for r in got:
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
+    params = {}
+    for r in got:
+        params.update(r["params"])
+    assert max_rel_diff(params, ref["params"]) <= 3e-4
+    # Negative control: replicated weights counted on both TP ranks give another norm.
+    bad = run_on_ranks(_norms, 4, _adam(layout, use_distributed_optimizer=True, **training), 1, True)[0]
+    assert abs(bad["norms"][0] - ref["norms"][0]) > 1e-4 * ref["norms"][0]
