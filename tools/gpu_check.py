@@ -36,24 +36,12 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
-def _cuda_time(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
 def check_kernels(seqlens, heads: int, head_dim: int, iters: int) -> dict:
-    from bench_attention import _implementations, mixed_layout
+    from bench_attention import _implementations, _time, mixed_layout
 
     from mimo.attention import KernelConfig, bitfield_attention, reference_attention, reference_attention_general
 
@@ -98,7 +86,7 @@ def check_kernels(seqlens, heads: int, head_dim: int, iters: int) -> dict:
                 def step(fwd=fwd):
                     fwd().sum().backward()
 
-                row[f"{name}_fwd_bwd_ms"] = round(_cuda_time(step, iters), 3)
+                row[f"{name}_fwd_bwd_ms"] = round(_time(step, iters, dev) * 1e3, 3)
             except Exception as exc:  # a failed comparison implementation is reported, not fatal
                 row[f"{name}_fwd_bwd_ms"] = None
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
