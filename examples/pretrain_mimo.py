@@ -86,14 +86,14 @@ def main(argv=None) -> int:
     from mimo.checkpoint import checkpointer
     from mimo.data.llava import DataError
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
-    from mimo.training import make_trainer
+    from mimo.training import Trainer
     from mimo.training.metrics import StepReporter
 
     try:
         runtime = select_runtime(args.device)
         init_distributed(runtime, cfg.training.timeout_minutes)
         setup_megatron(runtime, cfg.training.seed)
-        trainer = make_trainer(cfg, runtime)
+        trainer = Trainer(cfg, runtime)
         if rank == 0:
             describe(cfg, trainer, runtime)
         ckpt = checkpointer(cfg, trainer, runtime)

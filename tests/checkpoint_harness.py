@@ -24,11 +24,11 @@ def with_ckpt(raw, save=None, load=None, **training):
 def _train(raw, stop):
     """Resume (if `training.load`), train up to 0-based step `stop` (exclusive; None: train_iters)."""
     from mimo.checkpoint import checkpointer
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
     from mimo.training.state import full_state
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     ckpt = checkpointer(cfg, trainer, None)
     start = ckpt.resume() if ckpt else 0
     losses = []

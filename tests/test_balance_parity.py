@@ -54,18 +54,18 @@ def test_pipelined_noncolocated_equals_single_rank(reference, policy):
 
 def _train_encoders_unbalanced(raw, steps):
     """Negative control: the LLM takes the balanced order, the encoders' windows the plain one."""
-    from mimo.training.heterogeneous import HeterogeneousTrainer
+    from mimo.training.windows import StepWindows
 
-    plain = HeterogeneousTrainer._window_order
+    plain = StepWindows._samples
 
-    def window_order(self, name, mb):
-        saved, self._order = self._order, None
+    def window_samples(self, name, mb):
+        saved, self.order = self.order, None
         try:
             return plain(self, name, mb)
         finally:
-            self._order = saved
+            self.order = saved
 
-    HeterogeneousTrainer._window_order = window_order
+    StepWindows._samples = window_samples  # this rank process only
     return _train(raw, steps)
 
 

@@ -37,7 +37,7 @@ def test_noncolocated_encoders_feed_a_cp2_llm(reference):
     # LLM cp2 on ranks 0-1; images dp2 (fan-in into the single LLM DP shard) on ranks 2-3; audio on rank 4.
     raw = bitfield(layout(language=dict(cp=2), images=dict(dp=2, rank_offset=2), audio=dict(rank_offset=4)))
     results = run_on_ranks(_train, 5, raw, STEPS)
-    assert results[0]["type"] == "HeterogeneousTrainer"
+    assert results[0]["type"] == "Trainer"
     assert_same_run(reference, _merge(results))
 
 

@@ -124,12 +124,12 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
 def _logits_of_each(raws, inputs):
     """One rank: the logits of several configs (one process start for all)."""
     from mimo.training.hf_logits import logits_config, split_inputs, trainer_logits
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     out = []
     for raw in raws:
         cfg = load_config(logits_config(raw, *inputs["input_ids"].shape))
-        logits = trainer_logits(make_trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
+        logits = trainer_logits(Trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
         out.append(torch.stack([logits[i] for i in range(len(logits))]))
     return out
 
@@ -199,10 +199,10 @@ def test_clip_llama_logits_noncolocated_llm_pp2_tp2(clip_llama):
 def _logits_then_export(raw, inputs, out_dir):
     from mimo.training.hf_export import export_hf
     from mimo.training.hf_logits import split_inputs, trainer_logits
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     logits = trainer_logits(trainer, split_inputs(cfg, inputs))  # forward + backward, no update
     export_hf(trainer, out_dir)
     return logits
@@ -346,10 +346,10 @@ def test_export_of_a_checkpoint_of_another_architecture_is_one_error_line(llama_
 def _whisper_outputs(raw, mel, wav):
     """The encoder's outputs on `mel` and on `wav` as the data pipeline's AudioLoader features it."""
     from mimo.data.audio import AudioLoader
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     clip = AudioLoader(cfg.model.encoders["audio"])(wav)  # [frames, mels]
     with torch.no_grad():
         return trainer.parts["audio"].encoder(mel.transpose(1, 2)), trainer.parts["audio"].encoder(clip[None])

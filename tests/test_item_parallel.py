@@ -160,21 +160,22 @@ def _train_swapped(raw, steps):
     """Deliberately wrong routing: the first and the last image of every window trade destinations."""
     from mimo.config import load_config as load
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
     from mimo.training.parity import record_run
 
-    trainer = make_trainer(load(raw), select_runtime("cpu"))
-    window = trainer._window
+    from mimo.training.windows import StepWindows
 
-    def swapped(name, mb=0):
-        plan, ids = window(name, mb)
+    window = StepWindows.window
+
+    def swapped(self, name, mb=0):
+        plan, ids = window(self, name, mb)
         ids = list(ids)
         if name == "images" and len(ids) > 1:
             ids[0], ids[-1] = ids[-1], ids[0]
         return plan, ids
 
-    trainer._window = swapped
-    return record_run(trainer, steps)
+    StepWindows.window = swapped  # this rank process only
+    return record_run(Trainer(load(raw), select_runtime("cpu")), steps)
 
 
 @pytest.mark.slow

@@ -243,7 +243,7 @@ def _train_counting_decodes(raw, steps, silent_too=False):
     fresh model on the same data with every clip decoded as silence (the negative control)."""
     from mimo.data import audio, images
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
     from mimo.training.parity import record_run
 
     img, aud = images.ImageLoader.__call__, audio.AudioLoader.__call__
@@ -259,7 +259,7 @@ def _train_counting_decodes(raw, steps, silent_too=False):
             return call
 
         images.ImageLoader.__call__, audio.AudioLoader.__call__ = count("images", img), count("audio", decode_audio)
-        trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+        trainer = Trainer(load_config(raw), select_runtime("cpu"))
         out = record_run(trainer, steps)
         out["decoded"], out["parts"] = calls, sorted(trainer.parts)
         return out

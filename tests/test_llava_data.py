@@ -241,13 +241,13 @@ def _train_counting_decodes(raw, steps):
     """record_run on this rank, plus how many images this rank decoded and whether it holds the LLM only."""
     from mimo.data import images
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
     from mimo.training.parity import record_run
 
     calls = []
     original = images.ImageLoader.__call__
     images.ImageLoader.__call__ = lambda self, path: calls.append(path) or original(self, path)
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
     out = record_run(trainer, steps)
     out["decoded"] = len(calls)
     out["llm_only"] = set(trainer.parts) == {"language"}
@@ -368,10 +368,10 @@ def _train_with_data_restart(raw, steps, restart_at):
     the old one's state_dict (what a resume does with the checkpointed data position)."""
     from mimo.data import build_dataset
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     losses = []
     for s in range(steps):
         if s == restart_at:

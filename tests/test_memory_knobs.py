@@ -47,13 +47,13 @@ def bitfield(raw):
 def _train(raw, steps, skip_sp_grad_sum=False):
     import importlib
 
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     if skip_sp_grad_sum:  # negative control: the TP sum of sequence-parallel weights' gradients left out
         # (the module, not the function of the same name that megatron.core.distributed exports)
         finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
         finalize._allreduce_non_tensor_model_parallel_grads = lambda *args, **kwargs: None
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
     built = {}
     for name, part in trainer.parts.items():
         built[name] = sorted({(m.config.sequence_parallel, m.config.recompute_granularity)

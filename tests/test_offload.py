@@ -4,24 +4,27 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
-from mimo.training import make_trainer
+from mimo.training import Trainer
 from mimo.training.parity import record_run
 from test_heterogeneous_parity import _merge, deeper
 
 
 def _train(raw, steps):
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    from mimo.training.step_work import RankStep
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
     seen = []
     if trainer.offload is not None:
-        run_llm = trainer._llm_node
+        llm_forward = RankStep._llm_forward
 
-        def watched(*args, **kwargs):  # phase 2: what the encoder weights hold on the device now
-            seen.append((trainer.offload.offloaded_numel,
-                         sum(p.data.numel() for n in ("images", "audio") if n in trainer.parts
-                             for p in trainer.parts[n].parameters())))
-            return run_llm(*args, **kwargs)
+        def watched(self, stage, mb):  # phase 2: what the encoder weights hold on the device now
+            if mb == 0:
+                seen.append((trainer.offload.offloaded_numel,
+                             sum(p.data.numel() for n in ("images", "audio") if n in trainer.parts
+                                 for p in trainer.parts[n].parameters())))
+            return llm_forward(self, stage, mb)
 
-        trainer._llm_node = watched
+        RankStep._llm_forward = watched  # this rank process only
     return dict(record_run(trainer, steps), seen=seen)
 
 

@@ -64,7 +64,7 @@ def _stage_layers(raw):
     from mimo.training import Trainer
 
     t = Trainer(load_config(raw), select_runtime("cpu"))
-    return t.stage, len(t.parts["language"].decoder.layers), t.layer_offsets["language"]
+    return t.topo.grid("language").coords["pp"], len(t.parts["language"].decoder.layers), t.layer_offsets["language"]
 
 
 def test_stage_layers_decide_what_each_stage_builds():

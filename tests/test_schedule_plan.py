@@ -13,11 +13,9 @@ import yaml
 from mimo.config import LANGUAGE, load_config
 from mimo.schedule.__main__ import main
 from mimo.schedule.check import check_plan
-from mimo.schedule.graph import Downstream, Node, Upstream, run_node, stage_nodes
-from mimo.schedule.one_f_one_b import run_1f1b
 from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
 from mimo.schedule.plan_build import is_homogeneous
-from mimo.training.trainer import unsupported_layout
+from mimo.schedule.plan_nodes import Node, stage_nodes
 from tiny import TINY, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +85,7 @@ def test_show_json_each_family(family, tmp_path, capsys):
     # the plan checker agrees and the trainers' choice of family agrees
     plan = build_plan(cfg)
     check_plan(plan)
-    assert is_homogeneous(cfg) == (not unsupported_layout(cfg))
+    assert plan.family == ("homogeneous" if is_homogeneous(cfg) else "heterogeneous")
 
 
 def test_show_text_and_bad_input(tmp_path, capsys):
@@ -166,134 +164,82 @@ def test_offload_between_phases():
     assert max(i for i, o in enumerate(ops) if o == ("backward", LANGUAGE)) < back < ops.index(("backward", "images"))
 
 
-# -- the plan is what the engine does -------------------------------------------------------------
+# -- the executor runs the plan ------------------------------------------------------------------
 
-def _kinds(actions):
-    """(F|B|act|grad, mb) of a rank's step actions (reductions and optimizer left out)."""
-    out = []
-    for a in actions:
-        if a.op in ("forward", "backward"):
-            out.append((a.op[0].upper(), a.mb))
-        elif a.tensor is not None:
-            out.append(("act" if a.tensor == "activation" else "grad", a.mb))
-    return out
+class RecordingWork:
+    """A `StepWork` without models: records the calls; microbatch `empty` moves empty tensors."""
 
+    def __init__(self, empty=None):
+        self.log, self.empty = [], empty
 
-class RecordingPeers:
-    """`StagePeers` without processes: records what the engine asks for, in order."""
+    def _t(self, a):
+        return torch.zeros(0 if a.mb == self.empty else 2)
 
-    def __init__(self, log, first, last):
-        self.log, self.first, self.last, self.n = log, first, last, {"act": 0, "grad": 0}
+    def forward(self, a):
+        self.log.append(("F", a.module, a.mb))
 
-    def _take(self, kind):
-        self.log.append((kind, self.n[kind]))
-        self.n[kind] += 1
+    def backward(self, a):
+        self.log.append(("B", a.module, a.mb))
 
-    def recv_forward(self):
-        if self.first:
-            return None
-        self._take("act")
-        return torch.ones(1, requires_grad=True)
+    def outgoing(self, a):
+        return self._t(a)
 
-    def send_forward(self, y):
-        if not self.last:
-            self.log.append(("act", None))
+    def incoming(self, a):
+        return self._t(a)
 
-    def send_forward_recv_backward(self, y):
-        if self.last:
-            return None
-        self.log.append(("act", None))
-        self._take("grad")
-        return torch.ones(1)
+    def arrived(self, a, t):
+        self.log.append(("arrived", a.tensor, a.mb))
 
-    def send_backward(self, g):
-        if not self.first:
-            self.log.append(("grad", None))
+    def collective(self, a):
+        self.log.append(("C", a.name))
 
-    def send_backward_recv_forward(self, g):
-        if self.first:
-            return None
-        self.log.append(("grad", None))
-        self._take("act")
-        return torch.ones(1, requires_grad=True)
-
-    def recv_backward(self):
-        if self.last:
-            return None
-        self._take("grad")
-        return torch.ones(1)
+    def local(self, a):
+        self.log.append((a.op, a.module))
 
 
-def test_plan_matches_1f1b_engine_call_order():
-    M, pp = 6, 4
-    plan = build_plan(load_config(text_only(pp=pp)), num_microbatches=M)
-    assert sum(a.op == "forward" for a in plan.actions[0]) == M
-    for stage in range(pp):
-        log = []
-        w = torch.ones(1, requires_grad=True)
+class RecordingDist:
+    """Stands in for torch.distributed in the executor: each batch_isend_irecv call is one batch."""
 
-        def forward_step(mb, x, log=log, w=w):
-            log.append(("F", mb))
-            y = (x if x is not None else torch.ones(1)) * w
-            return y.sum() if stage == pp - 1 else y
+    def __init__(self):
+        self.batches = []
 
-        class Span:  # the engine's span hook marks each backward
-            def __init__(self, action, mb):
-                self.action, self.mb = action, mb
+    def isend(self, *args):
+        pass
 
-            def __enter__(self):
-                if self.action == "B":
-                    log.append(("B", self.mb))
+    def irecv(self, *args):
+        pass
 
-            def __exit__(self, *exc):
-                return False
+    def P2POp(self, op, tensor, peer):
+        return ("send" if op == self.isend else "recv", peer, tensor.numel())
 
-        run_1f1b(M, stage, pp, RecordingPeers(log, stage == 0, stage == pp - 1), forward_step, span=Span)
-        planned = _kinds(plan.actions[stage])
-        # Sends carry no counter in the recording: compare kinds everywhere, microbatches where known.
-        assert [k for k, _ in log] == [k for k, _ in planned]
-        assert all(mb is None or mb == p for (_, mb), (_, p) in zip(log, planned))
+    def batch_isend_irecv(self, ops):
+        self.batches.append(ops)
+        return []
 
 
-class RecordingPort(Upstream, Downstream):
-    def __init__(self, log):
-        self.log = log
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_executor_posts_each_group_as_one_batch(rank, monkeypatch):
+    """Every group of sends and receives is one batch_isend_irecv in plan order; an empty tensor is not
+    posted (both peers skip it alike); compute, collectives and local work run in plan order."""
+    import mimo.schedule.executor as executor
 
-    def recv_forward(self, mb):
-        self.log.append(("act", mb))
-
-    def send_backward(self, mb, grad):
-        self.log.append(("grad", mb))
-
-    def send_forward(self, mb, out):
-        self.log.append(("act", mb))
-
-    def recv_backward(self, mb):
-        self.log.append(("grad", mb))
-
-
-class RecordingLink(RecordingPort):
-    """Like `StageLink`: a paired forward send posts before the gradient receive."""
-
-    def send_forward_recv_backward(self, mb_f, out, mb_b):
-        self.send_forward(mb_f, out)
-        self.recv_backward(mb_b)
-
-
-def test_plan_matches_graph_engine_call_order():
-    """Non-colocated graph: every rank's plan is `run_node`'s call order for its stage node."""
-    cfg = load_config(example("cpu_noncolocated.yaml"))
-    plan, M = build_plan(cfg), 4
-    depth = stage_nodes({LANGUAGE: 2, "images": 1}, ["images"])
-    # (node, upstream, downstream): "link" a StageLink, "edge" a boundary port, None none
-    nodes = {0: (Node(LANGUAGE, 0, 2), "edge", "link"), 2: (Node(LANGUAGE, 1, 2), "link", None),
-             4: (Node("images", 0, 1), None, "edge")}
-    for rank, (node, up, down) in nodes.items():
-        log = []
-        port = {"link": RecordingLink(log), "edge": RecordingPort(log), None: None}
-        run_node(M, depth[node], port[up], port[down],
-                 lambda mb, x: log.append(("F", mb)), lambda mb, x, y, g: log.append(("B", mb)))
-        assert log == _kinds(plan.actions[rank]), rank
+    plan = build_plan(load_config(text_only(pp=4)), num_microbatches=6)
+    fake = RecordingDist()
+    monkeypatch.setattr(executor, "dist", fake)
+    work = RecordingWork(empty=2)
+    executor.run_plan(plan, rank, work)
+    p2p = [g for g in plan.groups(rank) if g[0].op in ("send", "recv")]
+    want = [[(a.op, a.peer, 2) for a in g if a.mb != 2] for g in p2p]
+    assert fake.batches == [ops for ops in want if ops]
+    # microbatch 2 is empty: its messages are left out, and a group of only those posts nothing
+    assert len(fake.batches) < len(p2p) or rank == 3
+    steps = [(a.op[0].upper(), a.module, a.mb) if a.op in ("forward", "backward")
+             else ("arrived", a.tensor, a.mb) if a.op == "recv"
+             else ("C", a.name) if a.op == "collective" else (a.op, a.module)
+             for a in plan.actions[rank] if a.op != "send"]
+    # receives report after their whole group completes: compare with sends dropped, group by group
+    assert sorted(work.log, key=str) == sorted(steps, key=str)
+    assert [x for x in work.log if x[0] in ("F", "B")] == [x for x in steps if x[0] in ("F", "B")]
 
 
 # -- the checker ------------------------------------------------------------------------------------
@@ -378,8 +324,7 @@ def test_random_heterogeneous_layouts_plan_and_check():
     and the plan's reading of the config agrees with the heterogeneous trainer's."""
     import random
 
-    from mimo.schedule.plan_build import island_encoders as plan_islands
-    from mimo.training.heterogeneous import island_encoders
+    from mimo.schedule.plan_build import island_encoders
     from test_heterogeneous_parity import random_layout
 
     islands = 0
@@ -390,34 +335,15 @@ def test_random_heterogeneous_layouts_plan_and_check():
         assert plan.world_size == world and plan.family == "heterogeneous"
         check_plan(plan)
         remote = [n for n in cfg.model.encoders if not set(cfg.parallelism[n].ranks) & set(cfg.parallelism[LANGUAGE].ranks)]
-        assert plan_islands(cfg, remote) == island_encoders(cfg)
+        assert island_encoders(cfg, remote) == island_encoders(cfg)
         islands += bool(island_encoders(cfg))
     assert islands  # the sample covers islands
 
 
-@pytest.mark.parametrize("trainer", ["Trainer", "HeterogeneousTrainer"])
-def test_trainers_check_the_plan_before_anything_else(trainer, monkeypatch):
-    """Both trainers stop at start, before any process group, when the plan would deadlock."""
-    import mimo.training.heterogeneous as het
-    import mimo.training.trainer as hom
+def test_trainer_checks_the_plan_before_anything_else(monkeypatch):
+    """The trainer stops at start, before any process group, when the plan would deadlock."""
+    import mimo.training.trainer as trainer
 
-    monkeypatch.setattr(hom, "build_plan", lambda cfg: _send_send(batched=False))
-    cls = getattr(het, trainer)
+    monkeypatch.setattr(trainer, "build_plan", lambda cfg: _send_send(batched=False))
     with pytest.raises(PlanError, match="deadlocks"):
-        cls(load_config(tiny()), runtime=None)
-
-
-def test_plan_matches_island_engine_call_order():
-    """An island rank (images stage 0 and audio on ranks 2-3): `run_island`'s order is the plan's."""
-    from mimo.schedule.fused import Member
-    from mimo.schedule.noncolocated import run_island
-
-    plan = build_plan(load_config(example("cpu_island.yaml")))
-    depth = stage_nodes({LANGUAGE: 2, "images": 2, "audio": 1}, ["images", "audio"])
-    log = []
-    members = [Member(name, lambda mb, x: log.append(("F", mb)), lambda mb, x, y, g: log.append(("B", mb)),
-                      None, port, True)
-               for name, port in (("images", RecordingLink(log)), ("audio", RecordingPort(log)))]
-    level = {"images": depth[Node("images", 0, 2)], "audio": depth[Node("audio", 0, 1)]}
-    run_island(4, members, level, {"images": 0, "audio": 1})
-    assert log == _kinds(plan.actions[2])
+        trainer.Trainer(load_config(tiny()), runtime=None)

@@ -31,10 +31,10 @@ def _run(raw, steps):
     from mimo.checkpoint import checkpointer
     from mimo.config import load_config
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     ckpt = checkpointer(cfg, trainer, None)
     times = []
     for step in range(steps):

@@ -67,7 +67,7 @@ def _rank(raw):
     import mimo.training.trainer as trainer_mod
     from mimo.config import load_config
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     read = [0.0]
     orig = trainer_mod.load_hf_part
@@ -79,7 +79,7 @@ def _rank(raw):
 
     trainer_mod.load_hf_part = timed
     start = time.perf_counter()
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
     total = time.perf_counter() - start
     params = sum(p.numel() for p in trainer.parts["language"].parameters())
     return {"build_and_load_s": round(total, 1), "hf_read_s": round(read[0], 1), "params_on_rank": params,

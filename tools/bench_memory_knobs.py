@@ -55,10 +55,10 @@ def _measure(raw, device: str):
 
     from mimo.config import load_config
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
     runtime = select_runtime(device)
-    trainer = make_trainer(load_config(raw), runtime)
+    trainer = Trainer(load_config(raw), runtime)
     before = _rss_mib()
     if runtime.is_cuda:
         torch.cuda.reset_peak_memory_stats(runtime.device)

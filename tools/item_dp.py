@@ -71,9 +71,9 @@ def _bench_rank(raw, steps):
 
     from mimo.config import load_config
     from mimo.runtime import select_runtime
-    from mimo.training.heterogeneous import make_trainer
+    from mimo.training import Trainer
 
-    trainer = make_trainer(load_config(raw), select_runtime("cpu"))
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
     comm = trainer.comms["images"]
     times = []
     for step in range(steps + 1):  # step 0 warms up

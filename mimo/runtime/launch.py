@@ -67,7 +67,18 @@ def _worker(rank, world_size, port, fn, args, results, timeout_minutes, environ)
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "mimo.runtime.distributed"]
 
 
+_server_interpret = []  # TRITON_INTERPRET as the fork server started with it (set once)
+
+
 def _context():
+    # Triton decides at import whether its own jit helpers are interpreted, and the fork server
+    # imports Triton (through megatron-core) once: a rank that must interpret Triton kernels while
+    # the server started without TRITON_INTERPRET (or the other way round) is spawned fresh instead.
+    interpret = os.environ.get("TRITON_INTERPRET", "")
+    if not _server_interpret:
+        _server_interpret.append(interpret)
+    if _server_interpret[0] != interpret:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

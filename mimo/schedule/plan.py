@@ -22,6 +22,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 FORWARD, BACKWARD, SEND, RECV, COLLECTIVE, OPTIMIZER = "forward", "backward", "send", "recv", "collective", "optimizer"
 ACTIVATION, GRADIENT = "activation", "gradient"
 P2P = (SEND, RECV)
+OFFLOAD, RELOAD = "offload", "reload"
+# Collective names: the executor's work tells them apart by these prefixes.
+LOSS_TOKENS, LOSS, GRAD_SYNC, GRAD_NORM, BOUNDARY = "loss tokens", "loss", "grad_sync", "grad norm", "boundary"
 
 
 class PlanError(ValueError):

@@ -23,9 +23,10 @@ from typing import Dict, List, Optional, Tuple
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.topology.layout import Layout
 
-from .graph import Node, stage_nodes
-from .plan import BACKWARD, FORWARD, OPTIMIZER, PlanError, RankActions, StepPlan
-from .plan_nodes import Edge, Join, Link, Member, Source, fused_node, island_actions, node_actions, work
+from .plan import (BACKWARD, FORWARD, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER, RELOAD, PlanError,
+                   RankActions, StepPlan)
+from .plan_nodes import (Edge, Join, Link, Member, Node, Source, fused_node, island_actions, node_actions,
+                         stage_nodes, work)
 
 HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
 
@@ -83,7 +84,7 @@ def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> N
     M = num_microbatches(cfg)
     # The loss-token count is summed over the language's DP group first.
     dp = lay.group_of(rank, ["dp"])
-    out.collective(f"loss tokens dp {dp}", dp)
+    out.collective(f"{LOSS_TOKENS} dp {dp}", dp)
     if lay.pp == 1 and lay.cp == 1:
         # One backward call per microbatch covers every module: the LLM first, then the encoders.
         encoders = list(cfg.model.encoders)
@@ -106,9 +107,13 @@ def _edge_ranks(src: Layout, dst: Layout) -> Tuple[int, ...]:
                         | {r for r in dst.ranks if dst.coords(r)["pp"] == 0}))
 
 
-def island_encoders(cfg: MimoConfig, remote: List[str]) -> List[str]:
-    """Non-colocated encoders sharing their rank range with one of another pp (`run_island`)."""
+def island_encoders(cfg: MimoConfig, remote: Optional[List[str]] = None) -> List[str]:
+    """Non-colocated encoders (`remote`, default: all of them) sharing their rank range with one of
+    another pp. Their ranks hold stage nodes of different 1F1B warm-ups, so they run all forwards,
+    then all backwards (`island_actions`). Ranges are identical or disjoint (config contract)."""
     par = cfg.parallelism
+    if remote is None:
+        remote = [n for n in cfg.model.encoders if placement(par[n], par[LANGUAGE]) == "non-colocated"]
     return [a for a in remote if any(par[b].ranks == par[a].ranks and par[b].pp != par[a].pp for b in remote)]
 
 
@@ -174,11 +179,11 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
         if rank in edge(n).ranks:
             edge(n).forward(None)
     if cfg.training.offload_encoders:
-        out.local("offload")
+        out.local(OFFLOAD)
     # Phase 2: the first LLM stage slices the colocated tensors locally and joins the live edges.
     llm_node(join)
     if cfg.training.offload_encoders:
-        out.local("reload")
+        out.local(RELOAD)
     for n in colocated:
         if not trainable_edge(cfg, n):
             continue
@@ -198,7 +203,7 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
 def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: List[str], out: RankActions) -> None:
     """The loss sum, per-module gradient sums, the global norm and the optimizer steps (`train_step`)."""
     world = list(range(cfg.world_size))
-    out.collective("loss", world)
+    out.collective(LOSS, world)
     stepped = [n for n in held if module_trainable(cfg, n)]
     for n in stepped:
         lay = layouts[n]
@@ -206,11 +211,11 @@ def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: Li
         # sequence-parallel weights (the transformer's norms).
         dp_cp = lay.group_of(rank, ["cp", "dp"])
         if len(dp_cp) > 1:
-            out.collective(f"grad_sync {n} dp_cp {dp_cp}", dp_cp, n)
+            out.collective(f"{GRAD_SYNC} {n} dp_cp {dp_cp}", dp_cp, n)
         transformer_trainable = not (cfg.model.language if n == LANGUAGE else cfg.model.encoders[n]).frozen
         if cfg.parallelism[n].sp and lay.tp > 1 and transformer_trainable:
             tp = lay.group_of(rank, ["tp"])
-            out.collective(f"grad_sync {n} tp {tp}", tp, n)
-    out.collective("grad norm", world)
+            out.collective(f"{GRAD_SYNC} {n} tp {tp}", tp, n)
+    out.collective(GRAD_NORM, world)
     for n in stepped:
         out.local(OPTIMIZER, n)

@@ -14,9 +14,35 @@ so a collective is the faithful, data-independent unit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .plan import ACTIVATION, BACKWARD, FORWARD, GRADIENT, RECV, SEND, RankActions
+from mimo.config import LANGUAGE
+
+from .plan import ACTIVATION, BACKWARD, BOUNDARY, FORWARD, GRADIENT, RECV, SEND, RankActions
+
+
+@dataclass(frozen=True)
+class Node:
+    """One pipeline stage of one module: a node of the stage graph."""
+    module: str
+    stage: int
+    num_stages: int
+
+
+def stage_nodes(pp_of: Dict[str, int], encoders: List[str]) -> Dict[Node, int]:
+    """Every stage node with its distance (in edges) to the sink, the LLM's last stage.
+
+    Edges run stage to stage inside a module and from each encoder's last stage
+    into the LLM's first stage; a node's 1F1B warm-up is its distance to the sink,
+    so the whole graph runs like one pipeline as deep as its longest path."""
+    pl = pp_of[LANGUAGE]
+    out = {Node(LANGUAGE, s, pl): pl - 1 - s for s in range(pl)}
+    for name in encoders:
+        pe = pp_of[name]
+        for s in range(pe):
+            out[Node(name, s, pe)] = (pe - 1 - s) + 1 + (pl - 1)
+    return out
 
 
 class Up:
@@ -83,11 +109,11 @@ class Edge:
 
     def forward(self, mb: Optional[int]) -> None:
         label = "step" if mb is None else f"mb {mb}"
-        self.out.collective(f"boundary {self.name} activation {label}", self.ranks, self.name, mb, ACTIVATION)
+        self.out.collective(f"{BOUNDARY} {self.name} activation {label}", self.ranks, self.name, mb, ACTIVATION)
 
     def backward(self, mb: Optional[int]) -> None:
         label = "step" if mb is None else f"mb {mb}"
-        self.out.collective(f"boundary {self.name} gradient {label}", self.ranks, self.name, mb, GRADIENT)
+        self.out.collective(f"{BOUNDARY} {self.name} gradient {label}", self.ranks, self.name, mb, GRADIENT)
 
 
 class Source(Down):

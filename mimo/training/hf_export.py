@@ -71,10 +71,10 @@ def export_hf(trainer, out_dir: str) -> None:
 
 def _rank_export(raw: Dict, out_dir: str) -> str:
     """One rank's part of `export_config`: '' when written, else the checkpoint's error line."""
-    from .heterogeneous import make_trainer
+    from .trainer import Trainer
 
     cfg = load_config(raw)
-    trainer = make_trainer(cfg, select_runtime("cpu"))
+    trainer = Trainer(cfg, select_runtime("cpu"))
     if cfg.training.load is not None:
         from mimo.checkpoint import CheckpointError, checkpointer
 

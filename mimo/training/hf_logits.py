@@ -19,7 +19,7 @@ from mimo.config import LANGUAGE, MimoConfig, load_config
 from mimo.data.mock import Sample
 from mimo.runtime import run_on_ranks, select_runtime
 
-from .heterogeneous import make_trainer
+from .trainer import Trainer
 
 
 class FixedSamples:
@@ -81,7 +81,7 @@ def trainer_logits(trainer, samples: List[Sample]) -> Dict[int, torch.Tensor]:
     if last:
         # A copy: the fused cross-entropy that follows works in place on the logits.
         hook = llm.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach().clone()))
-    trainer.forward_backward(0)
+    trainer.train_step(0)
     if not last:
         return {}
     hook.remove()
@@ -99,7 +99,7 @@ def trainer_logits(trainer, samples: List[Sample]) -> Dict[int, torch.Tensor]:
 
 def _rank_logits(raw: Dict, inputs: Dict[str, torch.Tensor]):
     cfg = load_config(raw)
-    return trainer_logits(make_trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
+    return trainer_logits(Trainer(cfg, select_runtime("cpu")), split_inputs(cfg, inputs))
 
 
 def merge_logits(per_rank: List[Dict[int, torch.Tensor]], batch: int) -> torch.Tensor:

@@ -88,7 +88,8 @@ class ModelOptimizer:
         if tr.overlap_grad_reduce and not runtime.is_cuda:
             raise ValueError("training.overlap_grad_reduce: needs CUDA ranks (set it to false on CPU)")
         self.cfg, self.runtime, self.topo = cfg, runtime, topo
-        self.clip = tr.clip_grad
+        self.clip_grad = tr.clip_grad
+        self._finished, self._sq_norm = set(), None
         self.ddp: Dict[str, DistributedDataParallel] = {}
         self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
@@ -132,6 +133,8 @@ class ModelOptimizer:
             for name, ddp in self.ddp.items():
                 ddp.zero_grad_buffer()
                 self.optimizers[name].zero_grad()
+        self._finished = set()
+        self._sq_norm = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
 
     def _local_sq_norm(self, name: str, opt) -> torch.Tensor:
         """This rank's share of the squared norm of module `name`'s gradients, each element counted once:
@@ -147,28 +150,42 @@ class ModelOptimizer:
             return torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         return torch.stack([gr.detach().double().pow(2).sum() for gr in grads]).sum()
 
-    def step(self) -> torch.Tensor:
-        """Finish the gradient reductions, clip by the global norm, step every module; returns the norm."""
+    def finish_grads(self, name: str) -> None:
+        """Module `name`'s gradient reductions (megatron-core's finalize_model_grads: the DP (x CP) sum,
+        then the TP sum of sequence-parallel replicated weights) and its share of the squared norm.
+        Runs once per step: the first of the module's grad-sync actions performs them all."""
+        if name in self._finished or name not in self.ddp:
+            return
+        self._finished.add(name)
         with optimizer_scope(self.runtime):
-            local = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-            for name, ddp in self.ddp.items():
-                # DP (x CP) reduction, then the TP sum of sequence-parallel replicated weights' grads.
-                finalize_model_grads([ddp], pg_collection=self.groups[name])
-                opt = self.optimizers[name]
-                opt.prepare_grads()
-                local += self._local_sq_norm(name, opt)
-            dist.all_reduce(local)  # every rank, also those without a trainable module
-            norm = local.sqrt()
-            if self.clip > 0:
-                coeff = (self.clip / (norm + 1e-6)).clamp(max=1.0).float()
+            finalize_model_grads([self.ddp[name]], pg_collection=self.groups[name])
+            opt = self.optimizers[name]
+            opt.prepare_grads()
+            self._sq_norm += self._local_sq_norm(name, opt)
+
+    def clip(self) -> torch.Tensor:
+        """One global gradient norm over every trainable module of the model (a world all-reduce, on
+        every rank, also those without a trainable module), and the clip by it; returns the norm."""
+        for name in self.ddp:  # modules whose reductions the plan lists no collective for (DP = 1)
+            self.finish_grads(name)
+        with optimizer_scope(self.runtime):
+            dist.all_reduce(self._sq_norm)
+            norm = self._sq_norm.sqrt()
+            if self.clip_grad > 0:
+                coeff = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0).float()
                 for opt in self.optimizers.values():
                     grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
                     if grads:
                         torch._foreach_mul_(grads, coeff)
-            for opt in self.optimizers.values():
-                opt.step_with_ready_grads()
-            self.scheduler.step(increment=1)
         return norm
+
+    def step_module(self, name: str) -> None:
+        with optimizer_scope(self.runtime):
+            self.optimizers[name].step_with_ready_grads()
+
+    def end_step(self) -> None:
+        """Advance the learning-rate schedule, after every module stepped."""
+        self.scheduler.step(increment=1)
 
     def reload_model_params(self) -> None:
         """After the weights changed outside the optimizer (a checkpoint load): refresh the fp32 masters."""

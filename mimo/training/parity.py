@@ -16,7 +16,7 @@ import torch
 from mimo.config import ConfigError, MimoConfig, load_config
 from mimo.runtime import run_on_ranks, select_runtime
 
-from .heterogeneous import make_trainer
+from .trainer import Trainer
 
 SAME_SECTIONS = ("model", "data", "training")
 
@@ -54,7 +54,7 @@ def record_run(trainer, steps: int) -> Dict:
 
 
 def _run_rank(raw: Dict, steps: int):
-    return record_run(make_trainer(load_config(raw), select_runtime("cpu")), steps)
+    return record_run(Trainer(load_config(raw), select_runtime("cpu")), steps)
 
 
 def run_config(raw: Dict, steps: int, timeout_s: float = 900.0) -> Dict:

@@ -1,0 +1,67 @@
+"""The data of one training step on one rank, as the step's actions consume it.
+
+Two ways to load a step, one per plan family:
+
+* `shard` (homogeneous plans: every module on the language's layout): a rank
+  loads only its LLM DP shard's microbatches, with the items of every encoder
+  (it runs them all); the loss-token count is summed over the DP group by
+  the plan's `loss tokens` collective.
+* `whole` (heterogeneous plans): every rank reads the whole step, so the
+  boundary windows and the loss-token count need no communication; a rank
+  collates (so decodes) only the items of the encoders it holds, and builds
+  LLM microbatches only if it holds the LLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from mimo.config import LANGUAGE, MimoConfig
+from mimo.data import PAD_ID, collate, move, shard_indices
+
+from .windows import StepWindows
+
+
+@dataclass
+class StepData:
+    n_tokens: torch.Tensor                                 # loss-carrying positions (float64; see the family)
+    llm_batches: List[Dict[str, torch.Tensor]]             # this rank's LLM microbatches (empty off the LLM)
+    step_batch: Dict[str, torch.Tensor] = field(default_factory=dict)  # whole step: encoder items held here
+    windows: Optional[StepWindows] = None                  # whole step: boundary windows
+
+
+def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, device, dtype) -> StepData:
+    """A homogeneous-plan rank's microbatches (every encoder's items included)."""
+    tr = cfg.training
+    G = tr.global_batch_size
+    order = (None if balancer.policy == "none"
+             else balancer.order([dataset.sample(step * G + i) for i in range(G)], PAD_ID))
+    batches = []
+    for idx in shard_indices(G, tr.micro_batch_size, dp_rank, cfg.parallelism[LANGUAGE].dp):
+        samples = [dataset.sample(step * G + (i if order is None else order[i])) for i in idx]
+        batches.append(move(collate(samples, cfg.placeholder_ids), device, dtype))
+    local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
+    return StepData(local, batches)
+
+
+def whole_step(cfg: MimoConfig, dataset, balancer, step: int, comms: Dict, colocated: List[str],
+               held: List[str], llm_dp_rank: Optional[int], device, dtype) -> StepData:
+    """A heterogeneous-plan rank's view of the whole step; `llm_dp_rank` None: the rank holds no LLM stage."""
+    G = cfg.training.global_batch_size
+    samples = [dataset.sample(step * G + i) for i in range(G)]
+    order = balancer.order(samples, PAD_ID)
+    host = collate(samples, cfg.placeholder_ids, held)
+    # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
+    counts = {n: host[f"{n}_counts"].tolist() for n in cfg.model.encoders}
+    windows = StepWindows(cfg, comms, counts, colocated, order)
+    n_tokens = host["loss_mask"].sum().to(torch.float64)
+    if float(n_tokens) == 0:
+        raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
+    llm_batches = []
+    if llm_dp_rank is not None:
+        for idx in windows.llm_indices(llm_dp_rank):
+            llm_batches.append(move(collate([samples[i] for i in idx], cfg.placeholder_ids, False), device, dtype))
+    return StepData(n_tokens.to(device), llm_batches, move(host, device, dtype), windows)

@@ -1,0 +1,332 @@
+"""What the actions of a step plan do on one rank: `RankStep`, the trainer's side of the executor.
+
+The executor (`mimo.schedule.executor`) walks the rank's actions; `RankStep`
+holds the step's tensors between them, keyed by (module, microbatch) — a rank
+holds at most one stage of each module:
+
+* `x`: a stage's input (a received activation; on the LLM's first stage, the
+  modality tokens of every encoder by name),
+* `y`: its output (the LLM's last stage: the microbatch's normalised loss),
+* `gy`: the gradient of the output (received, or from a boundary communicator),
+* `gx`: the gradient of the input, waiting to be sent back.
+
+A colocated encoder's boundary moves the whole step at once (microbatch
+`None` in the plan); a pipelined one streams it as one chunk per LLM
+microbatch. Boundary communicators are called as the plan's `boundary`
+collectives. The step's reductions are megatron-core's (`ModelOptimizer`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from mimo.attention import plan_context_parallel, shard_microbatch
+from mimo.config import LANGUAGE, MimoConfig
+from mimo.model import assemble_embeddings, encode, llm_loss
+from mimo.model.multimodal import embed_text
+from mimo.model.sequence_parallel import llm_input_layout, shard_len
+from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
+                                RELOAD, Action)
+from mimo.schedule.plan_build import trainable_edge
+
+from .step_data import StepData
+from .windows import microbatch_offsets
+
+
+class RankStep:
+    """One step of one rank. `engine`: the trainer's long-lived parts (see `Trainer`)."""
+
+    def __init__(self, engine, data: StepData):
+        self.e, self.data = engine, data
+        cfg: MimoConfig = engine.cfg
+        self.cfg = cfg
+        self.device, self.dtype = engine.runtime.device, engine.dtype
+        self.x: Dict = {}
+        self.y: Dict = {}
+        self.gy: Dict = {}
+        self.gx: Dict = {}
+        self.received: Dict[str, torch.Tensor] = {}        # colocated: the step's boundary tensor
+        self.offsets: Dict[str, List[int]] = {}
+        self.boundary_grad: Dict[str, torch.Tensor] = {}   # colocated: its accumulated gradient
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.loss: Optional[torch.Tensor] = None
+        self.grad_norm: Optional[torch.Tensor] = None
+        self.trainable = {n: trainable_edge(cfg, n) for n in cfg.model.encoders}
+        self.views: Dict[int, Dict] = {}
+        self.comm_calls = 0
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _llm_view(self, mb: int) -> Dict:
+        """LLM microbatch mb as this rank's LLM stage sees it: its mask, and under CP its balanced slots
+        (the same plan on every stage); `full` keeps the whole microbatch for the first stage."""
+        if mb not in self.views:
+            b = self.data.llm_batches[mb]
+            b = {**b, "attention_mask": self.e.masker.attention_mask(b["input_ids"], b.get("document_ids"))}
+            if self.e.topo.grid(LANGUAGE).layout.cp > 1:
+                b = {**self._cp_slice(b), "full": b}
+            self.views[mb] = b
+        return self.views[mb]
+
+    def _cp_slice(self, b, decoder_input=None):
+        """This CP rank's balanced slots of a microbatch (context parallelism needs bitfield attention)."""
+        lang, g = self.cfg.model.language, self.e.topo.grid(LANGUAGE)
+        mask = b["attention_mask"]
+        slots = plan_context_parallel(mask.bits, g.layout.cp, lang.cp_block_size, lang.cp_policy)
+        return shard_microbatch(slots, g.coords["cp"], bits=mask.bits, document_ids=mask.document_ids,
+                                input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                                loss_mask=b["loss_mask"], decoder_input=decoder_input)
+
+    def _items(self, name: str, mb: Optional[int]) -> Optional[torch.Tensor]:
+        """Raw inputs (pixels, features) of this rank's items of encoder `name` for unit mb."""
+        if self.data.windows is None:  # homogeneous: the microbatch's own items
+            return self.data.llm_batches[mb].get(name)
+        ids = self._item_ids(name, mb)
+        return self.data.step_batch[name][torch.tensor(ids, dtype=torch.long, device=self.device)]
+
+    def _item_ids(self, name: str, mb: Optional[int]) -> List[int]:
+        g = self.e.topo.grid(name)
+        if name not in self.e.colocated:
+            return self.data.windows.encoder_item_ids(name, g.coords["dp"], mb)
+        ids = self.data.windows.encoder_item_ids(name, g.coords["dp"])
+        if mb is None:
+            return ids
+        # A pipelined colocated encoder: one chunk per LLM microbatch (some may be empty); every
+        # stage holds the same items, so all of them cut the same chunks.
+        M = self.e.num_microbatches
+        cuts = [(c * len(ids)) // M for c in range(M + 1)]
+        return ids[cuts[mb]:cuts[mb + 1]]
+
+    def _unit_counts(self, name: str, items: int) -> torch.Tensor:
+        """Per-item token counts of a packed boundary tensor of `items` items."""
+        return torch.full((items,), self.cfg.model.encoders[name].tokens_per_item, dtype=torch.int64,
+                          device=self.device)
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def forward(self, a: Action) -> None:
+        with self.e.timer.span(a.module, "F", a.mb or 0):
+            if a.module == LANGUAGE:
+                self._llm_forward(a.stage, a.mb)
+            else:
+                self._encoder_forward(a.module, a.stage, a.mb)
+
+    def _encoder_forward(self, name: str, stage: int, mb: Optional[int]) -> None:
+        part, g = self.e.parts[name], self.e.topo.grid(name)
+        key = (name, mb)
+        with torch.set_grad_enabled(self.trainable[name]):
+            if g.layout.pp == 1:
+                self.y[key] = encode(part, self._items(name, mb))
+                return
+            items = self._items(name, mb) if stage == 0 else None
+            count = items.shape[0] if items is not None else len(self._item_ids(name, mb))
+            if count == 0:  # nothing to encode: every stage skips, identically
+                last = stage == g.layout.pp - 1
+                self.y[key] = (torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
+                                           device=self.device) if last else
+                               torch.zeros(self._stage_shape(name, 0), dtype=self.dtype, device=self.device))
+                return
+            self.y[key] = part(items if stage == 0 else self.x[key])
+
+    def _stage_shape(self, name: str, items: int):
+        """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
+        item's tokens (a vision class token travels with the patches; the last stage drops it)."""
+        enc = self.cfg.model.encoders[name]
+        tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), self.e.parts[name].encoder.config)
+        return (tokens, items, enc.hidden_size)
+
+    def _modality_tokens(self, mb: int) -> Dict[str, torch.Tensor]:
+        """The LLM first stage's inputs from every encoder for microbatch mb."""
+        out = {}
+        for name in self.cfg.model.encoders:
+            if self.data.windows is None:  # homogeneous: this rank's own encoder output
+                y = self.y[(name, mb)]
+                t = y.detach()
+            elif name in self.e.colocated:
+                a, b = self.offsets[name][mb], self.offsets[name][mb + 1]
+                t = self.received[name][a:b].detach()
+            else:
+                t = self.x.pop((name, mb))
+            out[name] = t.requires_grad_() if self.trainable[name] else t
+        return out
+
+    def _llm_forward(self, stage: int, mb: int) -> None:
+        llm, g = self.e.parts[LANGUAGE], self.e.topo.grid(LANGUAGE)
+        last = stage == g.layout.pp - 1
+        b = self._llm_view(mb)
+        labels = b["labels"] if last else None
+        key = (LANGUAGE, mb)
+        if stage == 0:
+            tokens = self._modality_tokens(mb)
+            self.x[key] = tokens
+            by_id = {self.cfg.placeholder_ids[n]: t for n, t in tokens.items()}
+            if g.layout.cp > 1:
+                # Assemble the whole fused sequence (every CP rank holds the whole boundary shard),
+                # then keep this rank's slots of it.
+                full = b["full"]
+                text = embed_text(llm, full["input_ids"], full["position_ids"])
+                fused = assemble_embeddings(text.transpose(0, 1), full["input_ids"], by_id)
+                local = self._cp_slice(full, fused.transpose(0, 1).contiguous())
+                out = llm(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                          attention_mask=local["attention_mask"],
+                          decoder_input=llm_input_layout(llm, local["decoder_input"]), labels=labels)
+            else:
+                out = llm_loss(llm, {**b, "labels": labels}, by_id)
+        else:
+            llm.set_input_tensor(self.x[key])
+            out = llm(input_ids=None, position_ids=b["position_ids"], attention_mask=b.get("attention_mask"),
+                      labels=labels)
+        if last:
+            # Normalised by the global batch's loss-token count: the DP sum of the gradients is
+            # then exactly the single-rank per-token mean.
+            out = (out.float() * b["loss_mask"]).sum() / self.data.n_tokens.float()
+            self.loss_sum += out.detach().double()
+            self.views.pop(mb, None)
+        self.y[key] = out
+
+    def backward(self, a: Action) -> None:
+        key, mb = (a.module, a.mb), a.mb
+        with self.e.timer.span(a.module, "B", mb or 0):
+            y, x, g = self.y.pop(key), self.x.pop(key, None), self.gy.pop(key, None)
+            if a.module == LANGUAGE:
+                if g is None:  # the last stage: y is the loss
+                    y.backward()
+                else:
+                    torch.autograd.backward(y, grad_tensors=g)
+            elif y.requires_grad and y.numel() and g is not None:
+                torch.autograd.backward(y, grad_tensors=g)
+            if a.module == LANGUAGE and a.stage == 0:
+                self._route_boundary_grads(mb, x)
+            elif a.stage > 0:
+                self.gx[key] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def _route_boundary_grads(self, mb: int, tokens: Dict[str, torch.Tensor]) -> None:
+        for name, t in tokens.items():
+            if not self.trainable[name]:
+                continue
+            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            if self.data.windows is None:
+                self.gy[(name, mb)] = grad
+            elif name in self.e.colocated:
+                a, b = self.offsets[name][mb], self.offsets[name][mb + 1]
+                self.boundary_grad[name][a:b] += grad
+            else:
+                self.gx[(name, mb)] = grad
+
+    # -- point-to-point ------------------------------------------------------------------------
+
+    def outgoing(self, a: Action) -> torch.Tensor:
+        key = (a.module, a.mb)
+        if a.tensor == ACTIVATION:
+            t = self.y[key] if self._with_backward(a.module) else self.y.pop(key)
+        else:
+            t = self.gx.pop(key)
+        return t.detach().contiguous()
+
+    def _with_backward(self, module: str) -> bool:
+        return module == LANGUAGE or self.trainable[module]
+
+    def incoming(self, a: Action) -> torch.Tensor:
+        key = (a.module, a.mb)
+        if a.tensor != ACTIVATION:  # the gradient of this stage's output
+            shape = self.y[key].shape
+        elif a.module == LANGUAGE:
+            llm = self.e.parts[LANGUAGE]
+            shape = (shard_len(self._llm_view(a.mb)["input_ids"].shape[1], llm.config),
+                     self.cfg.training.micro_batch_size, self.cfg.model.language.hidden_size)
+        else:
+            shape = self._stage_shape(a.module, len(self._item_ids(a.module, a.mb)))
+        return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def arrived(self, a: Action, t: torch.Tensor) -> None:
+        key = (a.module, a.mb)
+        if a.tensor == ACTIVATION:
+            self.x[key] = t.requires_grad_()
+        else:
+            self.gy[key] = t
+
+    # -- collectives and local work ------------------------------------------------------------
+
+    def collective(self, a: Action) -> None:
+        if a.name.startswith(BOUNDARY):
+            with self.e.timer.span(a.module, "comm", self.comm_calls):
+                self.comm_calls += 1
+                if a.tensor == ACTIVATION:
+                    self._boundary_forward(a.module, a.mb)
+                else:
+                    self._boundary_backward(a.module, a.mb)
+        elif a.name.startswith(LOSS_TOKENS):
+            dist.all_reduce(self.data.n_tokens, group=self.e.topo.grid(LANGUAGE).groups["dp"])
+            if self.data.n_tokens.item() == 0:
+                raise RuntimeError("the global batch has no token that carries a loss")
+        elif a.name == LOSS:
+            # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
+            g = self.e.topo.grid(LANGUAGE)
+            last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
+            self.loss = self.loss_sum if last else torch.zeros_like(self.loss_sum)
+            dist.all_reduce(self.loss)
+        elif a.name.startswith(GRAD_SYNC):
+            self.e.optim.finish_grads(a.module)
+        elif a.name == GRAD_NORM:
+            self.grad_norm = self.e.optim.clip()
+        else:
+            raise ValueError(f"the executor does not know the collective {a.name!r}")
+
+    def _boundary_forward(self, name: str, mb: Optional[int]) -> None:
+        comm, g = self.e.comms[name], self.e.topo.grid(name)
+        window = self.data.windows.window(name, mb or 0)[0]
+        src = counts = None
+        if g.is_member and g.is_last_stage:
+            chunks = (list(range(self.e.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
+            ys = [self.y[(name, c)] if self.trainable[name] else self.y.pop((name, c)) for c in chunks]
+            src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
+            items = len(self._item_ids(name, None if name in self.e.colocated else mb))
+            src, counts = src.detach(), self._unit_counts(name, items)
+        got = comm.forward(src, counts, window)
+        if got is None:
+            return
+        lg = self.e.topo.grid(LANGUAGE)
+        tokens = self.cfg.model.encoders[name].tokens_per_item
+        want = self.data.windows.llm_items(name, lg.coords["dp"], mb or 0) * tokens
+        if got.shape[0] != want:  # a shape check: no host sync
+            raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered {got.shape[0]} tokens but the "
+                               f"batch needs {want}")
+        if mb is None:  # colocated: the step's tensor, sliced per LLM microbatch in phase 2
+            mine = [i for m in self.data.windows.llm_indices(lg.coords["dp"]) for i in m]
+            per_sample = torch.tensor([self.data.windows.item_counts[name][i] * tokens for i in mine])
+            self.received[name] = got
+            self.offsets[name] = microbatch_offsets(per_sample, self.cfg.training.micro_batch_size)
+            if self.trainable[name]:
+                self.boundary_grad[name] = torch.zeros_like(got)
+        else:
+            self.x[(name, mb)] = got
+
+    def _boundary_backward(self, name: str, mb: Optional[int]) -> None:
+        lg, g = self.e.topo.grid(LANGUAGE), self.e.topo.grid(name)
+        grad = None
+        if lg.is_member and lg.coords["pp"] == 0:
+            grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
+        out = self.e.comms[name].backward(grad)
+        if out is None or not (g.is_member and g.is_last_stage):
+            return
+        if mb is not None or g.layout.pp == 1:
+            self.gy[(name, mb)] = out
+            return
+        offset = 0  # a pipelined colocated encoder: the step's gradient, cut back into its chunks
+        for c in range(self.e.num_microbatches):
+            n = self.y[(name, c)].shape[0]
+            self.gy[(name, c)] = out[offset:offset + n]
+            offset += n
+
+    def local(self, a: Action) -> None:
+        if a.op == OPTIMIZER:
+            self.e.optim.step_module(a.module)
+        elif a.op == OFFLOAD:
+            self.e.offload.to_host()
+        elif a.op == RELOAD:
+            self.e.offload.to_device()
+        else:
+            raise ValueError(f"the executor does not know the action {a.op!r}")
