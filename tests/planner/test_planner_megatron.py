@@ -246,6 +246,40 @@ def test_paper_check_acceptance_metrics_for_table_a3():
     assert m["memory_within_40pct"] >= 0.75 and m["max_predicted_memory_gb"] <= 100
 
 
+def test_trainable_floor_is_the_island_flops_at_dense_peak():
+    # 12B + 120B, 8K, 87.5% vision, GBS 256: 8 FLOPs per parameter per image
+    # token (forward, full recompute, data + weight gradients) on 8 GPUs
+    s = paper_check._searcher("12B+120B", 8192, 87.5, 256, 1, "h100")
+    island = Par(2, 1, 1, 4, True, "full")
+    floor = paper_check.trainable_floor(s, island, 256, "h100")
+    by_hand = 8 * 12e9 * 256 * 8192 * 0.875 / (8 * 989e12)
+    assert abs(floor / by_hand - 1) < 0.1
+    # without recompute one forward fewer: 6 FLOPs per parameter per token
+    none = paper_check.trainable_floor(s, Par(2, 1, 1, 4, True, "none"), 256, "h100")
+    assert none == pytest.approx(floor * 3 / 4)
+    # the measured non-colocated step (15.54 s) is shorter than the floor
+    assert floor > 15.54
+
+
+def test_paper_a4_costed_with_the_encoders_the_paper_ran():
+    # default reading: A4 frozen encoders (a trainable island is below the
+    # compute floor), A2 trainable (encoder optimizer instances are swept)
+    assert paper_check.encoders_frozen("A4") and not paper_check.encoders_frozen("A2")
+    m = paper_check.metrics("A4", paper_check.rows("A4"))
+    assert m["big_gains_hit"] in ("8/9", "9/9")
+    assert m["nc_trainable_needs_over_peak"] != "0/16"
+    assert paper_check.crossover()["non_colocated_beats_c_large"]
+    # negative control: the same rows with trainable encoders are island-bound
+    paper_check.use_shapes("ours", "trainable")
+    try:
+        rs = paper_check.rows("A4")
+        x = paper_check.crossover()
+    finally:
+        paper_check.use_shapes("ours")
+    hit = int(paper_check.metrics("A4", rs)["big_gains_hit"].split("/")[0])
+    assert hit <= 3 and not x["non_colocated_beats_c_large"]
+
+
 def test_search_long_context_picks_heterogeneous_cp():
     # 1B + 7B at 64K, 75% vision, 32 GPUs: encoder CP 1, LLM CP >= 2, no slower than the paper's C
     s = _paper_searcher()
