@@ -6,7 +6,12 @@ optimizer stack in `optimizer_on_cpu`):
 1. Buffers are allocated with ``device=torch.cuda.current_device()`` (tensor
    parallel gathers, RoPE frequencies, the global memory buffer). On a CPU run
    we answer that question with the CPU device; nothing else in a CPU process
-   asks it.
+   asks it. Its scope is the CPU rank's process, installed by
+   `setup_megatron` only when the runtime is not CUDA (a CUDA process never
+   sees it): these allocations happen inside every forward and backward (a
+   sequence-parallel gather, RoPE), so a narrower scope would have to wrap
+   every model call. Remove it once megatron-core allocates on the device of
+   its inputs or takes a device argument.
 2. The RNG tracker (``get_cuda_rng_tracker``) saves and restores CUDA
    generator states around dropout in tensor-parallel regions. We install a
    tracker with the same interface that keeps CPU generator states.

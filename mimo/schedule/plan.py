@@ -114,7 +114,7 @@ class RankActions:
 
     def exchange(self, module: str, stage: int, ops: Sequence[Tuple[str, str, int, Optional[int]]]) -> None:
         """One batched exchange: ops are (send|recv, tensor kind, mb, peer) in posting order;
-        a None peer (no neighbour on that side) drops the op, as the engines do."""
+        a None peer (no neighbour on that side) drops the op."""
         self._post([dict(op=op, module=module, stage=stage, mb=mb, peer=peer, tensor=tensor)
                     for op, tensor, mb, peer in ops if peer is not None])
 

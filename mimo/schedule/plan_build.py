@@ -1,6 +1,6 @@
 """The step plan of a config, from layouts alone (no process group): `plan.build_plan`'s builders.
 
-Two families, as the trainers run them:
+Two families (the trainer loads a step's data differently for each, `mimo.training.step_data`):
 
 * `homogeneous`: every module on the language's layout, with PP = CP = 1
   when there are encoders (one forward/backward per microbatch through all
@@ -164,7 +164,14 @@ def _heterogeneous(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, out: 
 
 def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out: RankActions, edge, llm_node,
                  join: Optional[Join]) -> None:
-    """`run_three_phase` on an LLM rank: encoder forwards and edges, the LLM, edges back and encoder backwards."""
+    """The three phases on an LLM rank with colocated encoders.
+
+    Phase 1: every colocated encoder runs forward over this rank's items of the whole step (a
+    pipelined one streams them through its stages, one chunk per LLM microbatch, GPipe order) and
+    its boundary communicator moves the step at once. Phase 2: the LLM runs its microbatches on
+    slices of what arrived (joined by the live non-colocated edges, if any). Phase 3: the gradients
+    go back through the communicators and the encoders run backward. Encoder parameters are idle in
+    phase 2, so they may be offloaded to host memory around it."""
     M = num_microbatches(cfg)
     for n in colocated:
         lay = layouts[n]
@@ -201,7 +208,7 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
 
 
 def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: List[str], out: RankActions) -> None:
-    """The loss sum, per-module gradient sums, the global norm and the optimizer steps (`train_step`)."""
+    """The loss sum, per-module gradient sums, the global norm and the optimizer steps."""
     world = list(range(cfg.world_size))
     out.collective(LOSS, world)
     stepped = [n for n in held if module_trainable(cfg, n)]

@@ -1,9 +1,21 @@
-"""Actions of one stage node: the plan-side mirror of `graph.run_node`, `run_island` and their ports.
+"""The stage-node graph and the actions of one stage node: 1F1B, fused nodes, islands.
 
-Ports here emit actions instead of moving tensors, with the same call order
-as the engine's ports (`StageLink`, `BoundarySource`, `BoundaryJoin`, fused
-ports; the colocated slices of `UpstreamUnion` are local and emit
-nothing), so a plan lists exactly what a rank does.
+Every encoder stage and every LLM stage is a node; edges run stage to stage
+inside a module and from each encoder's last stage into the LLM's first
+stage, whose last stage is the sink. A node's 1F1B warm-up is its distance
+to the sink, so the whole graph runs like one pipeline as deep as its
+longest path, and every node has exactly one fewer warm-up forward than its
+producer.
+
+A node talks to its producers through an *upstream* port (`Up`) and to its
+consumer through a *downstream* port (`Down`); ports append the rank's
+send/recv or boundary actions to its plan. The combined steady-state ops name
+both halves because their order matters on edges whose halves block
+(boundary communicators): with producer warm-up `w + 1` and consumer warm-up
+`w`, the consumer's edge sequence is F_w, B_0, F_{w+1}, B_1, ..., so the
+producer must receive backward i before it sends forward w+1+i. Between
+stages of one module a paired exchange is one group (one `batch_isend_irecv`),
+so it cannot deadlock against the neighbour's paired exchange.
 
 Boundary communicator calls appear as one `collective` per call, over the
 ranks that take part in the edge (the source's last-stage ranks and the
@@ -46,7 +58,7 @@ def stage_nodes(pp_of: Dict[str, int], encoders: List[str]) -> Dict[Node, int]:
 
 
 class Up:
-    """Where a node's inputs come from (mirror of `graph.Upstream`)."""
+    """Where a node's inputs come from; the default combined op hands back B_i before taking F_{w+1+i}."""
 
     def recv_forward(self, mb: int) -> None:
         pass
@@ -60,7 +72,7 @@ class Up:
 
 
 class Down:
-    """Where a node's outputs go (mirror of `graph.Downstream`)."""
+    """Where a node's outputs go; the default combined op receives B_i before it sends F_{w+1+i}."""
 
     def send_forward(self, mb: int) -> None:
         pass
@@ -74,7 +86,11 @@ class Down:
 
 
 class Link(Up, Down):
-    """Paired point-to-point with the neighbouring stages of one module (`StageLink`, `StagePeers`)."""
+    """Point-to-point with the neighbouring stages of one module; a paired op is one group.
+
+No message tags: towards the next stage only activations travel and back only gradients, each in
+microbatch order, and encoders sharing ranks post in config order on both sides, so messages
+between two ranks match in the order both post them."""
 
     def __init__(self, out: RankActions, module: str, stage: int, prev: Optional[int], next_: Optional[int]):
         self.out, self.module, self.stage, self.prev, self.next = out, module, stage, prev, next_
@@ -130,7 +146,7 @@ class Source(Down):
 
 
 class Join(Up):
-    """The LLM's first stage fed by non-colocated edges (`BoundaryJoin`), edges in config order:
+    """The LLM's first stage fed by non-colocated edges, visited in config order (the order their producers use):
     (edge, trainable, all_at_once) — island edges deliver every microbatch at the first receive."""
 
     def __init__(self, edges: List[Tuple[Edge, bool, bool]], num_microbatches: int):
@@ -154,7 +170,7 @@ class Join(Up):
 
 
 class Member:
-    """One encoder stage of a rank that holds several (`fused.Member`)."""
+    """One encoder stage of a rank that holds several; `with_backward` False: a frozen edge (no gradient)."""
 
     def __init__(self, name: str, stage: int, up: Optional[Up], down: Down, with_backward: bool):
         self.name, self.stage, self.up, self.down, self.with_backward = name, stage, up, down, with_backward
@@ -201,7 +217,9 @@ def work(out: RankActions, op: str, members: Sequence[Tuple[str, int]]) -> Step:
 
 def node_actions(M: int, warmup: int, up: Optional[Up], down: Optional[Down], forward: Step, backward: Step,
                  with_backward: bool = True) -> None:
-    """1F1B over one stage node: the call order of `graph.run_node` (and `run_1f1b`)."""
+    """1F1B over one stage node: `warmup` forwards, then one forward and one backward at a time, then
+the remaining backwards. A node without backward (nothing trainable behind its consumer) runs all
+forwards in order."""
     if not with_backward:
         for mb in range(M):
             if up:
@@ -239,7 +257,15 @@ def node_actions(M: int, warmup: int, up: Optional[Up], down: Optional[Down], fo
 
 def island_actions(out: RankActions, M: int, members: List[Member], level: Dict[str, int],
                    order: Dict[str, int]) -> None:
-    """All forwards, then all backwards, in `run_island`'s global message order."""
+    """All forwards, then all backwards, of the stage nodes of one island rank.
+
+An island is a rank range shared by non-colocated encoders of different pipeline depths: a rank
+there holds nodes with different 1F1B warm-ups, which one thread cannot interleave safely against
+blocking edges. Instead every island rank handles its messages in one global order (microbatch,
+then sender level: forward far first, backward near first, then encoder config order), so the
+smallest pending message always has both ends waiting for it. Stages of one range are ordered alike
+for every encoder and a rank never holds two stages of one encoder, so these keys never tie. The
+LLM's join takes all island microbatches first (`Join`'s all-at-once edges); the price is memory."""
     fwd = sorted([(level[m.name] + 1, order[m.name], RECV, m) for m in members if m.up is not None]
                  + [(level[m.name], order[m.name], SEND, m) for m in members], key=lambda e: (-e[0], e[1]))
     bwd = sorted([(level[m.name], order[m.name], RECV, m) for m in members if m.with_backward]
@@ -262,7 +288,9 @@ def island_actions(out: RankActions, M: int, members: List[Member], level: Dict[
 
 
 def fused_node(out: RankActions, M: int, warmup: int, members: List[Member]) -> None:
-    """Encoders sharing a rank range with one pp: one node in lock-step (`fused.fuse`)."""
+    """Encoders sharing a rank range with one pp: their nodes have one warm-up, so the rank steps them
+in lock-step as one node. A fused port handles all backward messages of a step before all forward
+ones, members in config order: the order of the consumer side too."""
     if len(members) == 1:
         m = members[0]
         return node_actions(M, warmup, m.up, m.down, work(out, FORWARD, [(m.name, m.stage)]),

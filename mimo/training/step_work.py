@@ -129,7 +129,9 @@ class RankStep:
                                            device=self.device) if last else
                                torch.zeros(self._stage_shape(name, 0), dtype=self.dtype, device=self.device))
                 return
-            self.y[key] = part(items if stage == 0 else self.x[key])
+            # A frozen edge runs no backward: its input is not kept for one.
+            x = None if stage == 0 else self.x[key] if self.trainable[name] else self.x.pop(key)
+            self.y[key] = part(items if stage == 0 else x)
 
     def _stage_shape(self, name: str, items: int):
         """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
