@@ -84,6 +84,15 @@ class StepPlan:
                 out.append([a])
         return out
 
+    def through(self, name: str) -> "StepPlan":
+        """Every rank's actions up to and including collective `name` (on every rank, e.g. the loss:
+        a forward and backward without the step's reductions and update)."""
+        cut = []
+        for acts in self.actions:
+            at = next(i for i, a in enumerate(acts) if a.op == COLLECTIVE and a.name == name)
+            cut.append(acts[:at + 1])
+        return StepPlan(self.family, cut)
+
     def lines(self, rank: Optional[int] = None) -> Iterator[str]:
         for r in range(self.world_size) if rank is None else [rank]:
             for a in self.actions[r]:

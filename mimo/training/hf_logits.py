@@ -81,7 +81,7 @@ def trainer_logits(trainer, samples: List[Sample]) -> Dict[int, torch.Tensor]:
     if last:
         # A copy: the fused cross-entropy that follows works in place on the logits.
         hook = llm.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach().clone()))
-    trainer.train_step(0)
+    trainer.forward_backward(0)
     if not last:
         return {}
     hook.remove()

@@ -29,7 +29,7 @@ from mimo.model.transformer_config import dtype_of
 from mimo.runtime import ParameterOffload, Runtime, StepTimer, synchronize
 from mimo.schedule.check import check_plan
 from mimo.schedule.executor import run_plan
-from mimo.schedule.plan import build_plan
+from mimo.schedule.plan import LOSS, build_plan
 from mimo.schedule.plan_build import HOMOGENEOUS, num_microbatches
 from mimo.topology import Layout, Topology, build_topology
 
@@ -136,6 +136,14 @@ class Trainer:
                               self.dtype)
         return whole_step(self.cfg, self.dataset, self.balancer, step, self.comms, self.colocated, self.held,
                           lg.coords["dp"] if lg.is_member else None, self.runtime.device, self.dtype)
+
+    def forward_backward(self, step: int) -> float:
+        """The step's forwards and backwards and its loss, without reductions or update (evaluation,
+        logits): the plan through its `loss` collective, the same prefix on every rank."""
+        self.optim.zero_grad()
+        work = RankStep(self, self.step_data(step))
+        run_plan(self.plan.through(LOSS), self.rank, work)
+        return float(work.loss)
 
     def train_step(self, step: int) -> StepResult:
         synchronize(self.runtime)
