@@ -5,15 +5,15 @@ underloaded ones. For a pair (i, j) the best deferral moves the subset of i's
 samples whose LLM work is closest to half the difference; that is a subset
 sum, solved by dynamic programming over work rounded to ``resolution`` units
 (the reachable sums of i do not depend on j, so one table per overloaded
-microbatch serves every partner). ``V[i, j]`` is the pair's larger load after
-deferral; the smallest threshold T that every overloaded microbatch meets,
-alone (its own load) or with a distinct partner (``V <= T``), is found by
-binary search over the candidate values, each checked by bipartite matching.
+microbatch serves every partner, and all pairs are looked up at once).
+``V[i, j]`` is the pair's larger load after deferral; the smallest threshold
+T that every overloaded microbatch meets, alone (its own load) or with a
+distinct partner (``V <= T``), is found by binary search over the candidate
+values, each checked by bipartite matching.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -28,24 +28,12 @@ class SubsetTable:
     prefixes: List[int]       # prefixes[k]: sums reachable with the first k samples
 
     @classmethod
-    def build(cls, work: Sequence[float], unit: float) -> "SubsetTable":
-        units = np.maximum(0, np.rint(np.asarray(work, dtype=np.float64) / unit)).astype(np.int64).tolist()
+    def build(cls, units: Sequence[int]) -> "SubsetTable":
         reach, prefixes = 1, [1]
         for u in units:
             reach |= reach << u
             prefixes.append(reach)
-        return cls(units, prefixes)
-
-    def closest(self, target: float) -> int:
-        """The reachable sum closest to ``target`` (the smaller one on a tie)."""
-        reach = self.prefixes[-1]
-        t = max(0, math.floor(target))
-        below = (reach & ((2 << t) - 1)).bit_length() - 1      # highest set bit <= t (0 is always set)
-        rest = reach >> (t + 1)
-        if not rest:
-            return below
-        above = t + (rest & -rest).bit_length()                  # lowest set bit > t
-        return below if target - below <= above - target else above
+        return cls(list(units), prefixes)
 
     def subset(self, total: int) -> List[int]:
         """Positions of samples whose rounded work sums to ``total`` (a reachable sum)."""
@@ -55,6 +43,25 @@ class SubsetTable:
                 out.append(k - 1)
                 total -= self.units[k - 1]
         return out[::-1]
+
+
+def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarray:
+    """``out[r, c]``: the sum reachable in ``tables[r]`` closest to ``targets[r, c]`` (>= 0; the
+    smaller sum on a tie). One numpy pass over every table: the set bits of all bitsets,
+    keyed ``row * width + sum``, form one sorted array that a binary search answers."""
+    width = max(t.prefixes[-1].bit_length() for t in tables) + 1
+    nbytes = (width + 7) // 8
+    raw = b"".join(t.prefixes[-1].to_bytes(nbytes, "little") for t in tables)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little").reshape(len(tables), -1)
+    keys = np.flatnonzero(bits)                        # row * (8 * nbytes) + sum, ascending
+    stride = 8 * nbytes
+    base = (np.arange(len(tables)) * stride)[:, None]
+    t = np.clip(np.floor(targets).astype(np.int64), 0, width - 1)
+    at = np.searchsorted(keys, base + t, side="right")  # keys[at - 1]: highest sum <= t (0 is always set)
+    lo = keys[at - 1] - base
+    nxt = keys[np.minimum(at, len(keys) - 1)] - base
+    hi = np.where((at < len(keys)) & (nxt < stride), nxt, -1)  # lowest sum > t in the same row, or none
+    return np.where((hi < 0) | (targets - lo <= hi - targets), lo, hi)
 
 
 def _match(V: List[List[float]], T: float, rows: Sequence[int]) -> Optional[Dict[int, int]]:
@@ -86,7 +93,10 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     ``over``/``under``: loads of the two halves, each heaviest first (len(under) >= len(over));
     ``V[i, j]``: the pair's bottleneck after its best deferral. A row with ``over[i] <= T``
     needs no partner."""
-    floor = float(under.max()) if under.size else 0.0
+    # No T below the lightest microbatch's load, nor below any row's best option (alone or
+    # with its best partner): those candidates cannot pass, so they are not tried.
+    floor = max(float(under.max()) if under.size else 0.0,
+                float(np.minimum(over, V.min(axis=1, initial=np.inf)).max(initial=0.0)))
     cands = np.unique(np.concatenate([V.ravel(), over]))
     cands = cands[cands >= floor].tolist()
     rows_v, loads = V.tolist(), over.tolist()
@@ -102,20 +112,44 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     return best
 
 
-def defer(loads: np.ndarray, members: Sequence[Sequence[int]], llm: np.ndarray,
-          resolution: int = 1024) -> Tuple[List[Tuple[int, Optional[int], List[int]]], float]:
-    """Pairs (overloaded mb, underloaded partner or None, samples deferred) in execution order,
+def defer(loads: np.ndarray, members: Sequence[Sequence[Sequence[int]]], llm: np.ndarray,
+          resolution: int = 1024) -> List[Tuple[List[Tuple[int, Optional[int], List[int]]], float]]:
+    """Per replica (``loads[d]``: its microbatches' LLM loads, ``members[d]``: their samples):
+    pairs (overloaded mb, underloaded partner or None, samples deferred) in execution order,
     and the threshold T*. Every pair defers its own best subset: critical ones as matched,
-    the others with the partner left to them (never above T*)."""
+    the others with the partner left to them (never above T*). The subset-sum lookups of
+    every replica run as one batch."""
+    K = loads.shape[1]
+    by_load = np.argsort(-loads, axis=1, kind="stable")
+    top = loads.max(axis=1, initial=0.0)
+    units = top / resolution
+    split = [d for d in range(len(loads)) if K // 2 and top[d] > 0]
+    # Rounded work of every sample of every overloaded microbatch, in one numpy pass.
+    flat, unit_of, sizes = [], [], []
+    for d in split:
+        for i in by_load[d, :K // 2]:
+            flat += members[d][i]
+            sizes.append(len(members[d][i]))
+            unit_of.append(units[d])
+    rounded = np.maximum(0, np.rint(llm[flat] / np.repeat(unit_of, sizes))).astype(np.int64).tolist()
+    tables, start = [], 0
+    for size in sizes:
+        tables.append(SubsetTable.build(rounded[start:start + size]))
+        start += size
+    deltas = [(loads[d, by_load[d, :K // 2]][:, None] - loads[d, by_load[d, K // 2:]][None, :]) / 2 / units[d]
+              for d in split]
+    sums = closest_sums(tables, np.concatenate(deltas)) if tables else None
+    out = [([(int(k), None, []) for k in by_load[d]], float(top[d])) for d in range(len(loads))]
+    for n, d in enumerate(split):
+        r0 = n * (K // 2)
+        out[d] = _pairs(loads[d], by_load[d], members[d], tables[r0:r0 + K // 2], sums[r0:r0 + K // 2], units[d])
+    return out
+
+
+def _pairs(loads, by_load, members, tables, sums, unit):
     K = len(loads)
-    by_load = np.argsort(-loads, kind="stable")
     ol, ul = by_load[:K // 2], by_load[K // 2:]
-    if len(ol) == 0 or loads.max() <= 0:
-        return [(int(k), None, []) for k in by_load], float(loads.max(initial=0.0))
-    unit = float(loads.max()) / resolution
-    tables = [SubsetTable.build(llm[list(members[i])], unit) for i in ol]
-    delta = (loads[ol][:, None] - loads[ul][None, :]) / 2 / unit
-    moved = np.array([[t.closest(d) for d in row] for t, row in zip(tables, delta.tolist())]) * unit
+    moved = sums * unit
     V = np.maximum(loads[ol][:, None] - moved, loads[ul][None, :] + moved)
     T, match = bottleneck_pairs(loads[ol], loads[ul], V)
     # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
@@ -126,8 +160,7 @@ def defer(loads: np.ndarray, members: Sequence[Sequence[int]], llm: np.ndarray,
     pairs = []
     for r in range(len(ol)):
         c = match[r]
-        t = tables[r]
-        chosen = t.subset(int(round(moved[r, c] / unit)))
+        chosen = tables[r].subset(int(sums[r, c]))
         pairs.append((int(ol[r]), int(ul[c]), [members[ol[r]][p] for p in chosen]))
     pairs += [(int(ul[c]), None, []) for c in free]
     return pairs, T
