@@ -39,6 +39,8 @@ class SubsetTable:
         """Positions of samples whose rounded work sums to ``total`` (a reachable sum)."""
         out = []
         for k in range(len(self.units), 0, -1):
+            if total == 0:                                 # the empty rest: nothing more to take
+                break
             if not (self.prefixes[k - 1] >> total) & 1:   # unreachable without sample k-1: take it
                 out.append(k - 1)
                 total -= self.units[k - 1]
@@ -52,11 +54,11 @@ def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarr
     width = max(t.prefixes[-1].bit_length() for t in tables) + 1
     nbytes = (width + 7) // 8
     raw = b"".join(t.prefixes[-1].to_bytes(nbytes, "little") for t in tables)
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little").reshape(len(tables), -1)
-    keys = np.flatnonzero(bits)                        # row * (8 * nbytes) + sum, ascending
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+    keys = np.flatnonzero(bits.view(bool))             # row * (8 * nbytes) + sum, ascending
     stride = 8 * nbytes
     base = (np.arange(len(tables)) * stride)[:, None]
-    t = np.clip(np.floor(targets).astype(np.int64), 0, width - 1)
+    t = np.minimum(np.maximum(np.floor(targets).astype(np.int64), 0), width - 1)
     at = np.searchsorted(keys, base + t, side="right")  # keys[at - 1]: highest sum <= t (0 is always set)
     lo = keys[at - 1] - base
     nxt = keys[np.minimum(at, len(keys) - 1)] - base
@@ -65,18 +67,25 @@ def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarr
 
 
 def _match(V: List[List[float]], T: float, rows: Sequence[int]) -> Optional[Dict[int, int]]:
-    """A distinct partner column with ``V[r][c] <= T`` for every row in ``rows`` (augmenting
-    paths, lightest partner first: the last column is the lightest), or None."""
+    """A distinct partner column with ``V[r][c] <= T`` for every row in ``rows``, or None.
+
+    Augmenting paths (Kuhn); a row first takes its lightest free partner (the last column is
+    the lightest) and only then displaces an earlier row. Rows come heaviest first, so the
+    heaviest overloaded microbatch gets the lightest partner it can, as in a fold."""
     owner: Dict[int, int] = {}
     cols = range(len(V[0]) - 1, -1, -1) if V else range(0)
+    edges = {r: [c for c in cols if V[r][c] <= T] for r in rows}
 
     def augment(r: int, seen: set) -> bool:
-        row = V[r]
-        for c in cols:
-            if row[c] > T or c in seen:
+        for c in edges[r]:
+            if c not in owner:
+                owner[c] = r
+                return True
+        for c in edges[r]:
+            if c in seen:
                 continue
             seen.add(c)
-            if c not in owner or augment(owner[c], seen):
+            if augment(owner[c], seen):
                 owner[c] = r
                 return True
         return False
@@ -96,19 +105,30 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     # No T below the lightest microbatch's load, nor below any row's best option (alone or
     # with its best partner): those candidates cannot pass, so they are not tried.
     floor = max(float(under.max()) if under.size else 0.0,
-                float(np.minimum(over, V.min(axis=1, initial=np.inf)).max(initial=0.0)))
+                float(np.minimum(over, V.min(axis=1)).max()) if V.size else 0.0)
     cands = np.unique(np.concatenate([V.ravel(), over]))
     cands = cands[cands >= floor].tolist()
     rows_v, loads = V.tolist(), over.tolist()
-    lo, hi, best = 0, len(cands) - 1, None
+
+    def check(k: int) -> Optional[Dict[int, int]]:
+        return _match(rows_v, cands[k], [i for i, load in enumerate(loads) if load > cands[k]])
+
+    # T* is mostly the lowest candidate: gallop up from it (1, 2, 4, ... steps), then bisect.
+    lo, step, hi, best = 0, 1, len(cands) - 1, None
+    while lo <= hi:
+        k = min(lo + step - 1, hi)
+        match = check(k)
+        if match is not None:
+            best, hi = (cands[k], match), k - 1
+            break
+        lo, step = k + 1, 2 * step
     while lo <= hi:
         mid = (lo + hi) // 2
-        T = cands[mid]
-        match = _match(rows_v, T, [i for i, load in enumerate(loads) if load > T])
+        match = check(mid)
         if match is None:
             lo = mid + 1
         else:
-            best, hi = (T, match), mid - 1
+            best, hi = (cands[mid], match), mid - 1
     return best
 
 
@@ -117,50 +137,50 @@ def defer(loads: np.ndarray, members: Sequence[Sequence[Sequence[int]]], llm: np
     """Per replica (``loads[d]``: its microbatches' LLM loads, ``members[d]``: their samples):
     pairs (overloaded mb, underloaded partner or None, samples deferred) in execution order,
     and the threshold T*. Every pair defers its own best subset: critical ones as matched,
-    the others with the partner left to them (never above T*). The subset-sum lookups of
-    every replica run as one batch."""
-    K = loads.shape[1]
+    the others with the partner left to them (never above T*). Every replica's subset-sum
+    lookups and bottleneck matrix are computed together."""
+    D, K = loads.shape
+    h = K // 2
     by_load = np.argsort(-loads, axis=1, kind="stable")
-    top = loads.max(axis=1, initial=0.0)
-    units = top / resolution
-    split = [d for d in range(len(loads)) if K // 2 and top[d] > 0]
+    top = loads.max(axis=1) if K else np.zeros(D)
+    split = np.flatnonzero(top > 0) if h else np.zeros(0, dtype=np.int64)
+    out: List = [None] * D
+    for d in sorted(set(range(D)) - set(split.tolist())):    # nothing to defer
+        out[d] = ([(int(k), None, []) for k in by_load[d]], float(top[d]))
+    if not len(split):
+        return out
+    ol, ul = by_load[split, :h], by_load[split, h:]
+    over = np.take_along_axis(loads[split], ol, axis=1)
+    under = np.take_along_axis(loads[split], ul, axis=1)
+    units = top[split] / resolution
     # Rounded work of every sample of every overloaded microbatch, in one numpy pass.
-    flat, unit_of, sizes = [], [], []
-    for d in split:
-        for i in by_load[d, :K // 2]:
+    flat, sizes = [], []
+    for d, rows in zip(split.tolist(), ol.tolist()):
+        for i in rows:
             flat += members[d][i]
             sizes.append(len(members[d][i]))
-            unit_of.append(units[d])
-    rounded = np.maximum(0, np.rint(llm[flat] / np.repeat(unit_of, sizes))).astype(np.int64).tolist()
+    rounded = np.maximum(0, np.rint(llm[flat] / np.repeat(np.repeat(units, h), sizes))).astype(np.int64).tolist()
     tables, start = [], 0
     for size in sizes:
         tables.append(SubsetTable.build(rounded[start:start + size]))
         start += size
-    deltas = [(loads[d, by_load[d, :K // 2]][:, None] - loads[d, by_load[d, K // 2:]][None, :]) / 2 / units[d]
-              for d in split]
-    sums = closest_sums(tables, np.concatenate(deltas)) if tables else None
-    out = [([(int(k), None, []) for k in by_load[d]], float(top[d])) for d in range(len(loads))]
-    for n, d in enumerate(split):
-        r0 = n * (K // 2)
-        out[d] = _pairs(loads[d], by_load[d], members[d], tables[r0:r0 + K // 2], sums[r0:r0 + K // 2], units[d])
+    delta = (over[:, :, None] - under[:, None, :]) / 2 / units[:, None, None]
+    sums = closest_sums(tables, delta.reshape(len(split) * h, -1)).reshape(delta.shape)
+    moved = sums * units[:, None, None]
+    V = np.maximum(over[:, :, None] - moved, under[:, None, :] + moved)
+    for n, d in enumerate(split.tolist()):
+        T, match = bottleneck_pairs(over[n], under[n], V[n])
+        # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
+        taken = set(match.values())
+        free = [c for c in range(K - h - 1, -1, -1) if c not in taken]
+        for r in range(h):
+            if r not in match:
+                match[r] = free.pop(0)
+        o, u, mbs = ol[n].tolist(), ul[n].tolist(), members[d]
+        pairs = []
+        for r in range(h):
+            c = match[r]
+            chosen = tables[n * h + r].subset(int(sums[n, r, c]))
+            pairs.append((o[r], u[c], [mbs[o[r]][p] for p in chosen]))
+        out[d] = (pairs + [(u[c], None, []) for c in free], T)
     return out
-
-
-def _pairs(loads, by_load, members, tables, sums, unit):
-    K = len(loads)
-    ol, ul = by_load[:K // 2], by_load[K // 2:]
-    moved = sums * unit
-    V = np.maximum(loads[ol][:, None] - moved, loads[ul][None, :] + moved)
-    T, match = bottleneck_pairs(loads[ol], loads[ul], V)
-    # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
-    free = [c for c in range(len(ul))[::-1] if c not in match.values()]
-    for r in range(len(ol)):
-        if r not in match:
-            match[r] = free.pop(0)
-    pairs = []
-    for r in range(len(ol)):
-        c = match[r]
-        chosen = tables[r].subset(int(sums[r, c]))
-        pairs.append((int(ol[r]), int(ul[c]), [members[ol[r]][p] for p in chosen]))
-    pairs += [(int(ul[c]), None, []) for c in free]
-    return pairs, T

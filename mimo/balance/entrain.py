@@ -32,39 +32,55 @@ from .deferral import defer
 from .lpt import greedy, snake
 
 
-def stratified(enc: np.ndarray, llm: np.ndarray, samples: np.ndarray, microbatches: int) -> List[List[int]]:
-    """Encoder microbatches (global sample indices) of one replica."""
-    longest = np.argsort(-llm[samples], kind="stable")
-    coarse, fine = samples[longest[:microbatches]], samples[longest[microbatches:]]
-    ordered = np.concatenate([part[np.lexsort((-llm[part], -enc[part]))] for part in (coarse, fine)])
-    bins = greedy(enc[ordered].tolist(), microbatches, llm[ordered].tolist())
-    ordered = ordered.tolist()
-    return [[ordered[i] for i in b] for b in bins]
+def stratified(enc: np.ndarray, llm: np.ndarray, mine: np.ndarray, microbatches: int) -> np.ndarray:
+    """Encoder microbatches of every replica (``mine[d]``: replica d's samples) as a padded
+    array ``[replica, microbatch, slot]`` of sample indices (``len(llm)`` marks no sample),
+    each microbatch's samples in the order the greedy placed them."""
+    D, per = mine.shape
+    longest = np.take_along_axis(mine, np.argsort(-llm[mine], axis=1, kind="stable"), axis=1)
+    fine = np.broadcast_to(np.arange(per) >= microbatches, (D, per))
+    replica = np.broadcast_to(np.arange(D)[:, None], (D, per))
+    flat = longest.ravel()
+    # Per replica: the coarse set, then the fine set, each heaviest encoder work first.
+    ordered = flat[np.lexsort((-llm[flat], -enc[flat], fine.ravel(), replica.ravel()))].reshape(D, per)
+    placed, bins = [], []
+    for row, w, s in zip(ordered.tolist(), enc[ordered].tolist(), llm[ordered].tolist()):
+        items, b = greedy(w, microbatches, s)
+        placed.append([row[i] for i in items])
+        bins.append(b)
+    group = (np.arange(D)[:, None] * microbatches + np.array(bins)).ravel()
+    by_group = np.argsort(group, kind="stable")               # keeps the placing order in a microbatch
+    counts = np.bincount(group, minlength=D * microbatches)
+    starts = np.cumsum(counts) - counts
+    slot = np.arange(len(group)) - np.repeat(starts, counts)
+    mem = np.full((D * microbatches, max(int(counts.max()), 1)), len(llm), dtype=np.int64)
+    mem[group[by_group], slot] = np.array(placed).ravel()[by_group]
+    return mem.reshape(D, microbatches, -1)
 
 
-def swap_ties(enc: np.ndarray, llm: np.ndarray,
-              replicas: List[List[List[int]]]) -> Tuple[List[List[List[int]]], np.ndarray]:
-    """Each replica's microbatches after at most M swaps, and their LLM loads.
+def swap_ties(enc: np.ndarray, llm: np.ndarray, mem: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """`stratified`'s array after at most M swaps per replica, and the microbatches' LLM loads.
 
     A swap exchanges a sample of the heaviest LLM microbatch with one of the lightest that
     has the same encoder work and less LLM work, the pair whose difference is closest to
     half the gap (first such pair on a tie); a replica with no pair that narrows the gap
-    stops. Every replica's rounds run together on padded (replica, microbatch, slot) arrays."""
-    D, M, n = len(replicas), len(replicas[0]), len(llm)
-    width = max(len(mb) for rank in replicas for mb in rank)
-    mem = np.full((D, M, width), n, dtype=np.int64)       # slot n: no sample
-    for d, rank in enumerate(replicas):
-        for k, mb in enumerate(rank):
-            mem[d, k, :len(mb)] = mb
+    stops. Every replica's rounds run together."""
+    mem = mem.copy()
+    D, M, width = mem.shape
+    n = len(llm)
     e_nan, l_nan = np.append(enc, np.nan), np.append(llm, np.nan)   # NaN never equals: no swap
     l_zero = np.append(llm, 0.0)
-    loads = np.zeros((D, M))
-    for p in range(width):                                  # sums in list order, as sum() adds
-        loads += l_zero[mem[:, :, p]]
-    rows, active = np.arange(D), np.ones(D, dtype=bool)
+
+    def loads() -> np.ndarray:
+        out = np.zeros((D, M))
+        for p in range(width):                              # sums in list order, as sum() adds
+            out += l_zero[mem[:, :, p]]
+        return out
+
+    load, rows, active = loads(), np.arange(D), np.ones(D, dtype=bool)
     for _ in range(M):
-        h, lo = loads.argmax(1), loads.argmin(1)
-        gap = loads[rows, h] - loads[rows, lo]
+        h, lo = load.argmax(1), load.argmin(1)
+        gap = load[rows, h] - load[rows, lo]
         H, L = mem[rows, h], mem[rows, lo]                   # (D, width) each
         diff = l_nan[H][:, :, None] - l_nan[L][:, None, :]
         ok = ((e_nan[H][:, :, None] == e_nan[L][:, None, :]) & (diff > 0) & (diff < gap[:, None, None])
@@ -75,30 +91,25 @@ def swap_ties(enc: np.ndarray, llm: np.ndarray,
         best = np.where(ok, np.abs(diff - (gap / 2)[:, None, None]), np.inf).reshape(D, -1).argmin(1)
         r = np.flatnonzero(active)
         i, j = best[r] // width, best[r] % width
-        a, b = H[r, i], L[r, j]
-        mem[r, h[r], i], mem[r, lo[r], j] = b, a
+        mem[r, h[r], i], mem[r, lo[r], j] = L[r, j], H[r, i]
         moved = diff[r, i, j]
-        loads[r, h[r]] -= moved
-        loads[r, lo[r]] += moved
-    out = [[[i for i in mb if i < n] for mb in rank] for rank in mem.tolist()]
-    fresh = np.zeros((D, M))
-    for p in range(width):
-        fresh += l_zero[mem[:, :, p]]
-    return out, fresh
+        load[r, h[r]] -= moved
+        load[r, lo[r]] += moved
+    return mem, loads()
 
 
 def entrain(enc: np.ndarray, llm: np.ndarray, dp: int, microbatches: int, resolution: int = 1024) -> StepAssignment:
     _micro_batch_size(len(llm), dp, microbatches)
-    of_sample = snake(enc, dp, tie=llm)
-    mine = np.argsort(of_sample, kind="stable").reshape(dp, -1)     # row d: replica d's samples
-    replicas, loads = swap_ties(enc, llm, [stratified(enc, llm, s, microbatches) for s in mine])
+    mine = np.argsort(snake(enc, dp, tie=llm), kind="stable").reshape(dp, -1)   # row d: replica d's samples
+    mem, loads = swap_ties(enc, llm, stratified(enc, llm, mine, microbatches))
+    sizes = (mem < len(llm)).sum(axis=2).tolist()
+    replicas = [[mb[:k] for mb, k in zip(rank, ks)] for rank, ks in zip(mem.tolist(), sizes)]
     encoder, llm_side = [], []
     for mbs, (pairs, _) in zip(replicas, defer(loads, replicas, llm, resolution)):
         e_out, l_out = [], []
         for first, partner, moved in pairs:
-            keep = set(moved)
             e_out.append(mbs[first])
-            l_out.append([i for i in mbs[first] if i not in keep] if keep else list(mbs[first]))
+            l_out.append([i for i in mbs[first] if i not in moved] if moved else list(mbs[first]))
             if partner is not None:
                 e_out.append(mbs[partner])
                 l_out.append(mbs[partner] + moved)

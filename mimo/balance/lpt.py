@@ -8,7 +8,7 @@ in the low milliseconds; `snake` needs no loop at all.
 from __future__ import annotations
 
 import heapq
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -56,28 +56,28 @@ def snake(weights: np.ndarray, bins: int, tie: np.ndarray | None = None) -> np.n
     return out
 
 
-def greedy(weights: Sequence[float], bins: int, secondary: Sequence[float]) -> List[List[int]]:
+def greedy(weights: Sequence[float], bins: int, secondary: Sequence[float]) -> Tuple[List[int], List[int]]:
     """Min-max greedy without a cap, items in the given order: each goes to the bin of least
-    load (ties: least ``secondary`` load). Items of zero weight cannot raise any bin's load,
-    so they go to the bin of least secondary load instead."""
+    load (ties: least ``secondary`` load, then lowest bin). Items of zero weight cannot raise
+    any bin's load, so they go, after the others, to the bin of least secondary load.
+    Returns the items in the order they were placed and the bin of each."""
     heap = [(0.0, 0.0, b) for b in range(bins)]
-    sec_heap = []
-    out: List[List[int]] = [[] for _ in range(bins)]
     sec = [0.0] * bins
-    zero = []
-    for i, w in enumerate(weights):
-        if w <= 0:
-            zero.append(i)
-            continue
+    where = [0] * len(weights)
+    items = [i for i, w in enumerate(weights) if w > 0]
+    zero = [i for i, w in enumerate(weights) if w <= 0]
+    replace = heapq.heapreplace
+    for i in items:
         load, _, b = heap[0]
-        out[b].append(i)
-        sec[b] += secondary[i]
-        heapq.heapreplace(heap, (load + w, sec[b], b))
+        where[i] = b
+        s = sec[b] + secondary[i]
+        sec[b] = s
+        replace(heap, (load + weights[i], s, b))
     if zero:
-        sec_heap = [(sec[b], b) for b in range(bins)]
-        heapq.heapify(sec_heap)
+        heap = sorted((sec[b], b) for b in range(bins))          # a sorted list is a heap
         for i in zero:
-            s, b = sec_heap[0]
-            out[b].append(i)
-            heapq.heapreplace(sec_heap, (s + secondary[i], b))
-    return out
+            s, b = heap[0]
+            where[i] = b
+            replace(heap, (s + secondary[i], b))
+    items += zero
+    return items, [where[i] for i in items]
