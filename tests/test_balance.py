@@ -226,9 +226,8 @@ def _closest_scalar(reach, target):
 
 
 def _reference_entrain(enc, llm, dp, M, resolution=1024):
-    mine = np.argsort(snake(enc, dp, tie=llm), kind="stable").reshape(dp, -1)
     encoder, llm_side = [], []
-    for s in mine:
+    for s in snake(np.lexsort((-llm, -enc)), dp):
         mbs = [[i for i in mb if i < len(llm)] for mb in stratified(enc, llm, s[None], M)[0].tolist()]
         loads = [sum(llm[i] for i in mb) for mb in mbs]
         for _ in range(M):                                  # tie swaps
@@ -290,7 +289,7 @@ def test_entrain_fast_path_equals_reference(dp, M, m, seed):
 
 def test_tie_swaps_keep_encoder_loads_and_narrow_llm():
     enc, llm = step(WorkloadModel.from_model(), 256, seed=5)
-    before = stratified(enc, llm, np.arange(256)[None], 32)
+    before = stratified(enc, llm, np.lexsort((-llm, -enc))[None], 32)
     after, loads = swap_ties(enc, llm, before)
     lists = lambda mem: [[i for i in mb if i < 256] for mb in mem[0].tolist()]   # noqa: E731
     assert [sorted(enc[mb]) for mb in lists(after)] == [sorted(enc[mb]) for mb in lists(before)]  # encoder kept

@@ -1,6 +1,6 @@
 """Entrain's hierarchical microbatch assignment (dissertation Algorithm 4).
 
-1. DP level: samples, heaviest encoder work first (ties: heaviest LLM work
+1. DP level: samples, heaviest encoder work first (ties: most LLM work
    first), are dealt to the D replicas in rounds, alternating direction
    (`lpt.snake`), M*m each.
 2. Stratified assignment per replica: the M samples of most LLM work form the
@@ -32,17 +32,16 @@ from .deferral import defer
 from .lpt import greedy, snake
 
 
-def stratified(enc: np.ndarray, llm: np.ndarray, mine: np.ndarray, microbatches: int) -> np.ndarray:
-    """Encoder microbatches of every replica (``mine[d]``: replica d's samples) as a padded
-    array ``[replica, microbatch, slot]`` of sample indices (``len(llm)`` marks no sample),
-    each microbatch's samples in the order the greedy placed them."""
-    D, per = mine.shape
-    longest = np.take_along_axis(mine, np.argsort(-llm[mine], axis=1, kind="stable"), axis=1)
-    fine = np.broadcast_to(np.arange(per) >= microbatches, (D, per))
-    replica = np.broadcast_to(np.arange(D)[:, None], (D, per))
-    flat = longest.ravel()
-    # Per replica: the coarse set, then the fine set, each heaviest encoder work first.
-    ordered = flat[np.lexsort((-llm[flat], -enc[flat], fine.ravel(), replica.ravel()))].reshape(D, per)
+def stratified(enc: np.ndarray, llm: np.ndarray, ranked: np.ndarray, microbatches: int) -> np.ndarray:
+    """Encoder microbatches of every replica (``ranked[d]``: replica d's samples, heaviest
+    encoder work first, ties: most LLM work first) as a padded array ``[replica, microbatch,
+    slot]`` of sample indices (``len(llm)`` marks no sample), each microbatch's samples in the
+    order the greedy placed them."""
+    D, per = ranked.shape
+    fine = np.ones((D, per), dtype=bool)
+    np.put_along_axis(fine, np.argsort(-llm[ranked], axis=1, kind="stable")[:, :microbatches], False, axis=1)
+    # Per replica: the coarse set, then the fine set, each in the ranked order.
+    ordered = np.take_along_axis(ranked, np.argsort(fine, axis=1, kind="stable"), axis=1)
     placed, bins = [], []
     for row, w, s in zip(ordered.tolist(), enc[ordered].tolist(), llm[ordered].tolist()):
         items, b = greedy(w, microbatches, s)
@@ -77,31 +76,33 @@ def swap_ties(enc: np.ndarray, llm: np.ndarray, mem: np.ndarray) -> Tuple[np.nda
             out += l_zero[mem[:, :, p]]
         return out
 
-    load, rows, active = loads(), np.arange(D), np.ones(D, dtype=bool)
+    load, act = loads(), np.arange(D)                       # act: replicas still swapping
     for _ in range(M):
-        h, lo = load.argmax(1), load.argmin(1)
-        gap = load[rows, h] - load[rows, lo]
-        H, L = mem[rows, h], mem[rows, lo]                   # (D, width) each
+        here = load[act]
+        rows = np.arange(len(act))
+        h, lo = here.argmax(1), here.argmin(1)
+        gap = here[rows, h] - here[rows, lo]
+        H, L = mem[act, h], mem[act, lo]                     # (replicas, width) each
         diff = l_nan[H][:, :, None] - l_nan[L][:, None, :]
-        ok = ((e_nan[H][:, :, None] == e_nan[L][:, None, :]) & (diff > 0) & (diff < gap[:, None, None])
-              & active[:, None, None])
-        active = ok.any(axis=(1, 2))
-        if not active.any():
+        ok = (e_nan[H][:, :, None] == e_nan[L][:, None, :]) & (diff > 0) & (diff < gap[:, None, None])
+        r = np.flatnonzero(ok.any(axis=(1, 2)))
+        if not len(r):
             break
-        best = np.where(ok, np.abs(diff - (gap / 2)[:, None, None]), np.inf).reshape(D, -1).argmin(1)
-        r = np.flatnonzero(active)
-        i, j = best[r] // width, best[r] % width
-        mem[r, h[r], i], mem[r, lo[r], j] = L[r, j], H[r, i]
+        best = np.where(ok[r], np.abs(diff[r] - (gap[r] / 2)[:, None, None]), np.inf).reshape(len(r), -1).argmin(1)
+        i, j = best // width, best % width
+        d = act[r]
+        mem[d, h[r], i], mem[d, lo[r], j] = L[r, j], H[r, i]
         moved = diff[r, i, j]
-        load[r, h[r]] -= moved
-        load[r, lo[r]] += moved
+        load[d, h[r]] -= moved
+        load[d, lo[r]] += moved
+        act = d
     return mem, loads()
 
 
 def entrain(enc: np.ndarray, llm: np.ndarray, dp: int, microbatches: int, resolution: int = 1024) -> StepAssignment:
     _micro_batch_size(len(llm), dp, microbatches)
-    mine = np.argsort(snake(enc, dp, tie=llm), kind="stable").reshape(dp, -1)   # row d: replica d's samples
-    mem, loads = swap_ties(enc, llm, stratified(enc, llm, mine, microbatches))
+    ranked = snake(np.lexsort((-llm, -enc)), dp)    # row d: replica d's samples, heaviest encoder work first
+    mem, loads = swap_ties(enc, llm, stratified(enc, llm, ranked, microbatches))
     sizes = (mem < len(llm)).sum(axis=2).tolist()
     replicas = [[mb[:k] for mb, k in zip(rank, ks)] for rank, ks in zip(mem.tolist(), sizes)]
     encoder, llm_side = [], []

@@ -38,22 +38,16 @@ def dealt(weights: np.ndarray, bins: int, tie: np.ndarray | None = None) -> np.n
     return out
 
 
-def snake(weights: np.ndarray, bins: int, tie: np.ndarray | None = None) -> np.ndarray:
-    """Bin of every item, each bin getting exactly ``len(weights) / bins`` items, vectorised.
-
-    Items heaviest first (ties: heavier ``tie`` first) are dealt in rounds of ``bins``, to
-    bins 0 .. bins-1 in even rounds and bins-1 .. 0 in odd ones, so the bin that got the
-    heavier item of one round gets the lighter of the next."""
-    n = len(weights)
+def snake(order: np.ndarray, bins: int) -> np.ndarray:
+    """Row b: the items bin b gets when ``order`` (heaviest first) is dealt in rounds of
+    ``bins``, to bins 0 .. bins-1 in even rounds and bins-1 .. 0 in odd ones, so the bin that
+    got the heavier item of one round gets the lighter of the next. Rows keep ``order``."""
+    n = len(order)
     if n % bins:
         raise ValueError(f"{n} items do not deal evenly into {bins} bins")
-    w = np.asarray(weights, dtype=np.float64)
-    tie = np.zeros(n) if tie is None else np.asarray(tie, dtype=np.float64)
-    pos = np.arange(n)
-    rnd, col = pos // bins, pos % bins
-    out = np.empty(n, dtype=np.int64)
-    out[np.lexsort((-tie, -w))] = np.where(rnd % 2 == 0, col, bins - 1 - col)
-    return out
+    rounds = np.asarray(order).reshape(-1, bins).copy()
+    rounds[1::2] = rounds[1::2, ::-1]
+    return rounds.T
 
 
 def greedy(weights: Sequence[float], bins: int, secondary: Sequence[float]) -> Tuple[List[int], List[int]]:
