@@ -66,32 +66,39 @@ def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarr
     return np.where((hi < 0) | (targets - lo <= hi - targets), lo, hi)
 
 
-def _match(V: List[List[float]], T: float, rows: Sequence[int]) -> Optional[Dict[int, int]]:
-    """A distinct partner column with ``V[r][c] <= T`` for every row in ``rows``, or None.
+def _match(adjacent: List[int], rows: Sequence[int]) -> Optional[Dict[int, int]]:
+    """A distinct partner column for every row in ``rows`` (bit c of ``adjacent[r]``: column c
+    may partner row r), or None.
 
-    Augmenting paths (Kuhn); a row first takes its lightest free partner (the last column is
-    the lightest) and only then displaces an earlier row. Rows come heaviest first, so the
-    heaviest overloaded microbatch gets the lightest partner it can, as in a fold."""
+    Augmenting paths (Kuhn); a row first takes its lightest free partner (the highest column
+    is the lightest) and only then displaces an earlier row, lightest partner first. Rows
+    come heaviest first, so the heaviest overloaded microbatch gets the lightest partner it
+    can, as in a fold."""
     owner: Dict[int, int] = {}
-    cols = range(len(V[0]) - 1, -1, -1) if V else range(0)
-    edges = {r: [c for c in cols if V[r][c] <= T] for r in rows}
+    taken = 0                                               # bitset of owned columns
 
-    def augment(r: int, seen: set) -> bool:
-        for c in edges[r]:
-            if c not in owner:
-                owner[c] = r
-                return True
-        for c in edges[r]:
-            if c in seen:
+    def augment(r: int, seen: List[int]) -> bool:
+        nonlocal taken
+        free = adjacent[r] & ~taken
+        if free:
+            c = free.bit_length() - 1
+            owner[c] = r
+            taken |= 1 << c
+            return True
+        rest = adjacent[r] & ~seen[0]
+        while rest:
+            c = rest.bit_length() - 1
+            rest &= ~(1 << c)
+            if seen[0] >> c & 1:                            # seen deeper down meanwhile
                 continue
-            seen.add(c)
+            seen[0] |= 1 << c
             if augment(owner[c], seen):
                 owner[c] = r
                 return True
         return False
 
     for r in rows:
-        if not augment(r, set()):
+        if not augment(r, [0]):
             return None
     return {r: c for c, r in owner.items()}
 
@@ -106,12 +113,17 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     # with its best partner): those candidates cannot pass, so they are not tried.
     floor = max(float(under.max()) if under.size else 0.0,
                 float(np.minimum(over, V.min(axis=1)).max()) if V.size else 0.0)
-    cands = np.unique(np.concatenate([V.ravel(), over]))
-    cands = cands[cands >= floor].tolist()
-    rows_v, loads = V.tolist(), over.tolist()
+    cands = np.sort(np.concatenate([V.ravel(), over]))       # repeated values cost a check at most
+    cands = cands[np.searchsorted(cands, floor):].tolist()
+    loads = over.tolist()
 
     def check(k: int) -> Optional[Dict[int, int]]:
-        return _match(rows_v, cands[k], [i for i, load in enumerate(loads) if load > cands[k]])
+        T = cands[k]
+        packed = np.packbits(V <= T, axis=1, bitorder="little")   # row r: bit c set where V[r, c] <= T
+        stride = 8 * packed.shape[1]
+        every, row = int.from_bytes(packed.tobytes(), "little"), (1 << stride) - 1
+        adjacent = [(every >> (r * stride)) & row for r in range(len(loads))]
+        return _match(adjacent, [i for i, load in enumerate(loads) if load > T])
 
     # T* is mostly the lowest candidate: gallop up from it (1, 2, 4, ... steps), then bisect.
     lo, step, hi, best = 0, 1, len(cands) - 1, None
