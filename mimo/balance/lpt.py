@@ -55,23 +55,19 @@ def greedy(weights: Sequence[float], bins: int, secondary: Sequence[float]) -> T
     load (ties: least ``secondary`` load, then lowest bin). Items of zero weight cannot raise
     any bin's load, so they go, after the others, to the bin of least secondary load.
     Returns the items in the order they were placed and the bin of each."""
-    heap = [(0.0, 0.0, b) for b in range(bins)]
-    sec = [0.0] * bins
-    where = [0] * len(weights)
+    heap = [(0.0, 0.0, b) for b in range(bins)]        # (load, secondary load, bin)
     items = [i for i, w in enumerate(weights) if w > 0]
     zero = [i for i, w in enumerate(weights) if w <= 0]
+    where = []
     replace = heapq.heapreplace
-    for i in items:
-        load, _, b = heap[0]
-        where[i] = b
-        s = sec[b] + secondary[i]
-        sec[b] = s
-        replace(heap, (load + weights[i], s, b))
+    for w, t in zip([weights[i] for i in items], [secondary[i] for i in items]):
+        load, s, b = heap[0]
+        where.append(b)
+        replace(heap, (load + w, s + t, b))
     if zero:
-        heap = sorted((sec[b], b) for b in range(bins))          # a sorted list is a heap
-        for i in zero:
+        heap = sorted((s, b) for _, s, b in heap)           # a sorted list is a heap
+        for t in [secondary[i] for i in zero]:
             s, b = heap[0]
-            where[i] = b
-            replace(heap, (s + secondary[i], b))
-    items += zero
-    return items, [where[i] for i in items]
+            where.append(b)
+            replace(heap, (s + t, b))
+    return items + zero, where
