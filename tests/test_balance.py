@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mimo.balance import POLICIES, Pipeline, WorkloadModel, assign, cv, microbatch_loads, violations
-from mimo.balance.deferral import SubsetTable, bottleneck_pairs, closest_sums, defer
+from mimo.balance.deferral import SubsetTable, bottleneck_pairs, closest_sums
 from mimo.balance.entrain import entrain, stratified, swap_ties
 from mimo.balance.lpt import dealt, snake
 from mimo.balance.mmscale import bubble_order

@@ -8,8 +8,9 @@ sum, solved by dynamic programming over work rounded to ``resolution`` units
 microbatch serves every partner, and all pairs are looked up at once).
 ``V[i, j]`` is the pair's larger load after deferral; the smallest threshold
 T that every overloaded microbatch meets, alone (its own load) or with a
-distinct partner (``V <= T``), is found by binary search over the candidate
-values, each checked by bipartite matching.
+distinct partner (``V <= T``), is found by search over the sorted candidate
+values (galloping up from the lowest that can pass, then bisecting), each
+checked by bipartite matching.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
    later. Microbatch sizes may differ. Samples without encoder work cannot
    unbalance the encoder, so they go where the LLM work is least.
 3. Tie swaps (`swap_ties`): samples of equal encoder work are interchangeable
-   for the encoder, and the greedy is blind to which of them lands where.
+   for the encoder, which does not care which of them lands where.
    Swapping such samples between a replica's heaviest and lightest LLM
    microbatch keeps every encoder load exactly and evens out the LLM loads
    deferral starts from.
@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Tuple
 
 import numpy as np
 
