@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from mimo.balance import POLICIES, Pipeline, WorkloadModel, assign, cv, microbatch_loads, violations
-from mimo.balance.deferral import SubsetTable, bottleneck_pairs
-from mimo.balance.lpt import dealt
+from mimo.balance.deferral import SubsetTable, bottleneck_pairs, closest_sums
+from mimo.balance.entrain import entrain, stratified, swap_ties
+from mimo.balance.lpt import dealt, snake
 from mimo.balance.mmscale import bubble_order
 from mimo.planner.simulator import SimStage, simulate_1f1b
 
@@ -95,13 +96,16 @@ def test_dealt_keeps_counts_and_balances():
 def test_subset_sum_against_brute_force():
     rng = np.random.default_rng(2)
     for _ in range(20):
-        units = rng.integers(0, 30, rng.integers(1, 8)).tolist()
-        table = SubsetTable.build(units, 1.0)
-        every = {sum(c) for r in range(len(units) + 1) for c in itertools.combinations(units, r)}
-        for target in np.arange(0, sum(units) + 3, 0.5):
-            best = table.closest(float(target))
-            assert best in every and abs(best - target) == min(abs(s - target) for s in every)
-            assert sum(units[i] for i in table.subset(best)) == best
+        sets = [rng.integers(0, 30, rng.integers(1, 8)).tolist() for _ in range(int(rng.integers(1, 4)))]
+        tables = [SubsetTable.build(units) for units in sets]
+        targets = np.array([np.arange(0, 60, 0.5)] * len(sets))
+        got = closest_sums(tables, targets)
+        for r, units in enumerate(sets):
+            every = {sum(c) for n in range(len(units) + 1) for c in itertools.combinations(units, n)}
+            for target, best in zip(targets[r], got[r]):
+                assert best in every and abs(best - target) == min(abs(s - target) for s in every)
+                assert best == min(s for s in every if abs(s - target) == abs(best - target))  # the smaller
+                assert sum(units[i] for i in tables[r].subset(int(best))) == best
 
 
 def test_bottleneck_matching_against_brute_force():
@@ -206,3 +210,89 @@ def test_config_check(tmp_path, policy, layout, message):
         assert r.returncode == 0, r.stderr
     else:
         assert r.returncode == 2 and r.stderr.startswith("error: data.balance:") and message in r.stderr
+
+
+# A plain, per-replica reading of the same algorithm: the vectorised production path must give
+# exactly its assignment (same floats, same tie rules).
+
+def _closest_scalar(reach, target):
+    t = max(0, int(np.floor(target)))
+    below = (reach & ((2 << t) - 1)).bit_length() - 1
+    rest = reach >> (t + 1)
+    if not rest:
+        return below
+    above = t + (rest & -rest).bit_length()
+    return below if target - below <= above - target else above
+
+
+def _reference_entrain(enc, llm, dp, M, resolution=1024):
+    encoder, llm_side = [], []
+    for s in snake(np.lexsort((-llm, -enc)), dp):
+        mbs = [[i for i in mb if i < len(llm)] for mb in stratified(enc, llm, s[None], M)[0].tolist()]
+        loads = [sum(llm[i] for i in mb) for mb in mbs]
+        for _ in range(M):                                  # tie swaps
+            h, lo = int(np.argmax(loads)), int(np.argmin(loads))
+            gap, best = loads[h] - loads[lo], None
+            for i, a in enumerate(mbs[h]):
+                for j, b in enumerate(mbs[lo]):
+                    diff = llm[a] - llm[b]
+                    if enc[a] == enc[b] and 0 < diff < gap and (best is None or abs(diff - gap / 2) < best[0]):
+                        best = (abs(diff - gap / 2), i, j, diff)
+            if best is None:
+                break
+            _, i, j, diff = best
+            mbs[h][i], mbs[lo][j] = mbs[lo][j], mbs[h][i]
+            loads[h] -= diff
+            loads[lo] += diff
+        loads = np.array([sum(llm[i] for i in mb) for mb in mbs])
+        by_load = np.argsort(-loads, kind="stable")
+        ol, ul = by_load[:M // 2], by_load[M // 2:]
+        if len(ol) == 0 or loads.max() <= 0:                # nothing to pair
+            encoder.append([mbs[k] for k in by_load])
+            llm_side.append([mbs[k] for k in by_load])
+            continue
+        unit = loads.max() / resolution
+        tables = [SubsetTable.build(np.maximum(0, np.rint(llm[mbs[i]] / unit)).astype(np.int64).tolist())
+                  for i in ol]
+        delta = (loads[ol][:, None] - loads[ul][None, :]) / 2 / unit
+        sums = np.array([[_closest_scalar(t.prefixes[-1], x) for x in row] for t, row in zip(tables, delta)])
+        V = np.maximum(loads[ol][:, None] - sums * unit, loads[ul][None, :] + sums * unit)
+        _, match = bottleneck_pairs(loads[ol], loads[ul], V)
+        free = [c for c in range(len(ul))[::-1] if c not in match.values()]
+        for r in range(len(ol)):
+            if r not in match:
+                match[r] = free.pop(0)
+        e_out, l_out = [], []
+        for r in range(len(ol)):
+            c = match[r]
+            moved = [mbs[ol[r]][p] for p in tables[r].subset(int(sums[r, c]))]
+            e_out += [mbs[ol[r]], mbs[ul[c]]]
+            l_out += [[i for i in mbs[ol[r]] if i not in moved], mbs[ul[c]] + moved]
+        e_out += [mbs[ul[c]] for c in free]
+        l_out += [mbs[ul[c]] for c in free]
+        encoder.append(e_out)
+        llm_side.append(l_out)
+    return encoder, llm_side
+
+
+@pytest.mark.parametrize("dp,M,m,seed", [(1, 4, 3, 0), (2, 8, 8, 1), (3, 6, 5, 2), (4, 16, 8, 3), (2, 32, 2, 4),
+                                         (2, 5, 3, 5), (1, 1, 4, 6)])
+def test_entrain_fast_path_equals_reference(dp, M, m, seed):
+    rng = np.random.default_rng(seed)
+    n = dp * M * m
+    enc = rng.integers(0, 4, n) * 0.37                      # few distinct values: many ties, some zeros
+    llm = rng.lognormal(0, 1, n) + enc
+    a = entrain(enc, llm, dp, M)
+    assert violations(a, n) == []
+    assert (a.encoder, a.llm) == _reference_entrain(enc, llm, dp, M)
+
+
+def test_tie_swaps_keep_encoder_loads_and_narrow_llm():
+    enc, llm = step(WorkloadModel.from_model(), 256, seed=5)
+    before = stratified(enc, llm, np.lexsort((-llm, -enc))[None], 32)
+    after, loads = swap_ties(enc, llm, before)
+    lists = lambda mem: [[i for i in mb if i < 256] for mb in mem[0].tolist()]   # noqa: E731
+    assert [sorted(enc[mb]) for mb in lists(after)] == [sorted(enc[mb]) for mb in lists(before)]  # encoder kept
+    spread = lambda mem: np.ptp([llm[mb].sum() for mb in lists(mem)])          # noqa: E731
+    assert spread(after) < 0.5 * spread(before)
+    assert np.allclose(loads[0], [llm[mb].sum() for mb in lists(after)])

@@ -60,8 +60,8 @@ def timing_table(work, pipeline, repeats=20):
     m = 8
     M = STEP // (DP * m)
     print("| policy | planning time per step, median wall (ms) | median CPU time of the process (ms) | "
-          "of which workload estimate, wall (ms) |")
-    print("|---|---|---|---|")
+          "least CPU time (ms) | of which workload estimate, wall (ms) |")
+    print("|---|---|---|---|---|")
     rows = [("none", None), ("mmscale", None), ("mmscale + simulator check", pipeline), ("entrain", None)]
     for name, pipe in rows:
         policy = name.split()[0]
@@ -77,7 +77,7 @@ def timing_table(work, pipeline, repeats=20):
                 cpu.append(c2 - c0)
                 est.append(t1 - t0)
         print(f"| {name} | {1e3 * statistics.median(total):.2f} | {1e3 * statistics.median(cpu):.2f} | "
-              f"{1e3 * statistics.median(est):.3f} |")
+              f"{1e3 * min(cpu):.2f} | {1e3 * statistics.median(est):.3f} |")
 
 
 def step_table(work, pipeline, raw, steps):

@@ -5,15 +5,16 @@ underloaded ones. For a pair (i, j) the best deferral moves the subset of i's
 samples whose LLM work is closest to half the difference; that is a subset
 sum, solved by dynamic programming over work rounded to ``resolution`` units
 (the reachable sums of i do not depend on j, so one table per overloaded
-microbatch serves every partner). ``V[i, j]`` is the pair's larger load after
-deferral; the smallest threshold T that every overloaded microbatch meets,
-alone (its own load) or with a distinct partner (``V <= T``), is found by
-binary search over the candidate values, each checked by bipartite matching.
+microbatch serves every partner, and all pairs are looked up at once).
+``V[i, j]`` is the pair's larger load after deferral; the smallest threshold
+T that every overloaded microbatch meets, alone (its own load) or with a
+distinct partner (``V <= T``), is found by search over the sorted candidate
+values (galloping up from the lowest that can pass, then bisecting), each
+checked by bipartite matching.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -28,54 +29,77 @@ class SubsetTable:
     prefixes: List[int]       # prefixes[k]: sums reachable with the first k samples
 
     @classmethod
-    def build(cls, work: Sequence[float], unit: float) -> "SubsetTable":
-        units = np.maximum(0, np.rint(np.asarray(work, dtype=np.float64) / unit)).astype(np.int64).tolist()
+    def build(cls, units: Sequence[int]) -> "SubsetTable":
         reach, prefixes = 1, [1]
         for u in units:
             reach |= reach << u
             prefixes.append(reach)
-        return cls(units, prefixes)
-
-    def closest(self, target: float) -> int:
-        """The reachable sum closest to ``target`` (the smaller one on a tie)."""
-        reach = self.prefixes[-1]
-        t = max(0, math.floor(target))
-        below = (reach & ((2 << t) - 1)).bit_length() - 1      # highest set bit <= t (0 is always set)
-        rest = reach >> (t + 1)
-        if not rest:
-            return below
-        above = t + (rest & -rest).bit_length()                  # lowest set bit > t
-        return below if target - below <= above - target else above
+        return cls(list(units), prefixes)
 
     def subset(self, total: int) -> List[int]:
         """Positions of samples whose rounded work sums to ``total`` (a reachable sum)."""
         out = []
         for k in range(len(self.units), 0, -1):
+            if total == 0:                                 # the empty rest: nothing more to take
+                break
             if not (self.prefixes[k - 1] >> total) & 1:   # unreachable without sample k-1: take it
                 out.append(k - 1)
                 total -= self.units[k - 1]
         return out[::-1]
 
 
-def _match(V: List[List[float]], T: float, rows: Sequence[int]) -> Optional[Dict[int, int]]:
-    """A distinct partner column with ``V[r][c] <= T`` for every row in ``rows`` (augmenting
-    paths, lightest partner first: the last column is the lightest), or None."""
-    owner: Dict[int, int] = {}
-    cols = range(len(V[0]) - 1, -1, -1) if V else range(0)
+def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarray:
+    """``out[r, c]``: the sum reachable in ``tables[r]`` closest to ``targets[r, c]`` (>= 0; the
+    smaller sum on a tie). One numpy pass over every table: the set bits of all bitsets,
+    keyed ``row * width + sum``, form one sorted array that a binary search answers."""
+    width = max(t.prefixes[-1].bit_length() for t in tables) + 1
+    nbytes = (width + 7) // 8
+    raw = b"".join(t.prefixes[-1].to_bytes(nbytes, "little") for t in tables)
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+    keys = np.flatnonzero(bits.view(bool))             # row * (8 * nbytes) + sum, ascending
+    stride = 8 * nbytes
+    base = (np.arange(len(tables)) * stride)[:, None]
+    t = np.minimum(np.maximum(np.floor(targets).astype(np.int64), 0), width - 1)
+    at = np.searchsorted(keys, base + t, side="right")  # keys[at - 1]: highest sum <= t (0 is always set)
+    lo = keys[at - 1] - base
+    nxt = keys[np.minimum(at, len(keys) - 1)] - base
+    hi = np.where((at < len(keys)) & (nxt < stride), nxt, -1)  # lowest sum > t in the same row, or none
+    return np.where((hi < 0) | (targets - lo <= hi - targets), lo, hi)
 
-    def augment(r: int, seen: set) -> bool:
-        row = V[r]
-        for c in cols:
-            if row[c] > T or c in seen:
+
+def _match(adjacent: List[int], rows: Sequence[int]) -> Optional[Dict[int, int]]:
+    """A distinct partner column for every row in ``rows`` (bit c of ``adjacent[r]``: column c
+    may partner row r), or None.
+
+    Augmenting paths (Kuhn); a row first takes its lightest free partner (the highest column
+    is the lightest) and only then displaces an earlier row, lightest partner first. Rows
+    come heaviest first, so the heaviest overloaded microbatch gets the lightest partner it
+    can, as in a fold."""
+    owner: Dict[int, int] = {}
+    taken = 0                                               # bitset of owned columns
+
+    def augment(r: int, seen: List[int]) -> bool:
+        nonlocal taken
+        free = adjacent[r] & ~taken
+        if free:
+            c = free.bit_length() - 1
+            owner[c] = r
+            taken |= 1 << c
+            return True
+        rest = adjacent[r] & ~seen[0]
+        while rest:
+            c = rest.bit_length() - 1
+            rest &= ~(1 << c)
+            if seen[0] >> c & 1:                            # seen deeper down meanwhile
                 continue
-            seen.add(c)
-            if c not in owner or augment(owner[c], seen):
+            seen[0] |= 1 << c
+            if augment(owner[c], seen):
                 owner[c] = r
                 return True
         return False
 
     for r in rows:
-        if not augment(r, set()):
+        if not augment(r, [0]):
             return None
     return {r: c for c, r in owner.items()}
 
@@ -86,48 +110,90 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     ``over``/``under``: loads of the two halves, each heaviest first (len(under) >= len(over));
     ``V[i, j]``: the pair's bottleneck after its best deferral. A row with ``over[i] <= T``
     needs no partner."""
-    floor = float(under.max()) if under.size else 0.0
-    cands = np.unique(np.concatenate([V.ravel(), over]))
-    cands = cands[cands >= floor].tolist()
-    rows_v, loads = V.tolist(), over.tolist()
-    lo, hi, best = 0, len(cands) - 1, None
+    # No T below the lightest microbatch's load, nor below any row's best option (alone or
+    # with its best partner): those candidates cannot pass, so they are not tried.
+    floor = max(float(under.max()) if under.size else 0.0,
+                float(np.minimum(over, V.min(axis=1)).max()) if V.size else 0.0)
+    cands = np.sort(np.concatenate([V.ravel(), over]))       # repeated values cost a check at most
+    cands = cands[np.searchsorted(cands, floor):].tolist()
+    loads = over.tolist()
+
+    def check(k: int) -> Optional[Dict[int, int]]:
+        T = cands[k]
+        packed = np.packbits(V <= T, axis=1, bitorder="little")   # row r: bit c set where V[r, c] <= T
+        stride = 8 * packed.shape[1]
+        every, row = int.from_bytes(packed.tobytes(), "little"), (1 << stride) - 1
+        adjacent = [(every >> (r * stride)) & row for r in range(len(loads))]
+        return _match(adjacent, [i for i, load in enumerate(loads) if load > T])
+
+    # T* is mostly the lowest candidate: gallop up from it (1, 2, 4, ... steps), then bisect.
+    lo, step, hi, best = 0, 1, len(cands) - 1, None
+    while lo <= hi:
+        k = min(lo + step - 1, hi)
+        match = check(k)
+        if match is not None:
+            best, hi = (cands[k], match), k - 1
+            break
+        lo, step = k + 1, 2 * step
     while lo <= hi:
         mid = (lo + hi) // 2
-        T = cands[mid]
-        match = _match(rows_v, T, [i for i, load in enumerate(loads) if load > T])
+        match = check(mid)
         if match is None:
             lo = mid + 1
         else:
-            best, hi = (T, match), mid - 1
+            best, hi = (cands[mid], match), mid - 1
     return best
 
 
-def defer(loads: np.ndarray, members: Sequence[Sequence[int]], llm: np.ndarray,
-          resolution: int = 1024) -> Tuple[List[Tuple[int, Optional[int], List[int]]], float]:
-    """Pairs (overloaded mb, underloaded partner or None, samples deferred) in execution order,
+def defer(loads: np.ndarray, members: Sequence[Sequence[Sequence[int]]], llm: np.ndarray,
+          resolution: int = 1024) -> List[Tuple[List[Tuple[int, Optional[int], List[int]]], float]]:
+    """Per replica (``loads[d]``: its microbatches' LLM loads, ``members[d]``: their samples):
+    pairs (overloaded mb, underloaded partner or None, samples deferred) in execution order,
     and the threshold T*. Every pair defers its own best subset: critical ones as matched,
-    the others with the partner left to them (never above T*)."""
-    K = len(loads)
-    by_load = np.argsort(-loads, kind="stable")
-    ol, ul = by_load[:K // 2], by_load[K // 2:]
-    if len(ol) == 0 or loads.max() <= 0:
-        return [(int(k), None, []) for k in by_load], float(loads.max(initial=0.0))
-    unit = float(loads.max()) / resolution
-    tables = [SubsetTable.build(llm[list(members[i])], unit) for i in ol]
-    delta = (loads[ol][:, None] - loads[ul][None, :]) / 2 / unit
-    moved = np.array([[t.closest(d) for d in row] for t, row in zip(tables, delta.tolist())]) * unit
-    V = np.maximum(loads[ol][:, None] - moved, loads[ul][None, :] + moved)
-    T, match = bottleneck_pairs(loads[ol], loads[ul], V)
-    # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
-    free = [c for c in range(len(ul))[::-1] if c not in match.values()]
-    for r in range(len(ol)):
-        if r not in match:
-            match[r] = free.pop(0)
-    pairs = []
-    for r in range(len(ol)):
-        c = match[r]
-        t = tables[r]
-        chosen = t.subset(int(round(moved[r, c] / unit)))
-        pairs.append((int(ol[r]), int(ul[c]), [members[ol[r]][p] for p in chosen]))
-    pairs += [(int(ul[c]), None, []) for c in free]
-    return pairs, T
+    the others with the partner left to them (never above T*). Every replica's subset-sum
+    lookups and bottleneck matrix are computed together."""
+    D, K = loads.shape
+    h = K // 2
+    by_load = np.argsort(-loads, axis=1, kind="stable")
+    top = loads.max(axis=1) if K else np.zeros(D)
+    split = np.flatnonzero(top > 0) if h else np.zeros(0, dtype=np.int64)
+    out: List = [None] * D
+    for d in sorted(set(range(D)) - set(split.tolist())):    # nothing to defer
+        out[d] = ([(int(k), None, []) for k in by_load[d]], float(top[d]))
+    if not len(split):
+        return out
+    ol, ul = by_load[split, :h], by_load[split, h:]
+    over = np.take_along_axis(loads[split], ol, axis=1)
+    under = np.take_along_axis(loads[split], ul, axis=1)
+    units = top[split] / resolution
+    # Rounded work of every sample of every overloaded microbatch, in one numpy pass.
+    flat, sizes = [], []
+    for d, rows in zip(split.tolist(), ol.tolist()):
+        for i in rows:
+            flat += members[d][i]
+            sizes.append(len(members[d][i]))
+    rounded = np.maximum(0, np.rint(llm[flat] / np.repeat(np.repeat(units, h), sizes))).astype(np.int64).tolist()
+    tables, start = [], 0
+    for size in sizes:
+        tables.append(SubsetTable.build(rounded[start:start + size]))
+        start += size
+    delta = (over[:, :, None] - under[:, None, :]) / 2 / units[:, None, None]
+    sums = closest_sums(tables, delta.reshape(len(split) * h, -1)).reshape(delta.shape)
+    moved = sums * units[:, None, None]
+    V = np.maximum(over[:, :, None] - moved, under[:, None, :] + moved)
+    for n, d in enumerate(split.tolist()):
+        T, match = bottleneck_pairs(over[n], under[n], V[n])
+        # Rows without a critical partner take the remaining columns, heaviest row with lightest column.
+        taken = set(match.values())
+        free = [c for c in range(K - h - 1, -1, -1) if c not in taken]
+        for r in range(h):
+            if r not in match:
+                match[r] = free.pop(0)
+        o, u, mbs = ol[n].tolist(), ul[n].tolist(), members[d]
+        pairs = []
+        for r in range(h):
+            c = match[r]
+            chosen = tables[n * h + r].subset(int(sums[n, r, c]))
+            pairs.append((o[r], u[c], [mbs[o[r]][p] for p in chosen]))
+        out[d] = (pairs + [(u[c], None, []) for c in free], T)
+    return out
