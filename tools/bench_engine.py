@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import resource
@@ -91,11 +90,8 @@ def layout_config(key: str, tiny: bool = False) -> dict:
 
 
 def build_trainer(cfg, runtime):
-    """The engine to measure: the old dispatcher while it exists, else the single Trainer."""
-    if importlib.util.find_spec("mimo.training.heterogeneous") is not None:
-        from mimo.training.heterogeneous import make_trainer
-
-        return make_trainer(cfg, runtime)
+    """The engine to measure. (The figures of the engines before the plan executor, in
+    docs/benchmarks.md, were taken with this tool on commit c184960, where it built them.)"""
     from mimo.training import Trainer
 
     return Trainer(cfg, runtime)

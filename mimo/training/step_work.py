@@ -161,7 +161,10 @@ class RankStep:
         b = self._llm_view(mb)
         labels = b["labels"] if last else None
         key = (LANGUAGE, mb)
-        if stage == 0:
+        if stage == 0 and not self.cfg.model.encoders:  # text only: megatron's own embedding path
+            out = llm(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
+                      labels=labels)
+        elif stage == 0:
             tokens = self._modality_tokens(mb)
             self.x[key] = tokens
             by_id = {self.cfg.placeholder_ids[n]: t for n, t in tokens.items()}
@@ -201,7 +204,7 @@ class RankStep:
             elif y.requires_grad and y.numel() and g is not None:
                 torch.autograd.backward(y, grad_tensors=g)
             if a.module == LANGUAGE and a.stage == 0:
-                self._route_boundary_grads(mb, x)
+                self._route_boundary_grads(mb, x or {})
             elif a.stage > 0:
                 self.gx[key] = x.grad if x.grad is not None else torch.zeros_like(x)
 
