@@ -5,7 +5,7 @@
 
 One process builds the LLM part of TP rank `--tp-rank` of `--tp` (Llama-2-7B shape: hidden 4096,
 FFN 11008, 32 heads, vocab 32000, SwiGLU, RMSNorm, no biases) and initialises it the way
-`training.init` does on a rank (mimo.training.trainer `_init`):
+`training.init` does on a rank (mimo.training.parts `build_parts`):
 
 * sharded:   build without megatron's draws, then draw each full parameter and keep the slice;
 * reference: build the part (megatron init), build the whole module, copy the part's slice;

@@ -50,6 +50,11 @@ def setup_megatron(runtime: Runtime, seed: int) -> None:
         parallel_state._set_global_memory_buffer()
 
 
+def megatron_scope(runtime: Runtime):
+    """Context for building and running megatron-core modules: CPU ranks need `megatron_cpu.megatron_on_cpu`."""
+    return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.megatron_on_cpu()
+
+
 def optimizer_scope(runtime: Runtime):
     """Context for megatron-core DDP / optimizer calls: CPU ranks need `megatron_cpu.optimizer_on_cpu`."""
     return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.optimizer_on_cpu()

@@ -6,12 +6,11 @@ optimizer stack in `optimizer_on_cpu`):
 1. Buffers are allocated with ``device=torch.cuda.current_device()`` (tensor
    parallel gathers, RoPE frequencies, the global memory buffer). On a CPU run
    we answer that question with the CPU device; nothing else in a CPU process
-   asks it. Its scope is the CPU rank's process, installed by
-   `setup_megatron` only when the runtime is not CUDA (a CUDA process never
-   sees it): these allocations happen inside every forward and backward (a
-   sequence-parallel gather, RoPE), so a narrower scope would have to wrap
-   every model call. Remove it once megatron-core allocates on the device of
-   its inputs or takes a device argument.
+   asks it. Scoped: `megatron_on_cpu` (through `mimo.runtime.megatron_scope`)
+   is entered around building megatron modules and around running a step,
+   where these allocations happen; nothing outside it is changed. Remove it
+   once megatron-core allocates on the device of its inputs or takes a device
+   argument.
 2. The RNG tracker (``get_cuda_rng_tracker``) saves and restores CUDA
    generator states around dropout in tensor-parallel regions. We install a
    tracker with the same interface that keeps CPU generator states.
@@ -87,11 +86,19 @@ def _no_gpu_rng_state(*args, **kwargs):
     return None
 
 
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Adaptation 1, scoped: inside, ``torch.cuda.current_device()`` answers the CPU device."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = _cpu_device
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
 def adapt_for_cpu(seed: int = 0) -> None:
-    """Install the CPU adaptations (see module docstring). Call once per process."""
-    if "current_device" not in _saved:
-        _saved["current_device"] = torch.cuda.current_device
-        torch.cuda.current_device = _cpu_device
+    """Install the CPU adaptations 2-4 (see module docstring). Call once per process."""
     if "get_cuda_rng_state" not in _saved:
         _saved["get_cuda_rng_state"] = mcore_random._get_cuda_rng_state
         _saved["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
@@ -102,13 +109,12 @@ def adapt_for_cpu(seed: int = 0) -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
+        with megatron_on_cpu():
+            parallel_state._set_global_memory_buffer()
 
 
 def restore() -> None:
     """Undo :func:`adapt_for_cpu` (tests run several configurations per process)."""
-    if "current_device" in _saved:
-        torch.cuda.current_device = _saved.pop("current_device")
     if "get_cuda_rng_state" in _saved:
         mcore_random._get_cuda_rng_state = _saved.pop("get_cuda_rng_state")
         mcore_random._set_cuda_rng_state = _saved.pop("set_cuda_rng_state")

@@ -26,7 +26,7 @@ from mimo.data import build_dataset, shard_indices
 from mimo.hf import check_hf_weights, hf_modules
 from mimo.model import MultimodalModel
 from mimo.model.transformer_config import dtype_of
-from mimo.runtime import ParameterOffload, Runtime, StepTimer, synchronize
+from mimo.runtime import ParameterOffload, Runtime, StepTimer, megatron_scope, synchronize
 from mimo.schedule.check import check_plan
 from mimo.schedule.executor import run_plan
 from mimo.schedule.plan import LOSS, build_plan
@@ -87,7 +87,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.timer = StepTimer(runtime)  # spans of the plan's actions (module times, timeline)
 
-        self.parts, self.layer_offsets = build_parts(cfg, self.topo, self.hf_modules, self.hf_sources)
+        with megatron_scope(runtime):
+            self.parts, self.layer_offsets = build_parts(cfg, self.topo, self.hf_modules, self.hf_sources)
         llm = self.parts.get(LANGUAGE)
         if llm is not None:
             # The LLM's attention mask (bitfield or causal); RoPE at each token's global position under CP.
@@ -142,7 +143,8 @@ class Trainer:
         logits): the plan through its `loss` collective, the same prefix on every rank."""
         self.optim.zero_grad()
         work = RankStep(self, self.step_data(step))
-        run_plan(self.plan.through(LOSS), self.rank, work)
+        with megatron_scope(self.runtime):
+            run_plan(self.plan.through(LOSS), self.rank, work)
         return float(work.loss)
 
     def train_step(self, step: int) -> StepResult:
@@ -153,7 +155,8 @@ class Trainer:
         lr = self.optim.lr
         data = self.step_data(step)
         work = RankStep(self, data)
-        run_plan(self.plan, self.rank, work)
+        with megatron_scope(self.runtime):
+            run_plan(self.plan, self.rank, work)
         self.optim.end_step()
         loss, norm, n_tokens = float(work.loss), float(work.grad_norm), int(data.n_tokens)
         synchronize(self.runtime)

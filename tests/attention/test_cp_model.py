@@ -129,7 +129,10 @@ def _case(tp, cp, policy, block, packed_mask=False):
 
 
 def _model_worker(cases):
-    return [_case(*c) for c in cases]
+    from mimo.runtime import megatron_scope, select_runtime
+
+    with megatron_scope(select_runtime("cpu")):  # megatron-core's CPU adaptation, as the trainer scopes it
+        return [_case(*c) for c in cases]
 
 
 # The default run keeps the TP2 x CP2 case with the packed mask (it covers the CP1 comparison, TP x CP and
