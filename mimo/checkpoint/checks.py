@@ -60,13 +60,8 @@ def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
 
 
 def preflight(cfg) -> Optional[str]:
-    """The checkpoint directory this run resumes from, None to start fresh; raises CheckpointError.
-
-    Also refuses `training.async_save` where it cannot work (no CUDA), before anything starts."""
+    """The checkpoint directory this run resumes from, None to start fresh; raises CheckpointError."""
     tr = cfg.training
-    if tr.async_save and not torch.cuda.is_available():
-        raise CheckpointError("training.async_save: megatron-core's asynchronous writer synchronizes the CUDA "
-                              "device, so it needs CUDA; on CPU ranks use async_save: false")
     if tr.load is None:
         return None
     root = tr.load

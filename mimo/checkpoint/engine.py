@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from mimo.runtime import checkpoint_scope
+
 from .checks import META, preflight, read_meta, shape_problems
 from .manifest import verify, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
@@ -45,6 +47,10 @@ class Checkpointer:
     # -- resume ---------------------------------------------------------------------------------
 
     def resume(self) -> int:
+        with checkpoint_scope(self.trainer.runtime):
+            return self._resume()
+
+    def _resume(self) -> int:
         """Load `training.load` if it holds a checkpoint; the step to continue from (0: fresh)."""
         tr = self.cfg.training
         # Every rank reads the same files, so every rank reaches the same verdict here.
@@ -104,6 +110,10 @@ class Checkpointer:
             self.save(done)
 
     def save(self, steps_done: int) -> None:
+        with checkpoint_scope(self.trainer.runtime):
+            self._save(steps_done)
+
+    def _save(self, steps_done: int) -> None:
         self.finish()  # at most one save in flight
         tr = self.cfg.training
         root, tmp = tr.save, partial_dir(tr.save, steps_done)
@@ -149,12 +159,14 @@ class Checkpointer:
     def poll(self) -> None:
         """Publish a finished async save (collective; call at the same point on every rank)."""
         if self.pending is not None:
-            self.pending.maybe_finalize_async_calls(blocking=False)
+            with checkpoint_scope(self.trainer.runtime):
+                self.pending.maybe_finalize_async_calls(blocking=False)
 
     def finish(self) -> None:
         """Wait for an async save in flight and publish it (collective)."""
         if self.pending is not None:
-            self.pending.maybe_finalize_async_calls(blocking=True)
+            with checkpoint_scope(self.trainer.runtime):
+                self.pending.maybe_finalize_async_calls(blocking=True)
 
 
 def _host_staging(request):

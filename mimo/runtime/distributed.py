@@ -55,6 +55,12 @@ def megatron_scope(runtime: Runtime):
     return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.megatron_on_cpu()
 
 
+def checkpoint_scope(runtime: Runtime):
+    """Context for megatron-core's checkpoint save, load and async finalization: CPU ranks need
+    `megatron_cpu.checkpoint_on_cpu`."""
+    return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.checkpoint_on_cpu()
+
+
 def optimizer_scope(runtime: Runtime):
     """Context for megatron-core DDP / optimizer calls: CPU ranks need `megatron_cpu.optimizer_on_cpu`."""
     return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.optimizer_on_cpu()

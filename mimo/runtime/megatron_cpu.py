@@ -32,6 +32,9 @@ Everything is idempotent and undone by :func:`restore` (used by tests).
 
 5. megatron-core's DDP grad buffers and optimizers (``optimizer_on_cpu``, a
    context entered only around those calls, see its docstring).
+6. megatron-core's checkpoint save/load and asynchronous writer
+   (``checkpoint_on_cpu``, entered only around a save, a load and finalizing
+   an async save).
 """
 
 from __future__ import annotations
@@ -95,6 +98,29 @@ def megatron_on_cpu():
         yield
     finally:
         torch.cuda.current_device = saved
+
+
+def _nothing_to_wait_for(*args, **kwargs):
+    return None
+
+
+@contextlib.contextmanager
+def checkpoint_on_cpu():
+    """megatron-core's dist_checkpointing save, load and asynchronous writer on a CPU rank.
+
+    megatron-core 0.16.1 makes its ranks-agree tensors on ``torch.cuda.current_device()``
+    (strategies/state_dict_saver.py, strategies/async_utils.py) and, for an asynchronous save,
+    calls ``torch.cuda.synchronize()`` before it forks the writer process (to finish device-to-host
+    copies). A CPU rank keeps those tensors on the CPU and has no device to wait for (its host
+    copies are synchronous). The writer process is forked inside this context, so it sees the same
+    answers. Remove when megatron-core checks for CUDA there.
+    """
+    saved = (torch.cuda.current_device, torch.cuda.synchronize)
+    torch.cuda.current_device, torch.cuda.synchronize = _cpu_device, _nothing_to_wait_for
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize = saved
 
 
 def adapt_for_cpu(seed: int = 0) -> None:

@@ -32,7 +32,7 @@ HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
 
 
 def is_homogeneous(cfg: MimoConfig) -> bool:
-    """Whether the homogeneous trainer runs the layout (`trainer.unsupported_layout` is empty)."""
+    """Whether the plan is of the homogeneous family (every module on the language's layout)."""
     lang = cfg.parallelism[LANGUAGE]
     shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.ep, p.rank_offset)  # noqa: E731
     same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
@@ -45,8 +45,13 @@ def trainable_edge(cfg: MimoConfig, name: str) -> bool:
     return not (enc.frozen and enc.projector.frozen)
 
 
-def module_trainable(cfg: MimoConfig, name: str) -> bool:
-    return not cfg.model.language.frozen if name == LANGUAGE else trainable_edge(cfg, name)
+def stage_trainable(cfg: MimoConfig, name: str, stage: int) -> bool:
+    """Whether a module's pipeline stage holds trainable weights (so gets gradients and an optimizer):
+    an encoder's projector lives on its last stage only."""
+    if name == LANGUAGE:
+        return not cfg.model.language.frozen
+    enc = cfg.model.encoders[name]
+    return not enc.frozen or (not enc.projector.frozen and stage == cfg.parallelism[name].pp - 1)
 
 
 def num_microbatches(cfg: MimoConfig) -> int:
@@ -178,7 +183,7 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
         link = _link(out, n, lay, rank)
         if lay.pp == 1:
             out.local(FORWARD, n, 0)
-        else:  # one chunk per LLM microbatch, GPipe order (`StagedPass`)
+        else:  # one chunk per LLM microbatch, GPipe order
             for c in range(M):
                 link.recv_forward(c)
                 out.local(FORWARD, n, link.stage, c)
@@ -208,14 +213,18 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
 
 
 def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: List[str], out: RankActions) -> None:
-    """The loss sum, per-module gradient sums, the global norm and the optimizer steps."""
+    """The loss sum, per-module gradient sums, the global norm and the optimizer steps.
+
+    A module's gradient reductions are megatron-core's `finalize_model_grads`, which the executor
+    runs at the module's first grad-sync action (the DP x CP sum, then the TP sum of the
+    sequence-parallel weights). Their groups lie inside the module's ranks, and every rank of a
+    module runs the same modules in the same order (rank ranges are identical or disjoint), so
+    running them together keeps every group's members in step."""
     world = list(range(cfg.world_size))
     out.collective(LOSS, world)
-    stepped = [n for n in held if module_trainable(cfg, n)]
+    stepped = [n for n in held if stage_trainable(cfg, n, layouts[n].coords(rank)["pp"])]
     for n in stepped:
         lay = layouts[n]
-        # megatron-core's finalize_model_grads: the DP (x CP) reduction first, then the TP sum of the
-        # sequence-parallel weights (the transformer's norms).
         dp_cp = lay.group_of(rank, ["cp", "dp"])
         if len(dp_cp) > 1:
             out.collective(f"{GRAD_SYNC} {n} dp_cp {dp_cp}", dp_cp, n)

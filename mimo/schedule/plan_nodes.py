@@ -133,7 +133,7 @@ class Edge:
 
 
 class Source(Down):
-    """An encoder's last stage (`BoundarySource`)."""
+    """An encoder's last stage: its outputs go to the LLM through the boundary communicator."""
 
     def __init__(self, edge: Edge):
         self.edge = edge

@@ -3,12 +3,14 @@
 Each trainable module part a rank holds is wrapped in megatron-core's
 `DistributedDataParallel` over the module's own DP (x CP) group and gets its own
 megatron optimizer (Adam or SGD; bf16 params with fp32 master weights; optionally
-the distributed optimizer). The schedules keep calling the inner modules: DDP's
-hooks accumulate each gradient into `param.main_grad`.
+the distributed optimizer). The step's actions keep calling the inner modules:
+DDP's hooks accumulate each gradient into `param.main_grad`.
 
-The step clips with ONE norm over every trainable parameter of the whole model,
-on every rank (also ranks without a trainable module take part in its all-reduce),
-then steps every module's optimizer and the learning-rate schedule.
+The step plan's reduction actions call, in order: `finish_grads(module)` (the
+module's gradient sums), `clip()` (ONE norm over every trainable parameter of the
+whole model, on every rank: ranks without a trainable module take part in its
+all-reduce too), `step_module(module)` for each module, then `end_step()`
+advances the learning-rate schedule.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _module_param_groups():
 
 
 class ModelOptimizer:
-    """Per-module DDP wrappers and optimizers of this rank, one clip and one step for the whole model."""
+    """Per-module DDP wrappers and optimizers of this rank; one global clip for the whole model."""
 
     def __init__(self, cfg: MimoConfig, parts: Dict[str, torch.nn.Module], topo: Topology, runtime: Runtime):
         tr = cfg.training
@@ -89,7 +91,7 @@ class ModelOptimizer:
             raise ValueError("training.overlap_grad_reduce: needs CUDA ranks (set it to false on CPU)")
         self.cfg, self.runtime, self.topo = cfg, runtime, topo
         self.clip_grad = tr.clip_grad
-        self._finished, self._sq_norm = set(), None
+        self._finished, self._sq_norms = set(), {}
         self.ddp: Dict[str, DistributedDataParallel] = {}
         self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
@@ -133,8 +135,7 @@ class ModelOptimizer:
             for name, ddp in self.ddp.items():
                 ddp.zero_grad_buffer()
                 self.optimizers[name].zero_grad()
-        self._finished = set()
-        self._sq_norm = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        self._finished, self._sq_norms = set(), {}
 
     def _local_sq_norm(self, name: str, opt) -> torch.Tensor:
         """This rank's share of the squared norm of module `name`'s gradients, each element counted once:
@@ -161,7 +162,7 @@ class ModelOptimizer:
             finalize_model_grads([self.ddp[name]], pg_collection=self.groups[name])
             opt = self.optimizers[name]
             opt.prepare_grads()
-            self._sq_norm += self._local_sq_norm(name, opt)
+            self._sq_norms[name] = self._local_sq_norm(name, opt)
 
     def clip(self) -> torch.Tensor:
         """One global gradient norm over every trainable module of the model (a world all-reduce, on
@@ -169,8 +170,12 @@ class ModelOptimizer:
         for name in self.ddp:  # modules whose reductions the plan lists no collective for (DP = 1)
             self.finish_grads(name)
         with optimizer_scope(self.runtime):
-            dist.all_reduce(self._sq_norm)
-            norm = self._sq_norm.sqrt()
+            # Summed in config order, whichever action finished a module first: the same float sum every step.
+            total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+            for name in self.ddp:
+                total += self._sq_norms[name]
+            dist.all_reduce(total)
+            norm = total.sqrt()
             if self.clip_grad > 0:
                 coeff = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0).float()
                 for opt in self.optimizers.values():

@@ -37,13 +37,13 @@ from .windows import microbatch_offsets
 
 
 class RankStep:
-    """One step of one rank. `engine`: the trainer's long-lived parts (see `Trainer`)."""
+    """One step of one rank. `trainer`: its long-lived parts (model parts, optimizer, communicators, timer)."""
 
-    def __init__(self, engine, data: StepData):
-        self.e, self.data = engine, data
-        cfg: MimoConfig = engine.cfg
+    def __init__(self, trainer, data: StepData):
+        self.trainer, self.data = trainer, data
+        cfg: MimoConfig = trainer.cfg
         self.cfg = cfg
-        self.device, self.dtype = engine.runtime.device, engine.dtype
+        self.device, self.dtype = trainer.runtime.device, trainer.dtype
         self.x: Dict = {}
         self.y: Dict = {}
         self.gy: Dict = {}
@@ -56,7 +56,7 @@ class RankStep:
         self.grad_norm: Optional[torch.Tensor] = None
         self.trainable = {n: trainable_edge(cfg, n) for n in cfg.model.encoders}
         self.views: Dict[int, Dict] = {}
-        self.comm_calls = 0
+        self.comm_calls = {n: 0 for n in cfg.model.encoders}  # timeline span ids, per edge
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -65,15 +65,15 @@ class RankStep:
         (the same plan on every stage); `full` keeps the whole microbatch for the first stage."""
         if mb not in self.views:
             b = self.data.llm_batches[mb]
-            b = {**b, "attention_mask": self.e.masker.attention_mask(b["input_ids"], b.get("document_ids"))}
-            if self.e.topo.grid(LANGUAGE).layout.cp > 1:
+            b = {**b, "attention_mask": self.trainer.masker.attention_mask(b["input_ids"], b.get("document_ids"))}
+            if self.trainer.topo.grid(LANGUAGE).layout.cp > 1:
                 b = {**self._cp_slice(b), "full": b}
             self.views[mb] = b
         return self.views[mb]
 
     def _cp_slice(self, b, decoder_input=None):
         """This CP rank's balanced slots of a microbatch (context parallelism needs bitfield attention)."""
-        lang, g = self.cfg.model.language, self.e.topo.grid(LANGUAGE)
+        lang, g = self.cfg.model.language, self.trainer.topo.grid(LANGUAGE)
         mask = b["attention_mask"]
         slots = plan_context_parallel(mask.bits, g.layout.cp, lang.cp_block_size, lang.cp_policy)
         return shard_microbatch(slots, g.coords["cp"], bits=mask.bits, document_ids=mask.document_ids,
@@ -88,15 +88,15 @@ class RankStep:
         return self.data.step_batch[name][torch.tensor(ids, dtype=torch.long, device=self.device)]
 
     def _item_ids(self, name: str, mb: Optional[int]) -> List[int]:
-        g = self.e.topo.grid(name)
-        if name not in self.e.colocated:
+        g = self.trainer.topo.grid(name)
+        if name not in self.trainer.colocated:
             return self.data.windows.encoder_item_ids(name, g.coords["dp"], mb)
         ids = self.data.windows.encoder_item_ids(name, g.coords["dp"])
         if mb is None:
             return ids
         # A pipelined colocated encoder: one chunk per LLM microbatch (some may be empty); every
         # stage holds the same items, so all of them cut the same chunks.
-        M = self.e.num_microbatches
+        M = self.trainer.num_microbatches
         cuts = [(c * len(ids)) // M for c in range(M + 1)]
         return ids[cuts[mb]:cuts[mb + 1]]
 
@@ -108,14 +108,14 @@ class RankStep:
     # -- compute -------------------------------------------------------------------------------
 
     def forward(self, a: Action) -> None:
-        with self.e.timer.span(a.module, "F", a.mb or 0):
+        with self.trainer.timer.span(a.module, "F", a.mb or 0):
             if a.module == LANGUAGE:
                 self._llm_forward(a.stage, a.mb)
             else:
                 self._encoder_forward(a.module, a.stage, a.mb)
 
     def _encoder_forward(self, name: str, stage: int, mb: Optional[int]) -> None:
-        part, g = self.e.parts[name], self.e.topo.grid(name)
+        part, g = self.trainer.parts[name], self.trainer.topo.grid(name)
         key = (name, mb)
         with torch.set_grad_enabled(self.trainable[name]):
             if g.layout.pp == 1:
@@ -137,7 +137,7 @@ class RankStep:
         """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
         item's tokens (a vision class token travels with the patches; the last stage drops it)."""
         enc = self.cfg.model.encoders[name]
-        tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), self.e.parts[name].encoder.config)
+        tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), self.trainer.parts[name].encoder.config)
         return (tokens, items, enc.hidden_size)
 
     def _modality_tokens(self, mb: int) -> Dict[str, torch.Tensor]:
@@ -147,7 +147,7 @@ class RankStep:
             if self.data.windows is None:  # homogeneous: this rank's own encoder output
                 y = self.y[(name, mb)]
                 t = y.detach()
-            elif name in self.e.colocated:
+            elif name in self.trainer.colocated:
                 a, b = self.offsets[name][mb], self.offsets[name][mb + 1]
                 t = self.received[name][a:b].detach()
             else:
@@ -156,7 +156,7 @@ class RankStep:
         return out
 
     def _llm_forward(self, stage: int, mb: int) -> None:
-        llm, g = self.e.parts[LANGUAGE], self.e.topo.grid(LANGUAGE)
+        llm, g = self.trainer.parts[LANGUAGE], self.trainer.topo.grid(LANGUAGE)
         last = stage == g.layout.pp - 1
         b = self._llm_view(mb)
         labels = b["labels"] if last else None
@@ -194,7 +194,7 @@ class RankStep:
 
     def backward(self, a: Action) -> None:
         key, mb = (a.module, a.mb), a.mb
-        with self.e.timer.span(a.module, "B", mb or 0):
+        with self.trainer.timer.span(a.module, "B", mb or 0):
             y, x, g = self.y.pop(key), self.x.pop(key, None), self.gy.pop(key, None)
             if a.module == LANGUAGE:
                 if g is None:  # the last stage: y is the loss
@@ -203,6 +203,8 @@ class RankStep:
                     torch.autograd.backward(y, grad_tensors=g)
             elif y.requires_grad and y.numel() and g is not None:
                 torch.autograd.backward(y, grad_tensors=g)
+            if a.module == LANGUAGE:
+                self.views.pop(mb, None)
             if a.module == LANGUAGE and a.stage == 0:
                 self._route_boundary_grads(mb, x or {})
             elif a.stage > 0:
@@ -215,7 +217,7 @@ class RankStep:
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
             if self.data.windows is None:
                 self.gy[(name, mb)] = grad
-            elif name in self.e.colocated:
+            elif name in self.trainer.colocated:
                 a, b = self.offsets[name][mb], self.offsets[name][mb + 1]
                 self.boundary_grad[name][a:b] += grad
             else:
@@ -239,7 +241,7 @@ class RankStep:
         if a.tensor != ACTIVATION:  # the gradient of this stage's output
             shape = self.y[key].shape
         elif a.module == LANGUAGE:
-            llm = self.e.parts[LANGUAGE]
+            llm = self.trainer.parts[LANGUAGE]
             shape = (shard_len(self._llm_view(a.mb)["input_ids"].shape[1], llm.config),
                      self.cfg.training.micro_batch_size, self.cfg.model.language.hidden_size)
         else:
@@ -257,46 +259,48 @@ class RankStep:
 
     def collective(self, a: Action) -> None:
         if a.name.startswith(BOUNDARY):
-            with self.e.timer.span(a.module, "comm", self.comm_calls):
-                self.comm_calls += 1
+            with self.trainer.timer.span(a.module, "comm", self.comm_calls[a.module]):
+                self.comm_calls[a.module] += 1
                 if a.tensor == ACTIVATION:
                     self._boundary_forward(a.module, a.mb)
                 else:
                     self._boundary_backward(a.module, a.mb)
         elif a.name.startswith(LOSS_TOKENS):
-            dist.all_reduce(self.data.n_tokens, group=self.e.topo.grid(LANGUAGE).groups["dp"])
+            dist.all_reduce(self.data.n_tokens, group=self.trainer.topo.grid(LANGUAGE).groups["dp"])
             if self.data.n_tokens.item() == 0:
                 raise RuntimeError("the global batch has no token that carries a loss")
         elif a.name == LOSS:
             # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
-            g = self.e.topo.grid(LANGUAGE)
+            g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
             self.loss = self.loss_sum if last else torch.zeros_like(self.loss_sum)
             dist.all_reduce(self.loss)
         elif a.name.startswith(GRAD_SYNC):
-            self.e.optim.finish_grads(a.module)
+            self.trainer.optim.finish_grads(a.module)
         elif a.name == GRAD_NORM:
-            self.grad_norm = self.e.optim.clip()
+            self.grad_norm = self.trainer.optim.clip()
         else:
             raise ValueError(f"the executor does not know the collective {a.name!r}")
 
     def _boundary_forward(self, name: str, mb: Optional[int]) -> None:
-        comm, g = self.e.comms[name], self.e.topo.grid(name)
+        comm, g = self.trainer.comms[name], self.trainer.topo.grid(name)
         window = self.data.windows.window(name, mb or 0)[0]
         src = counts = None
         if g.is_member and g.is_last_stage:
-            chunks = (list(range(self.e.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
+            chunks = (list(range(self.trainer.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
             ys = [self.y[(name, c)] if self.trainable[name] else self.y.pop((name, c)) for c in chunks]
             src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
-            items = len(self._item_ids(name, None if name in self.e.colocated else mb))
+            items = len(self._item_ids(name, None if name in self.trainer.colocated else mb))
             src, counts = src.detach(), self._unit_counts(name, items)
         got = comm.forward(src, counts, window)
         if got is None:
             return
-        lg = self.e.topo.grid(LANGUAGE)
+        lg = self.trainer.topo.grid(LANGUAGE)
         tokens = self.cfg.model.encoders[name].tokens_per_item
         want = self.data.windows.llm_items(name, lg.coords["dp"], mb or 0) * tokens
-        if got.shape[0] != want:  # a shape check: no host sync
+        # Every rank derives the windows from the same step data; a shape check (no host sync)
+        # catches ranks that disagree on the window's total (not two items swapped within it).
+        if got.shape[0] != want:
             raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered {got.shape[0]} tokens but the "
                                f"batch needs {want}")
         if mb is None:  # colocated: the step's tensor, sliced per LLM microbatch in phase 2
@@ -310,28 +314,28 @@ class RankStep:
             self.x[(name, mb)] = got
 
     def _boundary_backward(self, name: str, mb: Optional[int]) -> None:
-        lg, g = self.e.topo.grid(LANGUAGE), self.e.topo.grid(name)
+        lg, g = self.trainer.topo.grid(LANGUAGE), self.trainer.topo.grid(name)
         grad = None
         if lg.is_member and lg.coords["pp"] == 0:
             grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
-        out = self.e.comms[name].backward(grad)
+        out = self.trainer.comms[name].backward(grad)
         if out is None or not (g.is_member and g.is_last_stage):
             return
         if mb is not None or g.layout.pp == 1:
             self.gy[(name, mb)] = out
             return
         offset = 0  # a pipelined colocated encoder: the step's gradient, cut back into its chunks
-        for c in range(self.e.num_microbatches):
+        for c in range(self.trainer.num_microbatches):
             n = self.y[(name, c)].shape[0]
             self.gy[(name, c)] = out[offset:offset + n]
             offset += n
 
     def local(self, a: Action) -> None:
         if a.op == OPTIMIZER:
-            self.e.optim.step_module(a.module)
+            self.trainer.optim.step_module(a.module)
         elif a.op == OFFLOAD:
-            self.e.offload.to_host()
+            self.trainer.offload.to_host()
         elif a.op == RELOAD:
-            self.e.offload.to_device()
+            self.trainer.offload.to_device()
         else:
             raise ValueError(f"the executor does not know the action {a.op!r}")
