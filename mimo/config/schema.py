@@ -218,7 +218,7 @@ class TrainingConfig:
     load: Optional[str] = None                # resume from DIR/latest; save == load and empty: fresh start
     load_optimizer: bool = True               # false: weights only; step and optimizer restart
     keep_last: Optional[int] = None           # keep only the K newest complete checkpoints
-    async_save: bool = False                  # write shards in the background (megatron-core async; needs CUDA)
+    async_save: bool = False                  # write shards in the background (megatron-core async; GPU or CPU ranks)
 
 
 @dataclass
