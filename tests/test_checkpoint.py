@@ -103,7 +103,6 @@ def test_checkpoint_fields_are_validated():
     assert load_config(with_ckpt(layout(), save="d", save_interval=5, keep_last=2, load="d")).training.keep_last == 2
 
 
-@pytest.mark.slow
 def test_distributed_optimizer_state_resumes_on_one_rank(tmp_path):
     """DP2 with the distributed optimizer saves per-parameter Adam state gathered from its owners;
     one rank without it resumes and continues like the uninterrupted DP2 run."""

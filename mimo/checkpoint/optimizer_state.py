@@ -5,7 +5,7 @@ the layout (mimo.training.optimizer.ModelOptimizer.param_state): each tensor sha
 like its parameter (Adam's `exp_avg`, `exp_avg_sq`; bf16 runs' fp32 `master` weight)
 under `optimizer.<parameter key>.<state name>` with the parameter's global shape and
 sharding, so it loads on any layout exactly like the weights (with the distributed
-optimizer the DP owners' pieces are gathered first); scalars (Adam's `step`) are
+optimizer the DP owners' pieces are gathered first, each parameter on one DP rank); scalars (Adam's `step`) are
 stored once per parameter. The learning-rate schedule's state goes in the metadata.
 """
 
@@ -39,19 +39,26 @@ def optimizer_state(trainer, shards: List[ParamShard]) -> Dict[str, List[Sharded
     """Sharded state dict of every optimizer state tensor of this rank's parameters (for saving).
     Collective over each module's DP group with the distributed optimizer: every rank calls it."""
     of = _by_param(shards)
+    # With the distributed optimizer only a parameter's writer (one DP rank) holds its state: it is
+    # the DP main replica, whatever its DP coordinate.
+    sole = trainer.cfg.training.use_distributed_optimizer
     out = {}
     for module in trainer.cfg.modules:  # the same order on every rank
         if module not in trainer.optimizers:
             continue
         for pid, state in trainer.optim.param_state(module).items():
             s = of[pid]
+            tensor_replica = (s.replica[0], 0, s.replica[2]) if sole else s.replica
+            scalar_replica = _scalar_replica(s)
+            if sole:
+                scalar_replica = (scalar_replica[0], 0, scalar_replica[2])
             for name, value in state.items():
                 key = f"{PREFIX}{s.key}.{name}"
                 if value.shape == s.param.shape:
-                    out[_entry(s, name)] = s.sharded(key, value.detach())
+                    out[_entry(s, name)] = s.sharded(key, value.detach(), tensor_replica)
                 elif value.numel() == 1:
                     out[_entry(s, name)] = [ShardedTensor.from_rank_offsets(key, value.detach().reshape(1),
-                                                                            replica_id=_scalar_replica(s))]
+                                                                            replica_id=scalar_replica)]
                 else:
                     raise ValueError(f"optimizer state {name!r} of {s.key} has shape {tuple(value.shape)}, "
                                      f"neither the parameter's {tuple(s.param.shape)} nor a scalar")

@@ -224,7 +224,8 @@ class ModelOptimizer:
     def param_state(self, name: str) -> Dict[int, Dict[str, torch.Tensor]]:
         """id(model param) -> {"exp_avg", "exp_avg_sq" (Adam, once stepped), "master" (bf16): fp32 tensors
         shaped like the model param; "step": scalar} for module `name`'s trainable params. Collective over
-        the module's DP x CP group with the distributed optimizer (each owner contributes its piece)."""
+        the module's DP x CP group with the distributed optimizer: each owner contributes its piece and
+        one DP rank per parameter (its writer) gets the whole state; the others get no entry for it."""
         opt, owned = self.optimizers[name], self._owned(name)
         inner, dist_opt = opt.optimizer, isinstance(opt, DistributedOptimizer)
         group = self.topo.grid(name).groups["dp_cp"]
@@ -242,9 +243,13 @@ class ModelOptimizer:
         stepped, step = bool(seen[0]), seen[1].reshape(()).float().cpu()
         names = (["exp_avg", "exp_avg_sq"] if stepped else []) + (["master"] if opt.config.bf16 else [])
         out = {}
-        for p in trainable(self.ddp[name].module.parameters()):
+        members, me = dist.get_process_group_ranks(group), dist.get_rank()
+        for i, p in enumerate(trainable(self.ddp[name].module.parameters())):
             key, rng = owned.get(id(p), (None, None))
             state = inner.state.get(key, {}) if key is not None else {}
+            # With the distributed optimizer one DP rank per parameter (in turn) gathers and writes it,
+            # so a rank holds about 1/DP of the module part's state while saving.
+            writer = members[i % len(members)]
             tensors = {}
             for s in names:
                 local = key if s == "master" else state.get(s)
@@ -254,10 +259,10 @@ class ModelOptimizer:
                 full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
                 if rng is not None:
                     full[rng[0]:rng[1]] = local.detach().view(-1)
-                dist.all_reduce(full, group=group)  # the owners' pieces are disjoint
-                # To host memory at once: the device then holds one whole parameter's state at a time.
-                tensors[s] = full.view(p.shape).cpu()
-            if stepped:
+                dist.reduce(full, dst=writer, group=group)  # the owners' pieces are disjoint
+                if me == writer:  # to host memory at once: the device holds one parameter's state at a time
+                    tensors[s] = full.view(p.shape).cpu()
+            if stepped and (not dist_opt or me == writer):
                 tensors["step"] = step.clone()
             if tensors:
                 out[id(p)] = tensors
