@@ -7,7 +7,7 @@ import torch
 
 from mimo.config import ConfigError, load_config
 from mimo.runtime import run_on_ranks, select_runtime
-from mimo.training.parity import compare, record_run
+from mimo.training.parity import compare, merge_ranks, record_run
 from test_training_parity import assert_same_run
 from tiny import TINY
 
@@ -33,16 +33,7 @@ def _train(raw, steps, sabotage=None):
     return dict(record_run(trainer, steps), type=type(trainer).__name__, dtypes=dtypes)
 
 
-def _merge(results):
-    """Union of every rank's module/stage dicts; every rank must report the same losses."""
-    for r in results:
-        assert r["losses"] == results[0]["losses"]
-    out = dict(results[0])
-    for key in ("grads", "params"):
-        out[key] = {}
-        for r in results:
-            out[key].update(r[key])
-    return out
+_merge = merge_ranks  # every rank's record_run, merged into one run
 
 
 def deep(**modules):

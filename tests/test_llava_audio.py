@@ -272,7 +272,7 @@ def _train_counting_decodes(raw, steps, silent_too=False):
 
 def test_noncolocated_audio_layout_matches_one_rank(sample_dir):
     from mimo.runtime import run_on_ranks
-    from mimo.training.parity import compare
+    from mimo.training.parity import compare, merge_ranks
 
     write_wav(os.path.join(sample_dir, "silence.wav"), np.zeros(MIN))
     base = audio_raw(sample_dir)
@@ -284,12 +284,7 @@ def test_noncolocated_audio_layout_matches_one_rank(sample_dir):
 
     def run(raw, world, silent_too=False):
         results = run_on_ranks(_train_counting_decodes, world, raw, 1, silent_too)
-        merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world, "placement": "x"}
-        for r in results:
-            assert r["losses"] == merged["losses"]
-            merged["grads"].update(r["grads"])
-            merged["params"].update(r["params"])
-        return merged, results
+        return merge_ranks(results), results
 
     ref, (one,) = run(base, 1, silent_too=True)
     assert one["decoded"]["audio"] > 0 and one["decoded"]["images"] > 0

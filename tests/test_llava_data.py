@@ -257,13 +257,10 @@ def _train_counting_decodes(raw, steps):
 def _run_packed(raw, world):
     from mimo.runtime import run_on_ranks
 
+    from mimo.training.parity import merge_ranks
+
     results = run_on_ranks(_train_counting_decodes, world, raw, 1)
-    merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": world, "placement": "x"}
-    for r in results:
-        assert r["losses"] == merged["losses"]
-        merged["grads"].update(r["grads"])
-        merged["params"].update(r["params"])
-    return merged, results
+    return merge_ranks(results), results
 
 
 @pytest.fixture(scope="module")

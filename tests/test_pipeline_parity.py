@@ -7,6 +7,7 @@ import pytest
 
 from mimo.runtime import run_on_ranks
 from test_training_parity import _train, assert_same_run
+from mimo.training.parity import merge_ranks
 from tiny import TINY
 
 STEPS = 2
@@ -20,16 +21,7 @@ def text_only(**layout):
     return raw
 
 
-def _merge(results):
-    """Union of every rank's stage dicts (each stage contributes its own layers)."""
-    out = dict(results[0])
-    for key in ("grads", "params"):
-        merged = {}
-        for r in results:
-            merged.update(r[key])
-        out[key] = merged
-    out["losses"] = results[0]["losses"]
-    return out
+_merge = merge_ranks  # every rank's record_run, merged into one run
 
 
 @pytest.fixture(scope="module")

@@ -61,8 +61,14 @@ def run_config(raw: Dict, steps: int, timeout_s: float = 900.0) -> Dict:
     """Train `raw` for `steps` steps on its ranks; the whole model's state, merged over ranks."""
     cfg = load_config(raw)
     results = run_on_ranks(_run_rank, cfg.world_size, raw, steps, timeout_s=timeout_s)
-    merged = {"losses": results[0]["losses"], "grads": {}, "params": {}, "world_size": cfg.world_size,
-              "placement": placement_of(cfg)}
+    return merge_ranks(results, placement_of(cfg))
+
+
+def merge_ranks(results: List[Dict], placement: str = "") -> Dict:
+    """One run from every rank's `record_run`: the losses (every rank must report the same) and the
+    union of the ranks' gradients and parameters (each rank holds its own module parts); any other
+    key is rank 0's."""
+    merged = {**results[0], "grads": {}, "params": {}, "world_size": len(results), "placement": placement}
     for r in results:
         if r["losses"] != merged["losses"]:
             raise RuntimeError("ranks disagree on the loss; the run is not consistent")

@@ -84,8 +84,8 @@ class RankStep:
         """Raw inputs (pixels, features) of this rank's items of encoder `name` for unit mb."""
         if self.data.windows is None:  # homogeneous: the microbatch's own items
             return self.data.llm_batches[mb].get(name)
-        ids = self._item_ids(name, mb)
-        return self.data.step_batch[name][torch.tensor(ids, dtype=torch.long, device=self.device)]
+        ids = torch.tensor(self._item_ids(name, mb), dtype=torch.long)
+        return self.data.step_batch[name][ids.to(self.device, non_blocking=True)]
 
     def _item_ids(self, name: str, mb: Optional[int]) -> List[int]:
         g = self.trainer.topo.grid(name)
@@ -101,9 +101,9 @@ class RankStep:
         return ids[cuts[mb]:cuts[mb + 1]]
 
     def _unit_counts(self, name: str, items: int) -> torch.Tensor:
-        """Per-item token counts of a packed boundary tensor of `items` items."""
-        return torch.full((items,), self.cfg.model.encoders[name].tokens_per_item, dtype=torch.int64,
-                          device=self.device)
+        """Per-item token counts of a packed boundary tensor of `items` items; made on the host, where
+        the communicator checks them without waiting for the device."""
+        return torch.full((items,), self.cfg.model.encoders[name].tokens_per_item, dtype=torch.int64)
 
     # -- compute -------------------------------------------------------------------------------
 
