@@ -29,6 +29,12 @@ def _rng_tracker_forks_cpu_state():
     after = torch.get_rng_state()
     with get_cuda_rng_tracker().fork():
         b = torch.rand(3)
+    from mimo.runtime import megatron_scope, select_runtime
+
+    outside = torch.cuda.current_device
+    with megatron_scope(select_runtime("cpu")):
+        device = torch.cuda.current_device()
+    assert torch.cuda.current_device is outside  # the adaptation is scoped: nothing changed outside it
     return torch.equal(before, after), torch.equal(a, b), device
 
 
