@@ -35,7 +35,8 @@ def _order_changes(raw):
 
     cfg = load_config(raw)
     data, G = build_dataset(cfg), cfg.training.global_batch_size
-    return StepBalancer(cfg).order([data.sample(i) for i in range(G)], PAD_ID) != list(range(G))
+    a = StepBalancer(cfg).assignment([data.sample(i) for i in range(G)], PAD_ID)
+    return a.order() != list(range(G))
 
 
 def test_mmscale_single_rank_equals_none(reference):
@@ -54,18 +55,19 @@ def test_pipelined_noncolocated_equals_single_rank(reference, policy):
 
 def _train_encoders_unbalanced(raw, steps):
     """Negative control: the LLM takes the balanced order, the encoders' windows the plain one."""
-    from mimo.training.windows import StepWindows
+    from mimo.balance.assignment import contiguous
+    from mimo.training.windows import KEPT, StepWindows
 
-    plain = StepWindows._samples
+    balanced_shards = StepWindows._shards
 
-    def window_samples(self, name, mb):
-        saved, self.order = self.order, None
-        try:
-            return plain(self, name, mb)
-        finally:
-            self.order = saved
+    def plain_shards(self, name, mb, part):
+        if part != KEPT:
+            return balanced_shards(self, name, mb, part)
+        dp, M = len(self.kept), len(self.kept[0])
+        plain = contiguous(sum(len(m) for rank in self.kept for m in rank), dp, M)
+        return [plain.llm[j][mb] for j in range(dp)]
 
-    StepWindows._samples = window_samples  # this rank process only
+    StepWindows._shards = plain_shards  # this rank process only
     return _train(raw, steps)
 
 

@@ -167,8 +167,8 @@ def _train_swapped(raw, steps):
 
     window = StepWindows.window
 
-    def swapped(self, name, mb=0):
-        plan, ids = window(self, name, mb)
+    def swapped(self, name, mb=0, part="kept"):
+        plan, ids = window(self, name, mb, part)
         ids = list(ids)
         if name == "images" and len(ids) > 1:
             ids[0], ids[-1] = ids[-1], ids[0]

@@ -164,7 +164,10 @@ def test_global_grad_norm_and_clipping_match_one_rank():
     params = {}
     for r in got:
         params.update(r["params"])
-    assert max_rel_diff(params, ref["params"]) <= 3e-4
+    # Adam's update of a near-zero gradient element is about lr * sign(g), so the TP x DP summation
+    # order can move such an element by a visible fraction of lr (measured 1.6e-4 to 5.2e-4 of the
+    # largest weight on different machines); the norms above are the tight check.
+    assert max_rel_diff(params, ref["params"]) <= 1e-3
     # Negative control: replicated weights counted on both TP ranks give another norm.
     bad = run_on_ranks(_norms, 4, _adam(layout, use_distributed_optimizer=True, **training), 1, True)[0]
     assert abs(bad["norms"][0] - ref["norms"][0]) > 1e-4 * ref["norms"][0]

@@ -1,19 +1,21 @@
-"""The trainer's side: one step's samples -> the order its ranks take them in.
+"""The trainer's side: one step's samples -> where its ranks run them.
 
-`data.balance: none` keeps the global order. `mmscale` permutes the step so
-that the trainer's fixed slicing (LLM microbatch k of DP rank d holds
-positions ``[k*D*m + d*m, k*D*m + (d+1)*m)``) yields the balanced, reordered
-microbatches. Every rank derives the same permutation from the step's samples
-alone, so every module (LLM shards, encoder item windows) agrees on it without
+`data.balance: none` keeps the trainer's slicing (LLM microbatch k of DP
+rank d holds samples ``[k*D*m + d*m, k*D*m + (d+1)*m)``). `mmscale` reorders
+the step into balanced microbatches of m samples; `entrain` assigns encoder
+microbatches and LLM microbatches separately (deferral), with sizes that may
+differ. Every rank derives the same assignment from the step's samples alone,
+so every module (LLM shards, encoder item windows) agrees on it without
 communication.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from .assignment import StepAssignment, contiguous
 from .pipeline import Pipeline
 from .policy import assign
 from .workload import WorkloadModel
@@ -37,13 +39,12 @@ class StepBalancer:
                                  f"which cannot read this model ({exc})") from None
             self.pipeline = Pipeline.from_parallelism(cfg.parallelism, self.work)
 
-    def order(self, samples: Sequence, pad_id: int) -> Optional[List[int]]:
-        """Step sample index of each trainer position; None where the order stays as it is."""
+    def assignment(self, samples: Sequence, pad_id: int) -> StepAssignment:
+        """Where the step's samples (indices into `samples`) run: per LLM DP rank and microbatch."""
         if self.policy == "none":
-            return None
+            return contiguous(len(samples), self.dp, self.microbatches)
         tokens = np.array([int((s.document_ids >= 0).sum()) if s.document_ids is not None
                            else int((s.input_ids != pad_id).sum()) for s in samples])
         items = {n: np.array([s.count(n) for s in samples]) for n in self.encoders}
         enc = self.work.encoder(items) if items else np.zeros(len(samples))
-        return assign(self.policy, enc, self.work.llm(tokens), self.dp, self.microbatches,
-                      self.pipeline).order()
+        return assign(self.policy, enc, self.work.llm(tokens), self.dp, self.microbatches, self.pipeline)

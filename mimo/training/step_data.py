@@ -37,11 +37,13 @@ def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, devi
     """A homogeneous-plan rank's microbatches (every encoder's items included)."""
     tr = cfg.training
     G = tr.global_batch_size
-    order = (None if balancer.policy == "none"
-             else balancer.order([dataset.sample(step * G + i) for i in range(G)], PAD_ID))
+    if balancer.policy == "none":  # only this shard's samples are read
+        shard = shard_indices(G, tr.micro_batch_size, dp_rank, cfg.parallelism[LANGUAGE].dp)
+    else:
+        shard = balancer.assignment([dataset.sample(step * G + i) for i in range(G)], PAD_ID).llm[dp_rank]
     batches = []
-    for idx in shard_indices(G, tr.micro_batch_size, dp_rank, cfg.parallelism[LANGUAGE].dp):
-        samples = [dataset.sample(step * G + (i if order is None else order[i])) for i in idx]
+    for idx in shard:
+        samples = [dataset.sample(step * G + i) for i in idx]
         batches.append(move(collate(samples, cfg.placeholder_ids), device, dtype))
     local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
     return StepData(local, batches)
@@ -52,11 +54,11 @@ def whole_step(cfg: MimoConfig, dataset, balancer, step: int, comms: Dict, coloc
     """A heterogeneous-plan rank's view of the whole step; `llm_dp_rank` None: the rank holds no LLM stage."""
     G = cfg.training.global_batch_size
     samples = [dataset.sample(step * G + i) for i in range(G)]
-    order = balancer.order(samples, PAD_ID)
+    assignment = balancer.assignment(samples, PAD_ID)
     host = collate(samples, cfg.placeholder_ids, held)
     # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
     counts = {n: host[f"{n}_counts"].tolist() for n in cfg.model.encoders}
-    windows = StepWindows(cfg, comms, counts, colocated, order)
+    windows = StepWindows(cfg, comms, counts, colocated, assignment)
     n_tokens = host["loss_mask"].sum().to(torch.float64)
     if float(n_tokens) == 0:
         raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")

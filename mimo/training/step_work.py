@@ -14,6 +14,12 @@ A colocated encoder's boundary moves the whole step at once (microbatch
 `None` in the plan); a pipelined one streams it as one chunk per LLM
 microbatch. Boundary communicators are called as the plan's `boundary`
 collectives. The step's reductions are megatron-core's (`ModelOptimizer`).
+
+Deferral (`data.balance: entrain`, `mimo.training.windows`): a non-colocated
+encoder's microbatch k also encodes the items whose LLM work runs in LLM
+microbatch k + 1. They are a separate forward (`late_y`), so the encoder's
+backward splits: its backward action k runs the kept rows of microbatch k and
+the deferred rows of k - 1, whose gradients arrived with LLM microbatch k.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS
 from mimo.schedule.plan_build import trainable_edge
 
 from .step_data import StepData
-from .windows import microbatch_offsets
+from .windows import DEFERRED, KEPT, microbatch_offsets
 
 
 class RankStep:
@@ -48,6 +54,9 @@ class RankStep:
         self.y: Dict = {}
         self.gy: Dict = {}
         self.gx: Dict = {}
+        self.late_y: Dict = {}   # non-colocated encoders under deferral: the deferred rows' output
+        self.late_gy: Dict = {}  # ... and their gradient
+        self.kept_tokens: Dict = {}  # LLM first stage: tokens of the kept window in a received boundary
         self.received: Dict[str, torch.Tensor] = {}        # colocated: the step's boundary tensor
         self.offsets: Dict[str, List[int]] = {}
         self.boundary_grad: Dict[str, torch.Tensor] = {}   # colocated: its accumulated gradient
@@ -80,17 +89,17 @@ class RankStep:
                                 input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
                                 loss_mask=b["loss_mask"], decoder_input=decoder_input)
 
-    def _items(self, name: str, mb: Optional[int]) -> Optional[torch.Tensor]:
+    def _items(self, name: str, mb: Optional[int], part: str = KEPT) -> Optional[torch.Tensor]:
         """Raw inputs (pixels, features) of this rank's items of encoder `name` for unit mb."""
         if self.data.windows is None:  # homogeneous: the microbatch's own items
             return self.data.llm_batches[mb].get(name)
-        ids = torch.tensor(self._item_ids(name, mb), dtype=torch.long)
+        ids = torch.tensor(self._item_ids(name, mb, part), dtype=torch.long)
         return self.data.step_batch[name][ids.to(self.device, non_blocking=True)]
 
-    def _item_ids(self, name: str, mb: Optional[int]) -> List[int]:
+    def _item_ids(self, name: str, mb: Optional[int], part: str = KEPT) -> List[int]:
         g = self.trainer.topo.grid(name)
         if name not in self.trainer.colocated:
-            return self.data.windows.encoder_item_ids(name, g.coords["dp"], mb)
+            return self.data.windows.encoder_item_ids(name, g.coords["dp"], mb, part)
         ids = self.data.windows.encoder_item_ids(name, g.coords["dp"])
         if mb is None:
             return ids
@@ -120,6 +129,8 @@ class RankStep:
         with torch.set_grad_enabled(self.trainable[name]):
             if g.layout.pp == 1:
                 self.y[key] = encode(part, self._items(name, mb))
+                if self.data.windows is not None and self.data.windows.has_deferred(name, mb):
+                    self.late_y[key] = encode(part, self._items(name, mb, DEFERRED))
                 return
             items = self._items(name, mb) if stage == 0 else None
             count = items.shape[0] if items is not None else len(self._item_ids(name, mb))
@@ -203,6 +214,11 @@ class RankStep:
                     torch.autograd.backward(y, grad_tensors=g)
             elif y.requires_grad and y.numel() and g is not None:
                 torch.autograd.backward(y, grad_tensors=g)
+            if a.module != LANGUAGE and (a.module, mb - 1 if mb else None) in self.late_y:
+                # Split backward: the rows microbatch mb - 1 deferred, whose gradients came with mb.
+                late, g = self.late_y.pop((a.module, mb - 1)), self.late_gy.pop((a.module, mb - 1))
+                if late.requires_grad and late.numel():
+                    torch.autograd.backward(late, grad_tensors=g)
             if a.module == LANGUAGE:
                 self.views.pop(mb, None)
             if a.module == LANGUAGE and a.stage == 0:
@@ -242,8 +258,8 @@ class RankStep:
             shape = self.y[key].shape
         elif a.module == LANGUAGE:
             llm = self.trainer.parts[LANGUAGE]
-            shape = (shard_len(self._llm_view(a.mb)["input_ids"].shape[1], llm.config),
-                     self.cfg.training.micro_batch_size, self.cfg.model.language.hidden_size)
+            ids = self._llm_view(a.mb)["input_ids"]  # microbatches may differ in size (deferral)
+            shape = (shard_len(ids.shape[1], llm.config), ids.shape[0], self.cfg.model.language.hidden_size)
         else:
             shape = self._stage_shape(a.module, len(self._item_ids(a.module, a.mb)))
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
@@ -283,43 +299,71 @@ class RankStep:
             raise ValueError(f"the executor does not know the collective {a.name!r}")
 
     def _boundary_forward(self, name: str, mb: Optional[int]) -> None:
-        comm, g = self.trainer.comms[name], self.trainer.topo.grid(name)
-        window = self.data.windows.window(name, mb or 0)[0]
-        src = counts = None
-        if g.is_member and g.is_last_stage:
-            chunks = (list(range(self.trainer.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
-            ys = [self.y[(name, c)] if self.trainable[name] else self.y.pop((name, c)) for c in chunks]
-            src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
-            items = len(self._item_ids(name, None if name in self.trainer.colocated else mb))
-            src, counts = src.detach(), self._unit_counts(name, items)
-        got = comm.forward(src, counts, window)
+        got = self._forward_window(name, mb, KEPT)
+        windows = self.data.windows
+        deferred = mb is not None and mb > 0 and windows.has_deferred(name, mb - 1)
+        if deferred:  # the rows encoder microbatch mb - 1 deferred to this LLM microbatch: a second call
+            late = self._forward_window(name, mb - 1, DEFERRED)
+            if got is not None:
+                self.kept_tokens[(name, mb)] = got.shape[0]
+                got = torch.cat([got, late])
         if got is None:
             return
         lg = self.trainer.topo.grid(LANGUAGE)
         tokens = self.cfg.model.encoders[name].tokens_per_item
-        want = self.data.windows.llm_items(name, lg.coords["dp"], mb or 0) * tokens
+        items = windows.llm_items(name, lg.coords["dp"], mb or 0)
+        if deferred:
+            items += windows.llm_items(name, lg.coords["dp"], mb - 1, DEFERRED)
         # Every rank derives the windows from the same step data; a shape check (no host sync)
         # catches ranks that disagree on the window's total (not two items swapped within it).
-        if got.shape[0] != want:
+        if got.shape[0] != items * tokens:
             raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered {got.shape[0]} tokens but the "
-                               f"batch needs {want}")
+                               f"batch needs {items * tokens}")
         if mb is None:  # colocated: the step's tensor, sliced per LLM microbatch in phase 2
-            mine = [i for m in self.data.windows.llm_indices(lg.coords["dp"]) for i in m]
-            per_sample = torch.tensor([self.data.windows.item_counts[name][i] * tokens for i in mine])
+            mine = [i for m in windows.llm_indices(lg.coords["dp"]) for i in m]
+            per_sample = [windows.item_counts[name][i] * tokens for i in mine]
             self.received[name] = got
-            self.offsets[name] = microbatch_offsets(per_sample, self.cfg.training.micro_batch_size)
+            self.offsets[name] = microbatch_offsets(per_sample, windows.microbatch_sizes(lg.coords["dp"]))
             if self.trainable[name]:
                 self.boundary_grad[name] = torch.zeros_like(got)
         else:
             self.x[(name, mb)] = got
 
+    def _forward_window(self, name: str, mb: Optional[int], part: str) -> Optional[torch.Tensor]:
+        """One communicator call: the encoder's rows of one window out, the LLM shard's rows in."""
+        comm, g = self.trainer.comms[name], self.trainer.topo.grid(name)
+        window = self.data.windows.window(name, mb or 0, part)[0]
+        src = counts = None
+        if g.is_member and g.is_last_stage:
+            keep = self.trainable[name]  # kept for the encoder's backward
+            if part == DEFERRED:
+                src = self.late_y[(name, mb)] if keep else self.late_y.pop((name, mb))
+            else:
+                chunks = (list(range(self.trainer.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
+                ys = [self.y[(name, c)] if keep else self.y.pop((name, c)) for c in chunks]
+                src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
+            items = len(self._item_ids(name, None if name in self.trainer.colocated else mb, part))
+            src, counts = src.detach(), self._unit_counts(name, items)
+        return comm.forward(src, counts, window)
+
     def _boundary_backward(self, name: str, mb: Optional[int]) -> None:
         lg, g = self.trainer.topo.grid(LANGUAGE), self.trainer.topo.grid(name)
-        grad = None
+        grad = late = None
         if lg.is_member and lg.coords["pp"] == 0:
             grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
-        out = self.trainer.comms[name].backward(grad)
-        if out is None or not (g.is_member and g.is_last_stage):
+        deferred = mb is not None and mb > 0 and self.data.windows.has_deferred(name, mb - 1)
+        if deferred and grad is not None:
+            n = self.kept_tokens.pop((name, mb))
+            grad, late = grad[:n], grad[n:]
+        comm = self.trainer.comms[name]
+        # Backward calls consume the edge's forwards in order: the kept window, then the deferred one.
+        out = comm.backward(grad)
+        late_out = comm.backward(late) if deferred else None
+        if not (g.is_member and g.is_last_stage):
+            return
+        if late_out is not None:
+            self.late_gy[(name, mb - 1)] = late_out
+        if out is None:
             return
         if mb is not None or g.layout.pp == 1:
             self.gy[(name, mb)] = out
