@@ -190,7 +190,6 @@ def test_tool_bad_input(tmp_path):
 @pytest.mark.parametrize("policy,layout,message", [
     ("fancy", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, "must be one of none, mmscale, entrain"),
     ("entrain", {"language": {}, "images": {}}, "has no pipeline"),
-    ("entrain", {"language": {"pp": 2}, "images": {"pp": 2, "rank_offset": 2}}, "needs an unpipelined encoder"),
     ("mmscale", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, None),
     ("entrain", {"language": {"pp": 2}, "images": {"rank_offset": 2}}, None),
 ])

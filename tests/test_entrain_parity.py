@@ -94,6 +94,14 @@ def test_noncolocated_pipelined_equals_single_rank(data_dir, reference, policy):
     assert_same_run(reference, got)
 
 
+def test_pipelined_noncolocated_encoder_entrain_equals_single_rank(data_dir):
+    """Encoder PP 2: the deferred rows travel between encoder stages with the kept ones, split again
+    on arrival, and their gradients come back the same way."""
+    reference = run_on_ranks(_train, 1, config(data_dir, "none", image_layers=2), STEPS)[0]
+    raw = config(data_dir, "entrain", {"language": {"pp": 2}, "images": {"pp": 2, "rank_offset": 2}}, 2)
+    assert_same_run(reference, merge_ranks(run_on_ranks(_train, 4, raw, STEPS, timeout_s=240)))
+
+
 def test_colocated_pipelined_entrain_equals_single_rank(data_dir, reference):
     """Three phases: the encoder runs the whole step, the LLM its microbatches of different sizes."""
     raw = config(data_dir, "entrain", {"language": {"pp": 2}, "images": {"dp": 2}})

@@ -118,9 +118,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
 
 
 def _check_balance(cfg: MimoConfig, add) -> None:
-    """`entrain` defers LLM work to a later pipelined microbatch: it needs a pipeline. The trainer
-    splits a non-colocated encoder's backward into kept and deferred rows, two forwards of its one
-    stage; a pipelined non-colocated encoder would need both halves through every stage."""
+    """`entrain` defers LLM work to a later pipelined microbatch: it needs a pipeline."""
     path, policy = "data.balance", cfg.data.balance
     if policy not in BALANCE_POLICIES:
         _check_choice(policy, BALANCE_POLICIES, path, add)
@@ -133,11 +131,6 @@ def _check_balance(cfg: MimoConfig, add) -> None:
     if lang.pp < 2 and not remote:
         add(path, "entrain defers LLM work between pipelined microbatches, but the layout has no pipeline "
                   "(parallelism.language.pp = 1 and no non-colocated encoder); use mmscale or none")
-    for n in remote:
-        if cfg.parallelism[n].pp > 1:
-            add(path, f"entrain runs a non-colocated encoder's deferred rows as a forward of their own, which "
-                      f"needs an unpipelined encoder (parallelism.{n}.pp = {cfg.parallelism[n].pp}); use pp 1 "
-                      f"for {n}, or mmscale")
 
 
 def _check_data(cfg: MimoConfig, add) -> None:

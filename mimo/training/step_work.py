@@ -17,9 +17,11 @@ collectives. The step's reductions are megatron-core's (`ModelOptimizer`).
 
 Deferral (`data.balance: entrain`, `mimo.training.windows`): a non-colocated
 encoder's microbatch k also encodes the items whose LLM work runs in LLM
-microbatch k + 1. They are a separate forward (`late_y`), so the encoder's
+microbatch k + 1. They are a separate forward through every stage (`late_x`,
+`late_y`, ...: keyed by the microbatch that encoded them), so the encoder's
 backward splits: its backward action k runs the kept rows of microbatch k and
 the deferred rows of k - 1, whose gradients arrived with LLM microbatch k.
+Between encoder stages both halves travel in one message, kept items first.
 """
 
 from __future__ import annotations
@@ -54,8 +56,11 @@ class RankStep:
         self.y: Dict = {}
         self.gy: Dict = {}
         self.gx: Dict = {}
-        self.late_y: Dict = {}   # non-colocated encoders under deferral: the deferred rows' output
-        self.late_gy: Dict = {}  # ... and their gradient
+        # Non-colocated encoders under deferral: the deferred rows' x, y, gy, gx.
+        self.late_x: Dict = {}
+        self.late_y: Dict = {}
+        self.late_gy: Dict = {}
+        self.late_gx: Dict = {}
         self.kept_tokens: Dict = {}  # LLM first stage: tokens of the kept window in a received boundary
         self.received: Dict[str, torch.Tensor] = {}        # colocated: the step's boundary tensor
         self.offsets: Dict[str, List[int]] = {}
@@ -124,25 +129,34 @@ class RankStep:
                 self._encoder_forward(a.module, a.stage, a.mb)
 
     def _encoder_forward(self, name: str, stage: int, mb: Optional[int]) -> None:
-        part, g = self.trainer.parts[name], self.trainer.topo.grid(name)
+        self._encoder_stage(name, stage, mb, KEPT, self.x, self.y)
+        if self._defers(name, mb):
+            self._encoder_stage(name, stage, mb, DEFERRED, self.late_x, self.late_y)
+
+    def _defers(self, name: str, mb: Optional[int]) -> bool:
+        """Whether encoder microbatch mb of `name` has deferred rows (decided by the step's data)."""
+        return (name != LANGUAGE and mb is not None and mb >= 0 and self.data.windows is not None
+                and self.data.windows.has_deferred(name, mb))
+
+    def _encoder_stage(self, name: str, stage: int, mb: Optional[int], part: str, xs: Dict, ys: Dict) -> None:
+        """One forward of an encoder stage over one half (kept or deferred rows) of microbatch mb."""
+        model, g = self.trainer.parts[name], self.trainer.topo.grid(name)
         key = (name, mb)
         with torch.set_grad_enabled(self.trainable[name]):
             if g.layout.pp == 1:
-                self.y[key] = encode(part, self._items(name, mb))
-                if self.data.windows is not None and self.data.windows.has_deferred(name, mb):
-                    self.late_y[key] = encode(part, self._items(name, mb, DEFERRED))
+                ys[key] = encode(model, self._items(name, mb, part))
                 return
-            items = self._items(name, mb) if stage == 0 else None
-            count = items.shape[0] if items is not None else len(self._item_ids(name, mb))
+            items = self._items(name, mb, part) if stage == 0 else None
+            count = items.shape[0] if items is not None else len(self._item_ids(name, mb, part))
             if count == 0:  # nothing to encode: every stage skips, identically
                 last = stage == g.layout.pp - 1
-                self.y[key] = (torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
-                                           device=self.device) if last else
-                               torch.zeros(self._stage_shape(name, 0), dtype=self.dtype, device=self.device))
+                ys[key] = (torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
+                                       device=self.device) if last else
+                           torch.zeros(self._stage_shape(name, 0), dtype=self.dtype, device=self.device))
                 return
             # A frozen edge runs no backward: its input is not kept for one.
-            x = None if stage == 0 else self.x[key] if self.trainable[name] else self.x.pop(key)
-            self.y[key] = part(items if stage == 0 else x)
+            x = None if stage == 0 else xs[key] if self.trainable[name] else xs.pop(key)
+            ys[key] = model(items if stage == 0 else x)
 
     def _stage_shape(self, name: str, items: int):
         """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
@@ -214,11 +228,14 @@ class RankStep:
                     torch.autograd.backward(y, grad_tensors=g)
             elif y.requires_grad and y.numel() and g is not None:
                 torch.autograd.backward(y, grad_tensors=g)
-            if a.module != LANGUAGE and (a.module, mb - 1 if mb else None) in self.late_y:
+            late = (a.module, mb - 1 if mb else None)
+            if a.module != LANGUAGE and late in self.late_y:
                 # Split backward: the rows microbatch mb - 1 deferred, whose gradients came with mb.
-                late, g = self.late_y.pop((a.module, mb - 1)), self.late_gy.pop((a.module, mb - 1))
-                if late.requires_grad and late.numel():
-                    torch.autograd.backward(late, grad_tensors=g)
+                ly, lx, lg = self.late_y.pop(late), self.late_x.pop(late, None), self.late_gy.pop(late)
+                if ly.requires_grad and ly.numel():
+                    torch.autograd.backward(ly, grad_tensors=lg)
+                if a.stage > 0:
+                    self.late_gx[late] = lx.grad if lx.grad is not None else torch.zeros_like(lx)
             if a.module == LANGUAGE:
                 self.views.pop(mb, None)
             if a.module == LANGUAGE and a.stage == 0:
@@ -243,10 +260,15 @@ class RankStep:
 
     def outgoing(self, a: Action) -> torch.Tensor:
         key = (a.module, a.mb)
+        keep = self._with_backward(a.module)
         if a.tensor == ACTIVATION:
-            t = self.y[key] if self._with_backward(a.module) else self.y.pop(key)
+            t = self.y[key] if keep else self.y.pop(key)
+            if self._defers(a.module, a.mb):  # encoder stages: the deferred rows ride along, items after
+                t = torch.cat([t, self.late_y[key] if keep else self.late_y.pop(key)], dim=1)
         else:
             t = self.gx.pop(key)
+            if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
+                t = torch.cat([t, self.late_gx.pop((a.module, a.mb - 1))], dim=1)
         return t.detach().contiguous()
 
     def _with_backward(self, module: str) -> bool:
@@ -255,20 +277,32 @@ class RankStep:
     def incoming(self, a: Action) -> torch.Tensor:
         key = (a.module, a.mb)
         if a.tensor != ACTIVATION:  # the gradient of this stage's output
-            shape = self.y[key].shape
+            shape = list(self.y[key].shape)
+            if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
+                shape[1] += self.late_y[(a.module, a.mb - 1)].shape[1]
         elif a.module == LANGUAGE:
             llm = self.trainer.parts[LANGUAGE]
             ids = self._llm_view(a.mb)["input_ids"]  # microbatches may differ in size (deferral)
             shape = (shard_len(ids.shape[1], llm.config), ids.shape[0], self.cfg.model.language.hidden_size)
         else:
-            shape = self._stage_shape(a.module, len(self._item_ids(a.module, a.mb)))
+            items = len(self._item_ids(a.module, a.mb))
+            if self._defers(a.module, a.mb):
+                items += len(self._item_ids(a.module, a.mb, DEFERRED))
+            shape = self._stage_shape(a.module, items)
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
     def arrived(self, a: Action, t: torch.Tensor) -> None:
         key = (a.module, a.mb)
         if a.tensor == ACTIVATION:
+            if self._defers(a.module, a.mb):  # encoder stages: split the kept and the deferred items
+                n = len(self._item_ids(a.module, a.mb))
+                t, late = t[:, :n].contiguous(), t[:, n:].contiguous()
+                self.late_x[key] = late.requires_grad_()
             self.x[key] = t.requires_grad_()
         else:
+            if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
+                n = self.y[key].shape[1]
+                t, self.late_gy[(a.module, a.mb - 1)] = t[:, :n], t[:, n:]
             self.gy[key] = t
 
     # -- collectives and local work ------------------------------------------------------------
@@ -301,7 +335,7 @@ class RankStep:
     def _boundary_forward(self, name: str, mb: Optional[int]) -> None:
         got = self._forward_window(name, mb, KEPT)
         windows = self.data.windows
-        deferred = mb is not None and mb > 0 and windows.has_deferred(name, mb - 1)
+        deferred = mb is not None and self._defers(name, mb - 1)
         if deferred:  # the rows encoder microbatch mb - 1 deferred to this LLM microbatch: a second call
             late = self._forward_window(name, mb - 1, DEFERRED)
             if got is not None:
@@ -351,7 +385,7 @@ class RankStep:
         grad = late = None
         if lg.is_member and lg.coords["pp"] == 0:
             grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
-        deferred = mb is not None and mb > 0 and self.data.windows.has_deferred(name, mb - 1)
+        deferred = mb is not None and self._defers(name, mb - 1)
         if deferred and grad is not None:
             n = self.kept_tokens.pop((name, mb))
             grad, late = grad[:n], grad[n:]
