@@ -100,3 +100,43 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
     for m in ref:
         for k in ref[m]:
             assert torch.equal(got[m][k], ref[m][k]), f"{m}.{k}"
+
+
+def test_a_save_killed_mid_write_leaves_latest_valid(tmp_path):
+    """One rank saving every step is SIGKILLed while a checkpoint is still `iter_N.partial`:
+    `latest` names the previous complete checkpoint, which passes every check and resumes."""
+    from mimo.checkpoint import paths, preflight
+    from mimo.config import load_config
+
+    raw = layout()
+    raw["training"]["train_iters"] = 200
+    config = str(tmp_path / "run.yaml")
+    yaml.safe_dump(raw, open(config, "w"))
+    d = str(tmp_path / "ck")
+    p = subprocess.Popen([sys.executable, SCRIPT, "--config", config, "--device", "cpu",
+                          "--set", f"training.save={d}", "--set", "training.save_interval=1"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+    killed_during = None
+    deadline = time.time() + 300
+    try:
+        while p.poll() is None and time.time() < deadline:
+            partial = [n for n in os.listdir(d) if n.endswith(".partial")] if os.path.isdir(d) else []
+            if partial and paths.complete_steps(d):  # a save in progress after at least one complete one
+                os.killpg(p.pid, signal.SIGKILL)  # the worker and its helpers, mid-write
+                killed_during = partial[0]
+                break
+            time.sleep(0.002)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert killed_during, "no save was caught in progress"
+    latest = paths.read_latest(d)
+    assert os.path.basename(paths.iter_dir(d, latest)) + ".partial" != killed_during
+    assert latest == max(paths.complete_steps(d))
+    raw["training"].update(load=d, save=d)
+    assert preflight(load_config(raw)) == paths.iter_dir(d, latest)  # files, sizes and config all check out
+    r = subprocess.run([sys.executable, "-m", "mimo.checkpoint", "inspect", d], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert r.returncode == 0 and f"step {latest}" in r.stdout, r.stderr[-2000:]

@@ -115,6 +115,21 @@ def test_module_entry_point(monkeypatch, capsys):
     assert (first["op"], first["tensor"], first["mb"], first["peer"]) == ("recv", "activation", 0, 0)
 
 
+def test_show_into_a_closed_pipe_is_quiet():
+    """`python -m mimo.schedule show FILE | head -1`: the reader leaving early is no traceback."""
+    import subprocess
+
+    # 64 ranks: far more output than a pipe buffers, so the writes after `head` left do fail
+    p = subprocess.Popen([sys.executable, "-m", "mimo.schedule", "show", example("balance_llava7b_64gpu.yaml")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.stdout.readline().startswith(b"rank   0")
+    p.stdout.close()  # like `head -1`: every further write fails with EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def _forwards_before_first_backward(actions):
     n = 0
     for a in actions:

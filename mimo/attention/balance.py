@@ -179,21 +179,6 @@ def block_workloads(mask: torch.Tensor, block_size: int = 128,
     return torch.from_numpy(out.reshape(b, n).sum(axis=0))
 
 
-def tile_nonempty_dense(mask: torch.Tensor, block_size: int = 128,
-                        document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Ground truth for tests: bool [b, n, n] from the dense allowed matrix (small sizes only)."""
-    from .inputs import allowed_matrix, check_inputs
-
-    mask, docs = _as_2d(mask, document_ids)
-    b, s = mask.shape
-    n = num_blocks(s, block_size)
-    dummy = torch.zeros(b, s, 1, 1)
-    ok = allowed_matrix(check_inputs(dummy, dummy, dummy, mask, mask, q_document_ids=docs, k_document_ids=docs))
-    pad = n * block_size - s
-    ok = torch.nn.functional.pad(ok, (0, pad, 0, pad))
-    return ok.reshape(b, n, block_size, n, block_size).any(dim=4).any(dim=2)
-
-
 # ---------------------------------------------------------------------------------------------
 # Assignment policies
 

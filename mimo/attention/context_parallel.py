@@ -104,10 +104,6 @@ class ContextParallelMask:
             return self._cache
 
     @property
-    def local_slots(self) -> torch.Tensor:
-        return self.slots[self.cp_rank]
-
-    @property
     def q_positions(self) -> torch.Tensor:
         """Global token index of each local slot (0 for padding), int64 [L]."""
         return self._derived()["q_positions"]
@@ -118,9 +114,6 @@ class ContextParallelMask:
         return dict(q_mask=d["q_bits"], k_mask=d["k_bits"], q_positions=d["q_positions"],
                     k_positions=d["k_positions"], q_document_ids=d["q_document_ids"],
                     k_document_ids=d["k_document_ids"])
-
-    def for_rank(self, cp_rank: int) -> "ContextParallelMask":
-        return ContextParallelMask(self.bits, self.slots, cp_rank, self.document_ids, validate=False)
 
     # -- tensor form ------------------------------------------------------------------------
     def to_tensor(self) -> torch.Tensor:

@@ -37,6 +37,9 @@ def layout_of(cfg) -> dict:
             for name, p in cfg.parallelism.items()}
 
 
+FILE_PROBLEM = (-1, -1, -1)  # sorts before every parameter's problem (module, parameter, shard indices)
+
+
 class Checkpointer:
     def __init__(self, cfg, trainer, runtime):
         self.cfg, self.trainer, self.runtime = cfg, trainer, runtime
@@ -62,8 +65,8 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 verify(ckpt, checksums=True)  # CRC32 of every file, once (rank 0)
-            except CheckpointError as exc:
-                problems.insert(0, ((-1, -1, -1), str(exc)))
+            except CheckpointError as exc:  # names the file, the checkpoint's directory included
+                problems.insert(0, (FILE_PROBLEM, str(exc)))
         held = {s.key for s in self.shards}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (problems, sorted(held)))
@@ -76,7 +79,8 @@ class Checkpointer:
                                          f"{list(saved[sorted(extra)[0]].global_shape)}) but not in this model; "
                                          "the checkpoint is of a different architecture")]
         if problems:
-            raise CheckpointError(f"{ckpt}: {problems[0][1]}")
+            where, msg = problems[0]
+            raise CheckpointError(msg if where == FILE_PROBLEM else f"{ckpt}: {msg}")
 
         request = {"weights": weights_request(self.shards)}
         if tr.load_optimizer:

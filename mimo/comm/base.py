@@ -164,10 +164,6 @@ class BoundaryCommunicator:
     def from_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype)
 
-    def through_wire(self, t: torch.Tensor) -> torch.Tensor:
-        """A rank-local piece rounded exactly as a transferred one, so replicas stay identical."""
-        return self.from_wire(self.to_wire(t))
-
     def wire_bytes(self, t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
@@ -217,8 +213,3 @@ class BoundaryCommunicator:
 
     def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         raise NotImplementedError
-
-    def forward_with_counts(self, tensor, counts):
-        """forward, returning (tensor, counts) of the destination shard (None, None off-destination)."""
-        out = self.forward(tensor, counts)
-        return out, (self.received_counts if out is not None else None)

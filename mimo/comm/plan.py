@@ -223,13 +223,6 @@ class EdgePlan:
         return {k: [g for g in v if len(g) > 1] for k, v in out.items()}
 
     # -- routes -------------------------------------------------------------------
-    def leader_routes(self) -> List[Route]:
-        """Non-colocated forward routes: source leader -> destination leader, one per piece.
-
-        Backward uses the same routes reversed.
-        """
-        return [Route(p.index, self.src_leader(p.i), self.dst_leader(p.j)) for p in self.pieces]
-
     def colocated_forward_routes(self) -> Tuple[List[Route], List[Route]]:
         """(transfers, local copies) that give every destination receiver its pieces.
 

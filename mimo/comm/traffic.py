@@ -41,10 +41,5 @@ class Traffic:
                    if (direction is None or d == direction) and (scope is None or s == scope)
                    and (kind is None or k == kind))
 
-    def snapshot(self) -> Dict[str, Dict[str, int]]:
-        """Plain dict (picklable): {'bytes': {'fwd/cross/payload': n, ...}, 'messages': {...}}."""
-        return {"bytes": {"/".join(k): v for k, v in self.bytes.items()},
-                "messages": {"/".join(k): v for k, v in self.messages.items()}}
-
     def __repr__(self) -> str:
         return f"Traffic({dict(self.bytes)})"

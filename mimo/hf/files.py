@@ -11,11 +11,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def _hf_dirs(cfg: MimoConfig):
-    dirs = [cfg.model.hf, cfg.model.language.hf] + [e.hf for e in cfg.model.encoders.values()]
-    return [d for d in dirs if d]
-
-
 def tokenizer_dir(cfg: MimoConfig) -> Optional[str]:
     """The HF directory whose tokenizer the data pipeline uses when `data.tokenizer` is unset:
     model.hf, else model.language.hf, if it holds tokenizer files."""

@@ -6,6 +6,7 @@ action. The plan is checked first: a plan that would deadlock is an error.
 """
 
 import argparse
+import os
 import sys
 
 from mimo.config import ConfigError, load_config
@@ -38,8 +39,12 @@ def main(argv=None) -> int:
         print(f"error: --rank {args.rank} is outside the config's ranks [0, {plan.world_size})", file=sys.stderr)
         return 2
     lines = plan.json_lines(args.rank) if args.json else plan.lines(args.rank)
-    for line in lines:
-        print(line)
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error of the plan
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush is quiet
     return 0
 
 

@@ -51,10 +51,6 @@ class ModuleGrid:
         return self.layout.coords(self.rank)
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.coords["pp"] == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.coords["pp"] == self.layout.pp - 1
 

@@ -9,12 +9,28 @@ from attn_scenarios import NAMES, qkv, scenario
 from mimo.attention import CAUSAL, TEXT, modality_bit, reference_attention_general
 from mimo.attention.balance import (
     POLICIES, assign_blocks, assign_from_workloads, block_workloads, check_assignment, imbalance, num_blocks,
-    rank_workloads, tile_nonempty_dense,
+    rank_workloads,
 )
 from mimo.attention.context_parallel import ContextParallelMask, as_context_parallel_mask, context_parallel_attention
 from mimo.attention.cp_permute import (
     permute_to_local, plan_context_parallel, shard_microbatch, slots_from_assignment, unpermute,
 )
+from mimo.attention.inputs import allowed_matrix, check_inputs
+
+
+def tile_nonempty_dense(mask, block_size=128, document_ids=None):
+    """Ground truth: bool [b, n, n] from the dense allowed matrix (small sizes only)."""
+    if mask.dim() == 1:
+        mask = mask.unsqueeze(0)
+        document_ids = None if document_ids is None else document_ids.reshape(1, -1)
+    b, s = mask.shape
+    n = num_blocks(s, block_size)
+    dummy = torch.zeros(b, s, 1, 1)
+    ok = allowed_matrix(check_inputs(dummy, dummy, dummy, mask, mask, q_document_ids=document_ids,
+                                     k_document_ids=document_ids))
+    pad = n * block_size - s
+    ok = torch.nn.functional.pad(ok, (0, pad, 0, pad))
+    return ok.reshape(b, n, block_size, n, block_size).any(dim=4).any(dim=2)
 
 
 def _brute(mask, block, docs=None):

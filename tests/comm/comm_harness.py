@@ -172,7 +172,13 @@ def run_case(c):
         check_grad(0, x.grad)
     elif c["mode"] == "megatron_tp":
         errors += _megatron_tp_case(c, comm, truth, role, data[0], src_part, dst_part, tp_groups)
-    return dict(name=c["name"], rank=rank, errors=errors, traffic=comm.traffic.snapshot())
+    return dict(name=c["name"], rank=rank, errors=errors, traffic=_snapshot(comm.traffic))
+
+
+def _snapshot(traffic):
+    """Plain dict (picklable): {'bytes': {'fwd/cross/payload': n, ...}, 'messages': {...}}."""
+    return {"bytes": {"/".join(k): v for k, v in traffic.bytes.items()},
+            "messages": {"/".join(k): v for k, v in traffic.messages.items()}}
 
 
 def _megatron_tp_case(c, comm, truth, role, data, src_part, dst_part, tp_groups):

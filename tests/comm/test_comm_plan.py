@@ -6,6 +6,11 @@ from mimo.comm import COLOCATED, EQUAL, FAN_IN, FAN_OUT, NON_COLOCATED, make_pla
 from mimo.topology import Layout
 
 
+def leader_routes(p):
+    """Non-colocated forward routes, one per piece: (source leader, destination leader)."""
+    return [(p.src_leader(q.i), p.dst_leader(q.j)) for q in p.pieces]
+
+
 def test_intervals_and_pieces_fan_in():
     p = make_plan(Layout(dp=4), Layout(tp=2, dp=2, rank_offset=4), 8)
     assert (p.placement, p.relation, p.ratio) == (NON_COLOCATED, FAN_IN, 2)
@@ -16,7 +21,7 @@ def test_intervals_and_pieces_fan_in():
     assert [p.src_leader(i) for i in range(4)] == [0, 1, 2, 3]
     assert [p.dst_leader(j) for j in range(2)] == [4, 6]
     assert p.dst_receivers(1) == [6, 7]
-    assert [(r.src, r.dst) for r in p.leader_routes()] == [(0, 4), (1, 4), (2, 6), (3, 6)]
+    assert leader_routes(p) == [(0, 4), (1, 4), (2, 6), (3, 6)]
 
 
 def test_fan_out_pieces_and_leaders_with_pp_and_tp():
@@ -38,7 +43,7 @@ def test_fan_out_pieces_and_leaders_with_pp_and_tp():
 
 def test_cross_routes_follow_batch_shards_not_tp_widths():
     p = make_plan(Layout(tp=4, dp=2), Layout(tp=4, dp=2, rank_offset=8), 4)
-    assert p.relation == EQUAL and len(p.leader_routes()) == 2
+    assert p.relation == EQUAL and len(leader_routes(p)) == 2
 
 
 def test_colocated_equal_is_rank_local():
@@ -89,7 +94,7 @@ def test_window_plans_route_items_whatever_the_dp_sizes():
     base = make_plan(Layout(dp=3, rank_offset=2), Layout(dp=2), None)
     p = base.for_window([0, 2, 5, 7], [0, 4, 7])
     assert [(q.i, q.j, q.start, q.stop) for q in p.pieces] == [(0, 0, 0, 2), (1, 0, 2, 4), (1, 1, 4, 5), (2, 1, 5, 7)]
-    assert [(r.src, r.dst) for r in p.leader_routes()] == [(2, 0), (3, 0), (3, 1), (4, 1)]
+    assert leader_routes(p) == [(2, 0), (3, 0), (3, 1), (4, 1)]
     # An encoder rank with no item has no piece and no route.
     q = base.for_window([0, 0, 1, 1], [0, 0, 1])
     assert [(x.i, x.j) for x in q.pieces] == [(1, 1)] and q.pieces_of_src(0) == []
