@@ -40,10 +40,17 @@ def get_group(ranks: Sequence[int]):
 
 
 def cumulative(counts: torch.Tensor) -> List[int]:
+    """Token offsets of a shard's units; `counts` should live on the host (a device tensor is
+    copied to it, which waits for the device)."""
     out = [0]
     for c in counts.tolist():
         out.append(out[-1] + int(c))
     return out
+
+
+def known_counts(plan: EdgePlan, a: int, b: int) -> torch.Tensor:
+    """Host int64 token counts of units [a, b) of a plan whose unit sizes every rank knows."""
+    return torch.tensor(plan.unit_tokens[a:b], dtype=torch.int64)
 
 
 class BoundaryCommunicator:
@@ -112,6 +119,7 @@ class BoundaryCommunicator:
         return window
 
     def _check_source(self, tensor, counts, plan: EdgePlan) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the shard on the edge's device, its per-unit counts on the host); None, None off-source."""
         if not self.is_source:
             if tensor is not None:
                 raise ValueError(f"rank {self.rank} holds no source shard of this edge but was given a tensor")
@@ -123,6 +131,7 @@ class BoundaryCommunicator:
         n = b - a
         if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.dim() != 1:
             raise ValueError(f"{where}: counts must be a 1-D int64 tensor")
+        counts = counts.cpu()  # sizes are worked out on the host (a no-op for host counts)
         if counts.numel() != n:
             raise ValueError(f"{where}: counts has {counts.numel()} entries but the shard holds {n} units "
                              f"(units [{a}, {b}) of the batch window)")
@@ -135,7 +144,9 @@ class BoundaryCommunicator:
             raise ValueError(f"{where}: tensor has {tensor.shape[0]} tokens but counts sum to {total}")
         if tensor.dtype != self.dtype:
             raise ValueError(f"{where}: tensor dtype {tensor.dtype} differs from the edge's compute dtype {self.dtype}")
-        return tensor.detach().to(self.device).contiguous(), counts.to(self.device)
+        if plan.unit_tokens is not None and counts.tolist() != plan.unit_tokens[a:b]:
+            raise ValueError(f"{where}: counts differ from the window's unit sizes")
+        return tensor.detach().to(self.device).contiguous(), counts
 
     def _check_grad(self, grad, ctx) -> Optional[torch.Tensor]:
         if not self.is_destination:

@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .base import BoundaryCommunicator, cumulative
+from .base import BoundaryCommunicator, cumulative, known_counts
 
 
 class ColocatedCommunicator(BoundaryCommunicator):
@@ -51,19 +51,25 @@ class ColocatedCommunicator(BoundaryCommunicator):
         if self.is_source:
             s0, scum = plan.src_interval(role.src_shard)[0], cumulative(counts)
 
-        def local_piece(k):  # (counts, wire payload) of a piece of this rank's source shard
+        def local_piece(k):  # (host counts, wire payload) of a piece of this rank's source shard
             a, b, t0, t1 = self.piece_range(plan.pieces[k], s0, scum)
-            return counts[a:b].contiguous(), self.to_wire(tensor[t0:t1])
+            return counts[a:b], self.to_wire(tensor[t0:t1])
 
-        out_meta = [(local_piece(m.piece)[0], m.dst) for m in sends]
-        metas = {m.piece: self.empty_counts(plan.pieces[m.piece].samples) for m in recvs}
-        self.exchange(out_meta, [(metas[m.piece], m.src) for m in recvs])
+        if plan.unit_tokens is not None:  # every rank knows the sizes: no metadata travels
+            out_meta = []
+            metas = {m.piece: known_counts(plan, plan.pieces[m.piece].start, plan.pieces[m.piece].stop)
+                     for m in recvs}
+        else:
+            out_meta = [(local_piece(m.piece)[0].to(self.device), m.dst) for m in sends]
+            metas = {m.piece: self.empty_counts(plan.pieces[m.piece].samples) for m in recvs}
+            self.exchange(out_meta, [(metas[m.piece], m.src) for m in recvs])
         out_payload = [(local_piece(m.piece)[1], m.dst) for m in sends]
         bufs = {k: self.empty_wire(int(c.sum())) for k, c in metas.items()}
         self.exchange(out_payload, [(bufs[m.piece], m.src) for m in recvs])
-        for (meta, _), (payload, _) in zip(out_meta, out_payload):
+        for meta, _ in out_meta:
             if meta.numel():
                 self.traffic.add("fwd", "intra", "meta", meta.numel() * 8)
+        for payload, _ in out_payload:
             if payload.numel():
                 self.traffic.add("fwd", "intra", "payload", self.wire_bytes(payload))
 
@@ -74,13 +80,13 @@ class ColocatedCommunicator(BoundaryCommunicator):
             for p in plan.pieces_of_dst(role.dst_shard):
                 if p.index in bufs:
                     parts.append(self.from_wire(bufs[p.index]))
-                    part_counts.append(metas[p.index])
+                    part_counts.append(metas[p.index].cpu())  # received metadata waits here; known sizes are on the host
                 else:  # this rank holds the piece's source shard
                     meta, payload = local_piece(p.index)
                     parts.append(self.from_wire(payload))  # rounded like a transferred piece
                     part_counts.append(meta)
             out = torch.cat(parts) if parts else self.from_wire(self.empty_wire(0))
-            ctx["dst"] = torch.cat(part_counts) if part_counts else self.empty_counts(0)
+            ctx["dst"] = torch.cat(part_counts) if part_counts else torch.zeros(0, dtype=torch.int64)
             self.received_counts = ctx["dst"]
         self._saved.append(ctx)
         return out

@@ -23,7 +23,10 @@ replica are summed onto the leader (TP replicas are identical: megatron
 all-reduces the input gradient of the first layer over TP); the leader splits
 the gradient along the recorded pieces and returns each to the source leader
 that sent it; the source leader concatenates and broadcasts within its TP
-group. Sizes are known from forward, so backward sends no metadata.
+group. Sizes are known from forward, so backward sends no metadata. When the
+window's plan carries every unit's token count (`EdgePlan.unit_tokens`, as the
+trainer's windows do), forward sends no metadata either: every rank sizes its
+buffers on the host, and nothing waits for the device to learn a size.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .base import BoundaryCommunicator, cumulative
+from .base import BoundaryCommunicator, cumulative, known_counts
 
 
 class NonColocatedCommunicator(BoundaryCommunicator):
@@ -42,6 +45,7 @@ class NonColocatedCommunicator(BoundaryCommunicator):
         plan = self._window(window)
         tensor, counts = self._check_source(tensor, counts, plan)
         role, ctx = self.role, {"plan": plan}
+        known = plan.unit_tokens is not None
         if self.is_source:
             i = role.src_shard
             ctx["src"] = (tuple(tensor.shape), counts)
@@ -50,12 +54,14 @@ class NonColocatedCommunicator(BoundaryCommunicator):
                 for p in plan.pieces_of_src(i):
                     a, b, t0, t1 = self.piece_range(p, s0, cum)
                     dst = plan.dst_leader(p.j)
-                    metas.append((counts[a:b].contiguous(), dst))
+                    if not known:
+                        metas.append((counts[a:b].to(self.device), dst))
                     payloads.append((self.to_wire(tensor[t0:t1]), dst))
                 self.exchange(metas, [])
                 self.exchange(payloads, [])
-                for (meta, dst), (payload, _) in zip(metas, payloads):
+                for meta, dst in metas:
                     self.traffic.add("fwd", self.scope(self.rank, dst), "meta", meta.numel() * 8)
+                for payload, dst in payloads:
                     if payload.numel():
                         self.traffic.add("fwd", self.scope(self.rank, dst), "payload", self.wire_bytes(payload))
         out = None
@@ -66,20 +72,25 @@ class NonColocatedCommunicator(BoundaryCommunicator):
             d0, d1 = plan.dst_interval(j)
             if role.is_dst_leader:
                 pieces = plan.pieces_of_dst(j)
-                metas = [self.empty_counts(p.samples) for p in pieces]
-                self.exchange([], [(m, plan.src_leader(p.i)) for m, p in zip(metas, pieces)])
+                if known:
+                    metas = [known_counts(plan, p.start, p.stop) for p in pieces]
+                else:
+                    metas = [self.empty_counts(p.samples) for p in pieces]
+                    self.exchange([], [(m, plan.src_leader(p.i)) for m, p in zip(metas, pieces)])
                 bufs = [self.empty_wire(int(m.sum())) for m in metas]
                 self.exchange([], [(buf, plan.src_leader(p.i)) for buf, p in zip(bufs, pieces)])
                 dst_counts = torch.cat(metas) if metas else self.empty_counts(0)
                 wire = torch.cat(bufs) if bufs else self.empty_wire(0)
             else:
-                dst_counts = self.empty_counts(d1 - d0)
+                dst_counts = known_counts(plan, d0, d1) if known else self.empty_counts(d1 - d0)
             if len(receivers) > 1:
-                self.broadcast(dst_counts, leader, receivers, "fwd", "meta")
+                if not known:
+                    self.broadcast(dst_counts, leader, receivers, "fwd", "meta")
                 if not role.is_dst_leader:
                     wire = self.empty_wire(int(dst_counts.sum()))
                 self.broadcast(wire, leader, receivers, "fwd", "payload")
             out = self.from_wire(wire)  # wire is a fresh buffer, so out never aliases the caller's tensor
+            dst_counts = dst_counts.cpu()  # on the host already when the sizes are known
             ctx["dst"] = dst_counts
             self.received_counts = dst_counts
         self._saved.append(ctx)

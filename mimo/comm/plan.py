@@ -100,6 +100,10 @@ class EdgePlan:
     batch_window: int
     src_bounds: Optional[List[int]] = None  # dp + 1 unit offsets; default: equal intervals
     dst_bounds: Optional[List[int]] = None
+    # Tokens of each unit of the window, when every rank knows them (the trainer does: it reads the
+    # whole step). Then no rank sends per-unit counts and every buffer is sized on the host, with no
+    # device-to-host copy in the step; without them the counts travel as metadata first.
+    unit_tokens: Optional[List[int]] = None
     placement: str = field(init=False)
     relation: str = field(init=False)
     ratio: int = field(init=False)
@@ -123,6 +127,8 @@ class EdgePlan:
                   or any(x > y for x, y in zip(bounds, bounds[1:]))):
                 raise ValueError(f"{name} bounds {list(bounds)} must be {dp + 1} non-decreasing offsets "
                                  f"from 0 to the batch window {b}")
+        if self.unit_tokens is not None and len(self.unit_tokens) != b:
+            raise ValueError(f"unit_tokens has {len(self.unit_tokens)} entries for a batch window of {b} units")
         self.placement = placement_of(s, d)
         if s.dp == d.dp:
             self.relation, self.ratio = EQUAL, 1
@@ -139,9 +145,13 @@ class EdgePlan:
     def dst_interval(self, j: int) -> Tuple[int, int]:
         return self.dst_bounds[j], self.dst_bounds[j + 1]
 
-    def for_window(self, src_bounds: List[int], dst_bounds: List[int]) -> "EdgePlan":
-        """The same edge for one window whose units are divided by the given bounds."""
-        return type(self)(self.src, self.dst, src_bounds[-1], list(src_bounds), list(dst_bounds))
+    def for_window(self, src_bounds: List[int], dst_bounds: List[int],
+                   unit_tokens: Optional[List[int]] = None) -> "EdgePlan":
+        """The same edge for one window whose units are divided by the given bounds (and, if known
+        to every rank, hold the given numbers of tokens)."""
+        return type(self)(self.src, self.dst, src_bounds[-1], list(src_bounds), list(dst_bounds),
+                          None if unit_tokens is None else list(unit_tokens))
+
 
     def _pieces(self) -> List[Piece]:
         out = []

@@ -212,7 +212,7 @@ class RankStep:
         if last:
             # Normalised by the global batch's loss-token count: the DP sum of the gradients is
             # then exactly the single-rank per-token mean.
-            out = (out.float() * b["loss_mask"]).sum() / self.data.n_tokens.float()
+            out = (out.float() * b["loss_mask"]).sum() / self.data.n_tokens.clamp(min=1).float()
             self.loss_sum += out.detach().double()
             self.views.pop(mb, None)
         self.y[key] = out
@@ -316,9 +316,9 @@ class RankStep:
                 else:
                     self._boundary_backward(a.module, a.mb)
         elif a.name.startswith(LOSS_TOKENS):
+            # No host check here (it would wait for the device mid-step); the trainer checks the
+            # count after the step, and the loss divides by at least 1 meanwhile.
             dist.all_reduce(self.data.n_tokens, group=self.trainer.topo.grid(LANGUAGE).groups["dp"])
-            if self.data.n_tokens.item() == 0:
-                raise RuntimeError("the global batch has no token that carries a loss")
         elif a.name == LOSS:
             # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
             g = self.trainer.topo.grid(LANGUAGE)

@@ -55,6 +55,13 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
     return problems
 
 
+def check_loss_tokens(step: int, n_tokens) -> None:
+    """After a step (where the trainer reads the loss anyway): a global batch without one token that
+    carries a loss has no loss to learn from. Every rank holds the same count, so every rank stops."""
+    if int(n_tokens) == 0:
+        raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
+
+
 @dataclass
 class StepResult:
     step: int
@@ -145,7 +152,9 @@ class Trainer:
         work = RankStep(self, self.step_data(step))
         with megatron_scope(self.runtime):
             run_plan(self.plan.through(LOSS), self.rank, work)
-        return float(work.loss)
+        loss = float(work.loss)
+        check_loss_tokens(step, work.data.n_tokens)
+        return loss
 
     def train_step(self, step: int) -> StepResult:
         synchronize(self.runtime)
@@ -159,6 +168,7 @@ class Trainer:
             run_plan(self.plan, self.rank, work)
         self.optim.end_step()
         loss, norm, n_tokens = float(work.loss), float(work.grad_norm), int(data.n_tokens)
+        check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
         tr = self.cfg.training

@@ -95,10 +95,11 @@ class StepWindows:
             shards = self._shards(name, mb, part)
             samples = [i for s in shards for i in s]
             ids = [first[s] + k for s in samples for k in range(int(counts[s]))]
-            src = divide_items([self.cfg.model.encoders[name].tokens_per_item] * len(ids),
-                               self.cfg.parallelism[name].dp)
+            tokens = [self.cfg.model.encoders[name].tokens_per_item] * len(ids)
+            src = divide_items(tokens, self.cfg.parallelism[name].dp)
             dst = sample_item_bounds([counts[s] for s in samples], [0] + list(accumulate(len(s) for s in shards)))
-            self._cache[key] = (self.comms[name].plan.for_window(src, dst), ids)
+            # Every rank knows each item's size, so the communicator sends no counts ahead of the rows.
+            self._cache[key] = (self.comms[name].plan.for_window(src, dst, tokens), ids)
         return self._cache[key]
 
     def has_deferred(self, name: str, mb: int) -> bool:

@@ -140,14 +140,17 @@ def run_case(c):
 
     if c["mode"] == "validate":
         errors += _validation_errors(comm, role, src_part)
-    if c["mode"] in ("halves", "validate"):
+    if c["mode"] in ("halves", "validate", "known"):
         outs = []
         for w in range(c["windows"]):  # all forwards first: several windows in flight, FIFO backward
+            # "known": every rank knows each unit's size (as the trainer does), so no counts travel.
+            window = (truth.for_window(truth.src_bounds, truth.dst_bounds, data[w][0].tolist())
+                      if c["mode"] == "known" else None)
             if role.src_shard is not None:
                 counts, x, _ = src_part(w)
-                out = comm.forward(x, counts)
+                out = comm.forward(x, counts, window)
             else:
-                out = comm.forward(None, None)
+                out = comm.forward(None, None, window)
             check_out(w, out, comm.received_counts if out is not None else None)
             outs.append(out)
         if c["mode"] == "validate" and role.dst_shard is not None and outs[0] is not None:
@@ -284,6 +287,8 @@ DEFAULT_CASES = [
     case("nc src tp2 fan-out cp2", lay(tp=2), lay(cp=2, dp=2, off=2), B=6),
     case("nc validation then fan-in", lay(dp=4), lay(tp=2, dp=2, off=4), B=8, mode="validate"),
     case("nc megatron tp4", lay(dp=2), lay(tp=4, off=2), B=4, windows=1, mode="megatron_tp"),
+    case("nc known sizes fan-in tp2 cp2", lay(dp=4), lay(tp=2, cp=2, off=4), B=8, mode="known"),
+    case("nc known sizes fan-out", lay(dp=1), lay(dp=2, off=1), B=4, mode="known"),
     # colocated
     case("c equal dp2", lay(dp=2), lay(dp=2), B=4),
     case("c fan-in 2:1 tp2", lay(dp=4), lay(tp=2, dp=2), B=8),
@@ -301,6 +306,7 @@ DEFAULT_CASES = [
     case("c autograd fan-out cp2", lay(tp=4), lay(cp=2, dp=2), B=4, windows=1, mode="autograd"),
     case("c autograd equal bf16", lay(dp=2), lay(dp=2), B=4, windows=1, mode="autograd", wire="bf16"),
     case("c megatron tp2", lay(dp=4), lay(tp=2, dp=2), B=8, windows=1, mode="megatron_tp"),
+    case("c known sizes fan-in tp2", lay(dp=4), lay(tp=2, dp=2), B=8, mode="known"),
 ]
 
 # Deliberately broken routings: the checker must report them.

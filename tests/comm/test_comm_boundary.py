@@ -53,7 +53,7 @@ def test_sweep_covers_required_features():
             seen.add("windows in flight")
         seen.add(c["mode"])
     required = {COLOCATED, NON_COLOCATED, (FAN_IN, 2), (FAN_IN, 4), (FAN_OUT, 2), (FAN_OUT, 4), "tp 1<->4",
-                "dst pp", "dst cp2", "bf16", "windows in flight", "halves", "autograd", "megatron_tp"}
+                "dst pp", "dst cp2", "bf16", "windows in flight", "halves", "autograd", "megatron_tp", "known"}
     assert required <= seen, required - seen
     for placement in (COLOCATED, NON_COLOCATED):  # PP / CP at the destination under both placements
         assert any(p.placement == placement and p.dst.pp > 1 for _, p in plans)
@@ -111,6 +111,19 @@ def test_noncolocated_cross_traffic_is_one_copy(sweep, c):
     assert _messages(results, "fwd/cross/payload") == payload_msgs
     assert _messages(results, "bwd/cross/payload") == payload_msgs
     assert _total(results, "fwd/intra/payload") == intra
+
+
+KNOWN = [c for c in DEFAULT_CASES if c["mode"] == "known"]
+
+
+@pytest.mark.parametrize("c", KNOWN, ids=[c["name"] for c in KNOWN])
+def test_known_unit_sizes_send_no_counts(sweep, c):
+    """Windows whose unit sizes every rank knows (the trainer's) move the same rows with no
+    metadata message; the run itself checked outputs, counts and gradients against the truth."""
+    results = sweep[c["name"]]
+    assert not [e for r in results for e in r["errors"]]
+    assert not [k for r in results for k in r["traffic"]["messages"] if k.endswith("/meta")]
+    assert _total(results, "fwd/cross/payload") + _total(results, "fwd/intra/payload") > 0
 
 
 def test_colocated_traffic_stays_in_range(sweep):
