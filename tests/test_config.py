@@ -105,15 +105,6 @@ def test_distributed_optimizer_refuses_encoder_offload():
     assert errors(with_(raw, "training.offload_encoders", False)) == []  # control
 
 
-def test_overlap_grad_reduce_is_refused_with_trainable_encoders():
-    raw = with_(tiny(), "training.overlap_grad_reduce", True)
-    problems = errors(raw)
-    assert [p for p, _ in problems] == ["training.overlap_grad_reduce"] and "trainable encoders" in problems[0][1]
-    for name in raw["model"]["encoders"]:  # control: every encoder and projector frozen
-        raw = with_(with_(raw, f"model.encoders.{name}.frozen", True), f"model.encoders.{name}.projector.frozen", True)
-    assert errors(raw) == []
-
-
 @pytest.mark.parametrize("layout,world,field,needle", [
     # TP divides heads (4), query groups (2), hidden (32), ffn (128)
     (dict(language=dict(tp=4), images=dict(tp=4), audio=dict(tp=4)), 4, "parallelism.language.tp", "num_query_groups"),

@@ -73,7 +73,12 @@ def _run(raw, steps, sabotage=None):
     params = {f"{n}.{k}": str(p.dtype) for n, m in trainer.parts.items() for k, p in m.named_parameters()}
     buffers = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if hasattr(p, "main_grad")}
     return dict(run, modules=sorted(trainer.optimizers), ddp=sorted(trainer.optim.ddp), masters=masters,
-                param_dtypes=params, buffers=buffers)
+                param_dtypes=params, buffers=buffers,
+                kinds={n: type(o).__name__ for n, o in trainer.optimizers.items()},
+                overlap={n: (d.ddp_config.overlap_grad_reduce,
+                             # filled after the first step once the DDP hooks counted every gradient
+                             all(g.golden_per_param_grad_ready_counts for g in d.bucket_groups))
+                         for n, d in trainer.optim.ddp.items()})
 
 
 def _adam(layout=None, **training):
@@ -188,6 +193,37 @@ def test_distributed_optimizer_adam_on_heterogeneous_layouts_equals_one_rank(ada
 
     raw = layout(**modules)
     raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, use_distributed_optimizer=True)
-    got = merge_ranks(run_on_ranks(_run, world, raw, STEPS, timeout_s=240))
+    ranks = run_on_ranks(_run, world, raw, STEPS, timeout_s=240)
+    kinds = {k for r in ranks for k in r["kinds"].values()}
+    assert kinds == {"DistributedOptimizer"}, kinds
+    got = merge_ranks(ranks)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(adam_reference["losses"]), rtol=1e-5, atol=0)
     assert max_rel_diff(got["params"], adam_reference["params"]) <= 1e-3
+    # Negative control: without the parameter all-gather each DP rank keeps only its own shard's update.
+    bad = merge_ranks(run_on_ranks(_run, world, raw, STEPS, "no_param_gather", timeout_s=240))
+    assert max_rel_diff(bad["params"], adam_reference["params"]) > 1e-2
+
+
+# -- overlap_grad_reduce --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("modules,world", [
+    (dict(language=dict(dp=2), images=dict(dp=2), audio=dict(dp=2)), 2),
+    (dict(language=dict(dp=2), images=dict(dp=2, rank_offset=2), audio=dict(rank_offset=4)), 5),
+], ids=["homogeneous_dp2", "noncolocated_dp2"])
+def test_overlap_grad_reduce_on_the_llm_equals_one_rank(modules, world):
+    """The LLM's DP reduction starts from megatron's backward hooks while backward runs; trainable
+    encoders (whose backward count varies with the data) reduce at the grad-sync action."""
+    from mimo.training.parity import merge_ranks
+    from test_heterogeneous_parity import layout
+
+    raw = layout()
+    reference = run_on_ranks(_run, 1, raw, STEPS)[0]
+    raw = layout(**modules)
+    raw["training"]["overlap_grad_reduce"] = True
+    ranks = run_on_ranks(_run, world, raw, STEPS, timeout_s=240)
+    for r in ranks:
+        for name, (overlap, hooked) in r["overlap"].items():
+            assert overlap == hooked == (name == "language"), r["overlap"]
+    got = merge_ranks(ranks)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
+    assert max_rel_diff(got["params"], reference["params"]) <= 1e-5

@@ -100,3 +100,30 @@ def test_bitfield_attention_trains_and_matches_single_rank(reference, monkeypatc
     # The multimodal mask changes the model's computation: it is not plain causal attention.
     assert abs(ref["losses"][1] - reference["losses"][1]) > 1e-4
     assert ref["losses"][1] < ref["losses"][0]
+
+
+def _train_without_loss_tokens(raw, steps):
+    """The data carry no token with a loss (every loss mask zero)."""
+    import mimo.training.step_data as step_data
+
+    collate = step_data.collate
+
+    def masked(*args, **kwargs):
+        batch = collate(*args, **kwargs)
+        batch["loss_mask"] = batch["loss_mask"] * 0
+        return batch
+
+    step_data.collate = masked  # this rank process only
+    return _train(raw, steps)
+
+
+@pytest.mark.parametrize("layout,world", [
+    (dict(dp=2), 2),                                                    # homogeneous: counted by an all-reduce
+    ({"language": {}, "images": {"rank_offset": 1}, "audio": {"rank_offset": 1}}, 2),  # whole step on the host
+], ids=["homogeneous_dp2", "noncolocated"])
+def test_a_global_batch_without_loss_tokens_stops_every_rank(layout, world):
+    from mimo.runtime.launch import RankFailed
+
+    raw = tiny(**layout) if "dp" in layout else {**tiny(), "parallelism": layout}
+    with pytest.raises(RankFailed, match="no token that carries a loss"):
+        run_on_ranks(_train_without_loss_tokens, world, raw, 1, timeout_s=120)

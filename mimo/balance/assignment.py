@@ -27,17 +27,6 @@ class StepAssignment:
     def microbatches(self) -> int:
         return len(self.encoder[0]) if self.encoder else 0
 
-    def order(self) -> List[int]:
-        """The step's samples in trainer position order: LLM microbatch k of DP rank d holds
-        positions ``[k*D*m + d*m, k*D*m + (d+1)*m)`` (windows of D*m, as `shard_indices`).
-        Only for assignments whose LLM microbatches all hold m samples and equal the encoder's."""
-        if self.llm != self.encoder:
-            raise ValueError("this assignment defers LLM work: it is no permutation of the step")
-        sizes = {len(mb) for rank in self.llm for mb in rank}
-        if len(sizes) != 1:
-            raise ValueError("this assignment has microbatches of different sizes")
-        return [i for k in range(self.microbatches) for rank in self.llm for i in rank[k]]
-
 
 def contiguous(num_samples: int, dp: int, microbatches: int) -> StepAssignment:
     """Policy `none`: the trainer's slicing. Microbatch k of DP rank d is the d-th slice of

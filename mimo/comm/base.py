@@ -74,7 +74,9 @@ class BoundaryCommunicator:
 
     Several forwards may be in flight (pipeline microbatches): each forward
     saves its routing state and backward consumes the oldest (FIFO, the order
-    1F1B runs backwards in). Ranks with no role in the edge may skip calls.
+    1F1B runs backwards in); `forward(..., backward=False)` (an edge whose
+    gradient never comes back) saves nothing. Ranks with no role in the edge
+    may skip calls.
     """
 
     def __init__(self, plan: EdgePlan, hidden: int, dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
@@ -219,7 +221,8 @@ class BoundaryCommunicator:
             self.traffic.add(direction, "intra", kind, self.wire_bytes(t) * (len(ranks) - 1), len(ranks) - 1)
 
     # -- the two halves (implemented by the placement-specific subclasses) -------------
-    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor], window=None,
+                backward: bool = True) -> Optional[torch.Tensor]:
         raise NotImplementedError
 
     def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

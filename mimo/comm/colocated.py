@@ -15,7 +15,9 @@ shard gets the full shard.
 
 An exchange is one ``batch_isend_irecv``: every rank lists its sends and its
 receives in piece order, from the same plan. Forward first exchanges the
-pieces' per-unit token counts, then their payloads (sizes from the counts).
+pieces' per-unit token counts, then their payloads (sizes from the counts);
+a window whose unit sizes every rank knows (`EdgePlan.unit_tokens`) skips the
+counts.
 
 Backward: each destination rank first sums the CP-partial gradients over its
 CP group (all-reduce, so every replica can serve as a gradient source); then
@@ -39,7 +41,7 @@ from .base import BoundaryCommunicator, cumulative, known_counts
 class ColocatedCommunicator(BoundaryCommunicator):
     # -- the two halves ---------------------------------------------------------------
     def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor],
-                window=None) -> Optional[torch.Tensor]:
+                window=None, backward: bool = True) -> Optional[torch.Tensor]:
         plan = self._window(window)
         tensor, counts = self._check_source(tensor, counts, plan)
         role, r = self.role, self.rank
@@ -88,7 +90,8 @@ class ColocatedCommunicator(BoundaryCommunicator):
             out = torch.cat(parts) if parts else self.from_wire(self.empty_wire(0))
             ctx["dst"] = torch.cat(part_counts) if part_counts else torch.zeros(0, dtype=torch.int64)
             self.received_counts = ctx["dst"]
-        self._saved.append(ctx)
+        if backward:  # a forward without a backward (frozen edge) keeps nothing
+            self._saved.append(ctx)
         return out
 
     def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

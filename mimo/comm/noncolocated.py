@@ -3,7 +3,7 @@
 Leaders: source shard i -> rank (tp=0, dp=i, last PP stage) of the source;
 destination shard j -> rank (tp=0, cp=0, dp=j, first PP stage) of the LLM.
 Only leaders cross the range boundary, one message pair (counts, payload) per
-piece, so the cross-range volume follows the batch-shard relation (one copy
+piece (the payload alone when the window knows its unit sizes), so the cross-range volume follows the batch-shard relation (one copy
 of the boundary tensor plus its counts) and never the product of TP widths.
 
 Forward: each source leader sends every piece of its shard to the leader of
@@ -13,7 +13,7 @@ counts, then the payload, within its TP x CP group. Every CP rank therefore
 holds the full shard and cuts out the part of the fused sequence it needs.
 
 Forward and backward transfers of a rank are each one ``batch_isend_irecv``
-(forward: counts first, then payloads), listed in piece order on both ends.
+(forward: counts first, unless known, then payloads), listed in piece order on both ends.
 The pieces come from the window's plan: with item-level encoder DP a source
 leader sends only the runs of its own items, to the leaders of the LLM
 shards holding their samples, and gets exactly their gradients back.
@@ -41,7 +41,7 @@ from .base import BoundaryCommunicator, cumulative, known_counts
 
 class NonColocatedCommunicator(BoundaryCommunicator):
     def forward(self, tensor: Optional[torch.Tensor], counts: Optional[torch.Tensor],
-                window=None) -> Optional[torch.Tensor]:
+                window=None, backward: bool = True) -> Optional[torch.Tensor]:
         plan = self._window(window)
         tensor, counts = self._check_source(tensor, counts, plan)
         role, ctx = self.role, {"plan": plan}
@@ -79,7 +79,7 @@ class NonColocatedCommunicator(BoundaryCommunicator):
                     self.exchange([], [(m, plan.src_leader(p.i)) for m, p in zip(metas, pieces)])
                 bufs = [self.empty_wire(int(m.sum())) for m in metas]
                 self.exchange([], [(buf, plan.src_leader(p.i)) for buf, p in zip(bufs, pieces)])
-                dst_counts = torch.cat(metas) if metas else self.empty_counts(0)
+                dst_counts = torch.cat(metas) if metas else torch.zeros(0, dtype=torch.int64)
                 wire = torch.cat(bufs) if bufs else self.empty_wire(0)
             else:
                 dst_counts = known_counts(plan, d0, d1) if known else self.empty_counts(d1 - d0)
@@ -93,7 +93,8 @@ class NonColocatedCommunicator(BoundaryCommunicator):
             dst_counts = dst_counts.cpu()  # on the host already when the sizes are known
             ctx["dst"] = dst_counts
             self.received_counts = dst_counts
-        self._saved.append(ctx)
+        if backward:  # a forward without a backward (frozen edge) keeps nothing
+            self._saved.append(ctx)
         return out
 
     def backward(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -152,7 +152,6 @@ class EdgePlan:
         return type(self)(self.src, self.dst, src_bounds[-1], list(src_bounds), list(dst_bounds),
                           None if unit_tokens is None else list(unit_tokens))
 
-
     def _pieces(self) -> List[Piece]:
         out = []
         for j in range(self.dst.dp):

@@ -96,12 +96,6 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     if tr.clip_grad < 0:
         add("training.clip_grad", "must be >= 0 (0 disables clipping)")
     _check_schedule(tr, add)
-    trained = [n for n, e in cfg.model.encoders.items() if not (e.frozen and e.projector.frozen)]
-    if tr.overlap_grad_reduce and trained:
-        # megatron's DDP starts each bucket's reduction once every parameter's gradient arrived as
-        # often as in the first step; an encoder's backward count depends on the step's items.
-        add("training.overlap_grad_reduce", f"not supported with trainable encoders ({', '.join(trained)}): "
-            "how often their gradients arrive varies with the data; freeze them or set it to false")
     if not tr.timeout_minutes > 0:
         add("training.timeout_minutes", "must be > 0")
     if tr.peak_tflops is not None and not tr.peak_tflops > 0:

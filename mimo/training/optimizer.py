@@ -27,7 +27,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from mimo.config import MimoConfig, TrainingConfig
+from mimo.config import LANGUAGE, MimoConfig, TrainingConfig
 from mimo.model.transformer_config import dtype_of
 from mimo.runtime import Runtime, optimizer_scope
 from mimo.topology import Topology
@@ -87,8 +87,6 @@ class ModelOptimizer:
 
     def __init__(self, cfg: MimoConfig, parts: Dict[str, torch.nn.Module], topo: Topology, runtime: Runtime):
         tr = cfg.training
-        if tr.overlap_grad_reduce and not runtime.is_cuda:
-            raise ValueError("training.overlap_grad_reduce: needs CUDA ranks (set it to false on CPU)")
         self.cfg, self.runtime, self.topo = cfg, runtime, topo
         self.clip_grad = tr.clip_grad
         self._finished, self._sq_norms = set(), {}
@@ -115,7 +113,13 @@ class ModelOptimizer:
                 # The loss is already divided by the global batch's loss-token count, so DP ranks
                 # SUM their gradients (megatron's per-token-loss mode) rather than average them.
                 config.calculate_per_token_loss = True
-                self.ddp[name] = DistributedDataParallel(config, copy.copy(ddp_config), part, pg_collection=pgs)
+                module_ddp = copy.copy(ddp_config)
+                # megatron's DDP starts a bucket's reduction once each of its parameters' gradients
+                # arrived as often as in the first step. The LLM's backward count is fixed by the
+                # plan; an encoder's depends on the step's items (none on a rank: no backward), so
+                # its gradients are reduced at the grad-sync action instead.
+                module_ddp.overlap_grad_reduce = tr.overlap_grad_reduce and name == LANGUAGE
+                self.ddp[name] = DistributedDataParallel(config, module_ddp, part, pg_collection=pgs)
                 chained = get_megatron_optimizer(opt_config, [self.ddp[name]], pg_collection=pgs,
                                                  use_gloo_process_groups=False)
                 inner = [o for o in chained.chained_optimizers if o.get_parameters()]

@@ -378,7 +378,7 @@ class RankStep:
                 src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
             items = len(self._item_ids(name, None if name in self.trainer.colocated else mb, part))
             src, counts = src.detach(), self._unit_counts(name, items)
-        return comm.forward(src, counts, window)
+        return comm.forward(src, counts, window, backward=self.trainable[name])
 
     def _boundary_backward(self, name: str, mb: Optional[int]) -> None:
         lg, g = self.trainer.topo.grid(LANGUAGE), self.trainer.topo.grid(name)

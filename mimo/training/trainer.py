@@ -56,8 +56,10 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
 
 
 def check_loss_tokens(step: int, n_tokens) -> None:
-    """After a step (where the trainer reads the loss anyway): a global batch without one token that
-    carries a loss has no loss to learn from. Every rank holds the same count, so every rank stops."""
+    """After a step (where the trainer reads the loss anyway, so no extra wait for the device): a global
+    batch without one token that carries a loss has nothing to learn from. Every rank holds the same
+    count, so every rank stops, before the step could be saved; the loss divided by at least one
+    token meanwhile, so the step's gradients were zeros, not NaN."""
     if int(n_tokens) == 0:
         raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
 

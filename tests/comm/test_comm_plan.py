@@ -104,3 +104,10 @@ def test_window_plans_route_items_whatever_the_dp_sizes():
     fan_in = make_plan(Layout(dp=4), Layout(dp=2, rank_offset=4), 8)
     assert fan_in.src_bounds == [0, 2, 4, 6, 8] and fan_in.dst_bounds == [0, 4, 8]
     assert [(x.i, x.j) for x in fan_in.pieces] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_window_unit_sizes_must_cover_the_window():
+    base = make_plan(Layout(dp=2, rank_offset=2), Layout(dp=2), None)
+    assert base.for_window([0, 1, 3], [0, 2, 3], [4, 4, 4]).unit_tokens == [4, 4, 4]
+    with pytest.raises(ValueError, match="unit_tokens has 2 entries for a batch window of 3 units"):
+        base.for_window([0, 1, 3], [0, 2, 3], [4, 4])
