@@ -82,7 +82,8 @@ class ColocatedCommunicator(BoundaryCommunicator):
             for p in plan.pieces_of_dst(role.dst_shard):
                 if p.index in bufs:
                     parts.append(self.from_wire(bufs[p.index]))
-                    part_counts.append(metas[p.index].cpu())  # received metadata waits here; known sizes are on the host
+                    # Received metadata waits for the device here; known sizes are on the host already.
+                    part_counts.append(metas[p.index].cpu())
                 else:  # this rank holds the piece's source shard
                     meta, payload = local_piece(p.index)
                     parts.append(self.from_wire(payload))  # rounded like a transferred piece

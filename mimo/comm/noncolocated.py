@@ -3,8 +3,9 @@
 Leaders: source shard i -> rank (tp=0, dp=i, last PP stage) of the source;
 destination shard j -> rank (tp=0, cp=0, dp=j, first PP stage) of the LLM.
 Only leaders cross the range boundary, one message pair (counts, payload) per
-piece (the payload alone when the window knows its unit sizes), so the cross-range volume follows the batch-shard relation (one copy
-of the boundary tensor plus its counts) and never the product of TP widths.
+piece (the payload alone when the window knows its unit sizes), so the
+cross-range volume follows the batch-shard relation (one copy of the boundary
+tensor plus its counts) and never the product of TP widths.
 
 Forward: each source leader sends every piece of its shard to the leader of
 the destination shard containing it (fan-out splits, fan-in sends many to
@@ -13,7 +14,8 @@ counts, then the payload, within its TP x CP group. Every CP rank therefore
 holds the full shard and cuts out the part of the fused sequence it needs.
 
 Forward and backward transfers of a rank are each one ``batch_isend_irecv``
-(forward: counts first, unless known, then payloads), listed in piece order on both ends.
+(forward: counts first, unless known, then payloads), listed in piece order on
+both ends.
 The pieces come from the window's plan: with item-level encoder DP a source
 leader sends only the runs of its own items, to the leaders of the LLM
 shards holding their samples, and gets exactly their gradients back.

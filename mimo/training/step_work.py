@@ -61,7 +61,6 @@ class RankStep:
         self.late_y: Dict = {}
         self.late_gy: Dict = {}
         self.late_gx: Dict = {}
-        self.kept_tokens: Dict = {}  # LLM first stage: tokens of the kept window in a received boundary
         self.received: Dict[str, torch.Tensor] = {}        # colocated: the step's boundary tensor
         self.offsets: Dict[str, List[int]] = {}
         self.boundary_grad: Dict[str, torch.Tensor] = {}   # colocated: its accumulated gradient
@@ -339,7 +338,6 @@ class RankStep:
         if deferred:  # the rows encoder microbatch mb - 1 deferred to this LLM microbatch: a second call
             late = self._forward_window(name, mb - 1, DEFERRED)
             if got is not None:
-                self.kept_tokens[(name, mb)] = got.shape[0]
                 got = torch.cat([got, late])
         if got is None:
             return
@@ -386,8 +384,8 @@ class RankStep:
         if lg.is_member and lg.coords["pp"] == 0:
             grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
         deferred = mb is not None and self._defers(name, mb - 1)
-        if deferred and grad is not None:
-            n = self.kept_tokens.pop((name, mb))
+        if deferred and grad is not None:  # split where the kept window's rows end
+            n = self.data.windows.llm_items(name, lg.coords["dp"], mb) * self.cfg.model.encoders[name].tokens_per_item
             grad, late = grad[:n], grad[n:]
         comm = self.trainer.comms[name]
         # Backward calls consume the edge's forwards in order: the kept window, then the deferred one.
