@@ -74,6 +74,8 @@ def test_tiny_is_valid():
     ("training.lr_decay_style", "step", "training.lr_decay_style"),
     # optimizer and learning-rate schedule
     ("training.use_distributed_optimizer", "yes", "training.use_distributed_optimizer"),
+    ("training.grad_reduce_in_fp32", "no", "training.grad_reduce_in_fp32"),
+    ("training.grad_reduce_in_fp32", False, "training.grad_reduce_in_fp32"),  # tiny() trains in fp32
     ("training.lr_warmup_iters", -1, "training.lr_warmup_iters"),
     ("training.lr_warmup_iters", 4, "training.lr_warmup_iters"),  # longer than train_iters = 3
     ("training.min_lr", 0.5, "training.min_lr"),  # above lr = 0.1
@@ -97,6 +99,12 @@ def test_tiny_is_valid():
 def test_rule_names_the_field(path, value, field):
     probs = errors(with_(tiny(), path, value))
     assert field in [p for p, _ in probs], probs
+
+
+def test_bf16_gradient_reduction_needs_bf16():
+    raw = with_(with_(tiny(), "training.precision", "bf16"), "training.grad_reduce_in_fp32", False)
+    assert errors(raw) == []
+    assert [p for p, _ in errors(with_(raw, "training.precision", "fp32"))] == ["training.grad_reduce_in_fp32"]
 
 
 def test_distributed_optimizer_refuses_encoder_offload():

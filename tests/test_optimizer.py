@@ -72,8 +72,11 @@ def _run(raw, steps, sabotage=None):
         masters[name] = sorted({str(p.dtype) for p in opt.get_parameters()})
     params = {f"{n}.{k}": str(p.dtype) for n, m in trainer.parts.items() for k, p in m.named_parameters()}
     buffers = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if hasattr(p, "main_grad")}
+    # gradient buffer dtype of the bf16 weights (the LLM's fp32 norms keep fp32 gradients)
+    grad_dtypes = sorted({str(p.main_grad.dtype) for m in trainer.parts.values() for p in m.parameters()
+                          if hasattr(p, "main_grad") and p.dtype != torch.float32})
     return dict(run, modules=sorted(trainer.optimizers), ddp=sorted(trainer.optim.ddp), masters=masters,
-                param_dtypes=params, buffers=buffers,
+                param_dtypes=params, buffers=buffers, grad_dtypes=grad_dtypes,
                 kinds={n: type(o).__name__ for n, o in trainer.optimizers.items()},
                 overlap={n: (d.ddp_config.overlap_grad_reduce,
                              # filled after the first step once the DDP hooks counted every gradient
@@ -122,8 +125,26 @@ def test_bf16_keeps_fp32_masters_tracks_fp32_and_learns(adam_reference):
     assert all("layernorm" in k for k in fp32), fp32
     assert any("linear" in k for k in got["param_dtypes"]) and not any("linear" in k for k in fp32)
     assert got["masters"] == {m: ["torch.float32"] for m in ("audio", "images", "language")}
+    assert got["grad_dtypes"] == ["torch.float32"]  # grad_reduce_in_fp32 defaults to true
     # Negative control for the tolerance: bf16 differs from fp32 at all.
     assert got["losses"] != ref
+
+
+def test_bf16_gradient_reduction_in_bf16_halves_the_buffer_and_still_tracks_fp32(adam_reference):
+    # DP2 with the distributed optimizer: the bf16 buffers are what the ranks reduce-scatter.
+    raw = _adam(dict(dp=2), precision="bf16", use_distributed_optimizer=True, grad_reduce_in_fp32=False)
+    got = run_on_ranks(_run, 2, raw, STEPS)
+    fp32_grads = run_on_ranks(_run, 2, _adam(dict(dp=2), precision="bf16", use_distributed_optimizer=True),
+                              STEPS)[0]
+    for r in got:
+        assert r["grad_dtypes"] == ["torch.bfloat16"]
+        assert r["masters"] == {m: ["torch.float32"] for m in ("audio", "images", "language")}
+        for a, b in zip(r["losses"], adam_reference["losses"]):
+            assert abs(a - b) <= 0.02 * abs(b), (r["losses"], adam_reference["losses"])
+        assert r["losses"][-1] < r["losses"][0]
+    assert fp32_grads["grad_dtypes"] == ["torch.float32"]
+    # The two reductions differ at all (the knob reaches megatron-core's DDP).
+    assert max_rel_diff(got[0]["params"], fp32_grads["params"]) > 0
 
 
 def test_frozen_module_gets_no_optimizer_and_no_grad_buffer():

@@ -6,8 +6,8 @@
 For every row of the paper's Tables A2 (colocated, 8K), A3 (colocated, long
 context) and A4 (non-colocated, 120B) it costs the printed layouts with the
 planner's step model (``--evaluate`` semantics: bf16, distributed optimizer,
-SP on, the paper's recompute settings, default H100 constants, no
-calibration) and prints predicted vs measured step time, peak memory and
+SP on, the paper's recompute settings, gradients reduced in bf16 as the
+paper's memory shows, default H100 constants, no calibration) and prints predicted vs measured step time, peak memory and
 gain, then the acceptance metrics. The paper gives model sizes only; the
 shapes below are our choice (see docs/planner.md) and nothing was fitted to
 the measured numbers.
@@ -74,19 +74,30 @@ ALT = {
              {"1B": (16, 2560, 32), "3B": (28, 3072, 24), "6B": (40, 3584, 32), "7.2B": (32, 4608, 48),
               "12B": (48, 4608, 48)}, 336),
 }
-_SHAPES = {"name": "ours", "encoders": "paper"}
+_SHAPES = {"name": "ours", "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
 
-def use_shapes(name: str, encoders: str = "paper") -> None:
+def use_shapes(name: str, encoders: str = "paper", grad_reduce_in_fp32: bool = False) -> None:
     """Select the model shapes (``ours``, ``deep`` or ``wide``) for the rows,
-    and the encoders' training state: ``trainable``, ``frozen`` (projectors
-    stay trainable) or ``paper`` (see ``encoders_frozen``)."""
+    the encoders' training state: ``trainable``, ``frozen`` (projectors stay
+    trainable) or ``paper`` (see ``encoders_frozen``), and the gradient
+    buffers' dtype.
+
+    The paper's runs reduced gradients in bf16 (Megatron-LM's
+    --grad-reduce-in-bf16): its measured peaks leave no room for fp32
+    gradient buffers. Table A2's 70B layout 8/1/1/32 (no pipeline, no
+    recompute) peaks at 61.5 GB; its 8.75e9 parameters per GPU take 17.5 GB
+    of bf16 weights, and fp32 gradients would add 35 GB more before a single
+    activation (about 24 GB for one 8K microbatch). ``True`` costs the rows
+    as mimo's trainer runs bf16 by default (what ``plan.py --evaluate`` does
+    for a config that leaves ``training.grad_reduce_in_fp32`` out)."""
     if name != "ours" and name not in ALT:
         raise ValueError(f"unknown shapes {name!r} (ours, {', '.join(ALT)})")
     if encoders not in ENCODER_MODES:
         raise ValueError(f"unknown encoder mode {encoders!r} ({', '.join(ENCODER_MODES)})")
     _SHAPES["name"], _SHAPES["encoders"] = name, encoders
+    _SHAPES["grad_reduce_in_fp32"] = grad_reduce_in_fp32
 
 
 def encoders_frozen(table: str) -> bool:
@@ -207,7 +218,8 @@ def _searcher(model: str, seq: int, vis: float, gbs: int, mb: int, gpu: str,
     enc, llm = model.split("+")
     spec = read_model(model_config(enc, llm, frozen))
     images = seq * vis / 100.0 / spec.encoders[0].tokens_per_item
-    return LayoutSearch(spec, get_gpu(gpu), Work(seq, {"images": images}), gbs, mb)
+    return LayoutSearch(spec, get_gpu(gpu), Work(seq, {"images": images}), gbs, mb,
+                        grad_reduce_in_fp32=_SHAPES["grad_reduce_in_fp32"])
 
 
 def _par(t: str, offset: int = 0, recompute: str = "none") -> Par:
@@ -375,8 +387,11 @@ def main(argv=None) -> int:
     p.add_argument("--encoders", choices=ENCODER_MODES, default="paper",
                    help="encoders trainable, frozen (projectors trainable), or as the paper's evidence says "
                         "(default: A2/A3 trainable, A4 frozen)")
+    p.add_argument("--grad-reduce", choices=["bf16", "fp32"], default="bf16",
+                   help="gradient buffers and DP reduction: bf16 as the paper's memory shows (default), "
+                        "or fp32 as mimo's trainer defaults to")
     args = p.parse_args(argv)
-    use_shapes(args.shapes, args.encoders)
+    use_shapes(args.shapes, args.encoders, args.grad_reduce == "fp32")
     try:
         get_gpu(args.gpu)
     except ValueError as exc:

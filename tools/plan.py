@@ -77,12 +77,16 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     dist_opt = training.get("use_distributed_optimizer", True)
     if not isinstance(dist_opt, bool):
         raise ValueError("training.use_distributed_optimizer: expected true/false")
+    fp32_grads = training.get("grad_reduce_in_fp32", True)
+    if not isinstance(fp32_grads, bool):
+        raise ValueError("training.grad_reduce_in_fp32: expected true/false")
     items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
     for e in spec.encoders:
         if items[e.name] * e.tokens_per_item > seq:
             raise ValueError(f"model.encoders.{e.name}: {items[e.name]:g} items of {e.tokens_per_item} tokens "
                              f"do not fit in data.seq_length {seq}")
-    return LayoutSearch(spec, hw, Work(seq, items), g, m, precision, dist_opt), spec
+    return LayoutSearch(spec, hw, Work(seq, items), g, m, precision, dist_opt,
+                        grad_reduce_in_fp32=fp32_grads), spec
 
 
 def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
@@ -143,6 +147,11 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     training = {**TRAINING_DEFAULTS, **dict(raw.get("training") or {})}
     training["global_batch_size"] = searcher.g
     training["micro_batch_size"] = searcher.m
+    # What the layout was costed with (the trainer's own defaults are fp32 and no
+    # distributed optimizer, the planner's bf16 with it on a GPU).
+    training.setdefault("precision", searcher.precision)
+    training.setdefault("use_distributed_optimizer", searcher.distributed_optimizer)
+    training.setdefault("grad_reduce_in_fp32", searcher.grad_reduce_in_fp32)
     cfg["training"] = training
     return cfg
 

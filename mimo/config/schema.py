@@ -189,8 +189,12 @@ class TrainingConfig:
     lr_warmup_iters: int = 0
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
-    # Start each module's gradient reduction while backward still runs (GPU; off on CPU ranks).
+    # Start the LLM's gradient reduction while backward still runs (megatron-core's DDP hooks).
     overlap_grad_reduce: bool = False
+    # bf16 only: accumulate and reduce gradients in fp32 (Megatron-LM's default; 4 bytes of
+    # gradient buffer per parameter). false: bf16 gradient buffers and reduction (Megatron-LM's
+    # --grad-reduce-in-bf16): half the buffer and half the DP traffic, coarser summation.
+    grad_reduce_in_fp32: bool = True
     log_interval: int = 1
     timeout_minutes: float = 10.0
     # sharded: each rank draws only its own part, every parameter from a generator

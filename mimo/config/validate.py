@@ -220,6 +220,9 @@ def _check_schedule(tr, add) -> None:
     if tr.use_distributed_optimizer and tr.offload_encoders:
         add("training.use_distributed_optimizer", "cannot be combined with training.offload_encoders (offloading "
             "replaces the parameters' storage, which the distributed optimizer gathers updated weights into)")
+    if not tr.grad_reduce_in_fp32 and tr.precision != "bf16":
+        add("training.grad_reduce_in_fp32", f"false needs precision: bf16 (precision {tr.precision} keeps "
+            "fp32 gradients)")
     if not 0 <= tr.min_lr <= tr.lr:
         add("training.min_lr", f"must be between 0 and training.lr ({tr.lr}), got {tr.min_lr}")
     if tr.lr_decay_style == "constant" and tr.min_lr not in (0, tr.lr):

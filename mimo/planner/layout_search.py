@@ -104,10 +104,14 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
 
 class LayoutSearch:
     def __init__(self, spec: ModelSpec, gpu: GpuSpec, work: Work, global_batch: int, micro_batch: int,
-                 precision: str = "bf16", distributed_optimizer: bool = True, max_cp: int = 32):
+                 precision: str = "bf16", distributed_optimizer: bool = True, max_cp: int = 32,
+                 grad_reduce_in_fp32: bool = True):
         self.spec, self.gpu, self.work = spec, gpu, work
         self.g, self.m = global_batch, micro_batch
-        self.model = StepModel(spec, gpu, work, global_batch, micro_batch, precision, distributed_optimizer)
+        self.precision, self.distributed_optimizer = precision, distributed_optimizer
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.model = StepModel(spec, gpu, work, global_batch, micro_batch, precision, distributed_optimizer,
+                               grad_reduce_in_fp32)
         self.limit = gpu.memory_bytes
         self.max_cp = max_cp
 

@@ -30,8 +30,11 @@ constants:
   attention it saves no memory: scores are never stored); ``full`` keeps only
   each layer's input and runs the layer's forward again in backward.
 * **Memory** per rank: bf16 weights (2 B/param); trainable parameters add a
-  bf16 gradient buffer (2 B) and, divided over the DP x CP group by the
-  distributed optimizer, fp32 master weights, Adam's two moments and an fp32
+  gradient buffer and, divided over the DP x CP group by the distributed
+  optimizer, fp32 master weights and Adam's two moments. With
+  ``grad_reduce_in_fp32`` (Megatron-LM's bf16 default, and mimo's) the buffer
+  is fp32 (4 B) and the optimizer steps its shard in place (12 B); without
+  it the buffer is bf16 (2 B) and the optimizer adds an fp32 copy of its
   gradient shard (16 B).
   Activations per layer follow Korthikanti et al. (``10 + 24 / tp`` x
   tokens x hidden bytes at ffn = 4h without SP, ``34 / tp`` with SP),
@@ -39,9 +42,10 @@ constants:
   ``min(p - i, M)`` microbatches in 1F1B; the last LLM stage holds the fp32
   logits of one microbatch.
 * **Step.** 1F1B over ``M`` microbatches: the sum of the stage times plus
-  ``M - 1`` times the slowest stage. Gradient reduce-scatter and parameter
-  all-gather (distributed optimizer) overlap the last backward and the first
-  forward; what does not fit is exposed; then the Adam step at HBM bandwidth.
+  ``M - 1`` times the slowest stage. Gradient reduce-scatter (in the gradient
+  buffer's dtype) and parameter all-gather (bf16, distributed optimizer)
+  overlap the last backward and the first forward; what does not fit is
+  exposed; then the Adam step at HBM bandwidth.
 
 Placements:
 * ``homogeneous``: every encoder runs whole inside the LLM's first pipeline
@@ -137,7 +141,8 @@ class Estimate:
 
 class StepModel:
     def __init__(self, spec: ModelSpec, gpu: GpuSpec, work: Work, global_batch: int,
-                 micro_batch: int, precision: str = "bf16", distributed_optimizer: bool = True):
+                 micro_batch: int, precision: str = "bf16", distributed_optimizer: bool = True,
+                 grad_reduce_in_fp32: bool = True):
         self.spec, self.gpu, self.work = spec, gpu, work
         self.g, self.m = global_batch, micro_batch
         self.bpe = 2 if precision == "bf16" else 4
@@ -147,12 +152,16 @@ class StepModel:
         self.attn_flops = gpu.peak_flops * gpu.attention_efficiency * scale
         self.hbm = gpu.memory_bandwidth
         self.dist_opt = distributed_optimizer
-        # megatron-core defaults: gradients in the parameters' dtype; the
-        # optimizer holds fp32 master weights, Adam's two moments and (bf16)
-        # an fp32 copy of its gradient shard: 2 + 2 + 16 bytes per bf16
-        # parameter, the 16 divided over DP x CP by the distributed optimizer.
-        self.weight_bytes = 2.0 if precision == "bf16" else 4.0
-        self.master_bytes = 16.0 if precision == "bf16" else 8.0
+        # Per trainable bf16 parameter: 2 bytes of weight, the gradient buffer
+        # (fp32 with grad_reduce_in_fp32, else bf16) and the optimizer's state,
+        # divided over DP x CP by the distributed optimizer: fp32 master and
+        # Adam's two moments (12), plus an fp32 copy of the gradient shard when
+        # the buffer is bf16 (16). fp32 training: 4 + 4 + the moments (8).
+        bf16 = precision == "bf16"
+        fp32_grads = grad_reduce_in_fp32 or not bf16
+        self.weight_bytes = 2.0 if bf16 else 4.0
+        self.grad_bytes = 4.0 if fp32_grads else 2.0
+        self.master_bytes = (12.0 if fp32_grads else 16.0) if bf16 else 8.0
         self.llm_upstream = any(not e.frozen or (e.projector_kind is not None and not e.projector_frozen)
                                 for e in spec.encoders)
         self._layers: dict[tuple, tuple] = {}
@@ -319,7 +328,7 @@ class StepModel:
     # ---- memory ---------------------------------------------------------------
     def stage_memory(self, ch: Chain, i: int, in_flight: int, shard: int) -> float:
         opt = self.master_bytes / (shard if self.dist_opt else 1)
-        states = ch.weights[i] * self.weight_bytes + ch.trainable[i] * (self.weight_bytes + opt)
+        states = ch.weights[i] * self.weight_bytes + ch.trainable[i] * (self.grad_bytes + opt)
         return (states + ch.activations[i] * in_flight + ch.transient[i]) * ALLOCATOR_OVERHEAD \
             + self.gpu.reserved_bytes
 
@@ -334,9 +343,9 @@ class StepModel:
     # ---- time -----------------------------------------------------------------
     def update_time(self, ch: Chain, par: Par) -> float:
         """Exposed distributed-optimizer traffic and the Adam step of the
-        busiest stage. Gradients are reduced in bf16 (the paper's peak
-        memory fits bf16 gradient buffers, fp32 ones would not) and, as in a
-        tuned run (``overlap_grad_reduce`` / ``overlap_param_gather``), the
+        busiest stage. Gradients are reduce-scattered in the buffer's dtype
+        and bf16 weights all-gathered; as in a tuned run
+        (``overlap_grad_reduce`` / ``overlap_param_gather``), the
         reduce-scatter overlaps the last backward and the all-gather the
         first forward; only what they cannot hide is exposed."""
         group = par.dp * par.cp
@@ -350,12 +359,13 @@ class StepModel:
         trainable = max(ch.trainable)
         if trainable <= 0:
             return 0.0
-        ring = self._ring(self.weight_bytes * trainable, group, span)
+        reduce = self._ring(self.grad_bytes * trainable, group, span)
         if self.dist_opt:
-            exposed = max(0.0, ring - ch.backward[-1]) + max(0.0, ring - ch.forward[0])
+            gather = self._ring(self.weight_bytes * trainable, group, span)
+            exposed = max(0.0, reduce - ch.backward[-1]) + max(0.0, gather - ch.forward[0])
             shard = group
         else:
-            exposed = max(0.0, 2 * ring - ch.backward[-1])
+            exposed = max(0.0, 2 * reduce - ch.backward[-1])    # all-reduce
             shard = 1
         # Adam reads and writes its state and writes the bf16 weights back.
         adam = trainable / shard * (2 * self.master_bytes + self.weight_bytes) / self.hbm

@@ -94,7 +94,8 @@ class ModelOptimizer:
         self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=tr.overlap_grad_reduce,
+            grad_reduce_in_fp32=tr.grad_reduce_in_fp32 or tr.precision != "bf16",
+            overlap_grad_reduce=tr.overlap_grad_reduce,
             use_distributed_optimizer=tr.use_distributed_optimizer)
         opt_config = OptimizerConfig(
             optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,

@@ -147,6 +147,60 @@ def test_memory_knobs_move_memory_and_time_the_right_way():
     assert lang.num_layers == 32
 
 
+def test_gradient_buffer_dtype_moves_memory_and_reduce_scatter():
+    # 70B at TP8 x DP32, no pipeline: 8.75e9 trainable parameters per GPU (Table A2's H layout).
+    s32 = paper_check._searcher("1B+70B", 8192, 50, 256, 1, "h100")
+    spec, work = s32.model.spec, s32.model.work
+    lp = Par(8, 1, 1, 32, True, "none")
+    models = {flag: LayoutSearch(spec, get_gpu("h100"), work, 256, 1, "bf16", grad_reduce_in_fp32=flag).model
+              for flag in (True, False)}
+    ch = {f: m.llm_chain(lp) for f, m in models.items()}
+    params = max(ch[True].trainable)
+    assert 8.5e9 < params < 9e9
+    mem = {f: m.chain_memory(ch[f], 0, 8, 32) for f, m in models.items()}
+    # fp32 buffer (4 B) and a 12 B optimizer shard vs bf16 buffer (2 B) and 16 B (an fp32 gradient shard)
+    want = params * ((4 + 12 / 32) - (2 + 16 / 32)) * 1.05     # allocator overhead
+    assert mem[True] - mem[False] == pytest.approx(want, rel=1e-6)
+    # the reduce-scatter moves twice the bytes; the parameter all-gather (bf16) is the same
+    span = lp.size
+    assert models[True]._ring(4 * params, 32, span) > 1.9 * models[False]._ring(2 * params, 32, span)
+    assert models[True].update_time(ch[True], lp) > models[False].update_time(ch[False], lp)
+    # fp32 training: fp32 gradients whatever the flag
+    f32 = {f: LayoutSearch(spec, get_gpu("h100"), work, 256, 1, "fp32", grad_reduce_in_fp32=f).model
+           for f in (True, False)}
+    assert f32[True].chain_memory(f32[True].llm_chain(lp), 0, 8, 32) == \
+        f32[False].chain_memory(f32[False].llm_chain(lp), 0, 8, 32)
+
+
+def test_plan_reads_grad_reduce_in_fp32_and_emits_what_it_costed(tmp_path):
+    layout = {"language": {"tp": 2, "cp": 8, "pp": 1, "dp": 2, "sp": True}, "images": {"dp": 32}}
+    out = {}
+    for flag in (True, False):
+        cfg = _paper_config(layout)
+        cfg["training"]["grad_reduce_in_fp32"] = flag
+        r = _plan("--config", _write(tmp_path, cfg, f"{flag}.yaml"), "--evaluate", "--json")
+        assert r.returncode == 0, r.stderr
+        out[flag] = json.loads(r.stdout)
+    assert out[True]["peak_memory_gb"] > out[False]["peak_memory_gb"]
+    # the default is the trainer's: fp32 gradient reduction
+    r = _plan("--config", _write(tmp_path, _paper_config(layout), "d.yaml"), "--evaluate", "--json")
+    assert json.loads(r.stdout)["peak_memory_gb"] == out[True]["peak_memory_gb"]
+    bad = _paper_config(layout)
+    bad["training"]["grad_reduce_in_fp32"] = "yes"
+    r = _plan("--config", _write(tmp_path, bad, "bad.yaml"), "--evaluate", "--json")
+    assert r.returncode == 2 and r.stderr.strip() == "error: training.grad_reduce_in_fp32: expected true/false"
+    # a searched config carries the precision, optimizer and gradient dtype it was costed with
+    cfg = _paper_config(layout)
+    del cfg["parallelism"]
+    cfg["training"]["grad_reduce_in_fp32"] = False
+    dest = tmp_path / "best.yaml"
+    r = _plan("--config", _write(tmp_path, cfg, "s.yaml"), "--gpus", "32", "--out", str(dest))
+    assert r.returncode == 0, r.stderr
+    training = yaml.safe_load(dest.read_text())["training"]
+    assert training["precision"] == "bf16" and training["use_distributed_optimizer"] is True
+    assert training["grad_reduce_in_fp32"] is False
+
+
 def test_homogeneous_encoder_inherits_llm_cp_and_is_slower():
     # Table A3's mechanism: the encoder split by the LLM's CP across nodes
     s = _paper_searcher()
