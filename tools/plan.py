@@ -80,6 +80,9 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     fp32_grads = training.get("grad_reduce_in_fp32", True)
     if not isinstance(fp32_grads, bool):
         raise ValueError("training.grad_reduce_in_fp32: expected true/false")
+    if not fp32_grads and precision != "bf16":
+        raise ValueError(f"training.grad_reduce_in_fp32: false needs precision: bf16 (precision {precision} "
+                         "keeps fp32 gradients)")
     items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
     for e in spec.encoders:
         if items[e.name] * e.tokens_per_item > seq:

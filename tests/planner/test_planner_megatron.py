@@ -189,6 +189,10 @@ def test_plan_reads_grad_reduce_in_fp32_and_emits_what_it_costed(tmp_path):
     bad["training"]["grad_reduce_in_fp32"] = "yes"
     r = _plan("--config", _write(tmp_path, bad, "bad.yaml"), "--evaluate", "--json")
     assert r.returncode == 2 and r.stderr.strip() == "error: training.grad_reduce_in_fp32: expected true/false"
+    bad["training"].update(grad_reduce_in_fp32=False, precision="fp32")
+    r = _plan("--config", _write(tmp_path, bad, "bad32.yaml"), "--evaluate", "--json")
+    assert r.returncode == 2 and r.stderr.startswith("error: training.grad_reduce_in_fp32: false needs precision")
+    assert len(r.stderr.strip().splitlines()) == 1
     # a searched config carries the precision, optimizer and gradient dtype it was costed with
     cfg = _paper_config(layout)
     del cfg["parallelism"]
