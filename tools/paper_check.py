@@ -7,8 +7,9 @@ For every row of the paper's Tables A2 (colocated, 8K), A3 (colocated, long
 context) and A4 (non-colocated, 120B) it costs the printed layouts with the
 planner's step model (``--evaluate`` semantics: bf16, distributed optimizer,
 SP on, the paper's recompute settings, gradients reduced in bf16 as the
-paper's memory shows, default H100 constants, no calibration) and prints predicted vs measured step time, peak memory and
-gain, then the acceptance metrics. The paper gives model sizes only; the
+paper's memory shows, default H100 constants, no calibration) and prints
+predicted vs measured step time, peak memory and gain, then the acceptance
+metrics. The paper gives model sizes only; the
 shapes below are our choice (see docs/planner.md) and nothing was fitted to
 the measured numbers.
 """
