@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from mimo.balance import POLICIES, Pipeline, WorkloadModel, assign, cv, microbatch_loads  # noqa: E402
 from mimo.balance.records import read_records  # noqa: E402
-from mimo.planner.api import load_raw  # noqa: E402
+from mimo.planner.api import load_raw, with_hf_architecture  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +51,7 @@ def _model(config: str | None, gpu: str):
         return WorkloadModel.from_model(None, gpu), None
     raw = load_raw(config)
     precision = (raw.get("training") or {}).get("precision", "bf16")
-    work = WorkloadModel.from_model(raw.get("model"), gpu, precision)
+    work = WorkloadModel.from_model(with_hf_architecture(raw).get("model"), gpu, precision)
     par = raw.get("parallelism")
     if not isinstance(par, dict) or "language" not in par:
         raise ValueError(f"{config}: parallelism.language: required for the predicted step time")

@@ -53,11 +53,13 @@ SIZES = {"7B": 7e9, "14B": 14e9, "32B": 32e9, "70B": 70e9, "120B": 120e9,
          "1B": 1e9, "3B": 3e9, "6B": 6e9, "7.2B": 7.2e9, "12B": 12e9}
 
 
-def _ffn(params: float, layers: int, hidden: int, heads: int, groups: int, vocab: int) -> int:
-    """ffn of a two-matrix MLP that brings the model to ``params`` (multiple of 512)."""
+def _ffn(params: float, layers: int, hidden: int, heads: int, groups: int, vocab: int,
+         matrices: int = 2) -> int:
+    """ffn of an MLP of ``matrices`` ffn x hidden matrices (3 when gated)
+    that brings the model to ``params`` (multiple of 512)."""
     kv = groups * hidden // heads
     per_layer = params / layers - vocab * 2 * hidden / layers
-    f = (per_layer - 2 * hidden * hidden - 2 * hidden * kv) / (2 * hidden)
+    f = (per_layer - 2 * hidden * hidden - 2 * hidden * kv) / (matrices * hidden)
     return max(512, int(round(f / 512)) * 512)
 
 
@@ -74,7 +76,15 @@ ALT = {
               "70B": (64, 9216, 72, 8), "120B": (80, 11264, 88, 8)},
              {"1B": (16, 2560, 32), "3B": (28, 3072, 24), "6B": (40, 3584, 32), "7.2B": (32, 4608, 48),
               "12B": (48, 4608, 48)}, 336),
+    # Llama-style LLMs: a gated (swiglu) MLP, the layer counts and widths of
+    # Llama-2 7B, Qwen2.5 14B / 32B, Llama-3 70B and a 120B of that family;
+    # encoders as ours.
+    "gated": ({"7B": (32, 4096, 32, 8), "14B": (48, 5120, 40, 8), "32B": (64, 5120, 40, 8),
+               "70B": (80, 8192, 64, 8), "120B": (96, 10240, 80, 8)},
+              {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
+               "12B": (60, 4096, 32)}, 448),
 }
+GATED = ("gated",)
 _SHAPES = {"name": "ours", "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
@@ -126,14 +136,16 @@ def _shapes(enc: str, llm: str):
     llms, encs, image = ALT[_SHAPES["name"]]
     L, h, a, g = llms[llm]
     el, eh, ea = encs[enc]
-    return (L, h, a, g, _ffn(SIZES[llm], L, h, a, g, VOCAB)), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
+    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] in GATED else 2)
+    return (L, h, a, g, f), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
 
 
 def model_config(enc: str, llm: str, frozen: bool = False) -> dict:
     (L, h, a, g, f), (el, eh, ea, ef), image = _shapes(enc, llm)
     return {
         "language": {"num_layers": L, "hidden_size": h, "num_attention_heads": a, "num_query_groups": g,
-                     "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False},
+                     "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False,
+                     "activation": "swiglu" if _SHAPES["name"] in GATED else "gelu"},
         "encoders": {"images": {"kind": "vision", "num_layers": el, "hidden_size": eh, "num_attention_heads": ea,
                                 "ffn_hidden_size": ef, "image_size": image, "patch_size": PATCH,
                                 "frozen": frozen,
@@ -384,7 +396,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="h100")
     p.add_argument("--json", action="store_true")
     p.add_argument("--shapes", choices=["ours", *ALT], default="ours",
-                   help="model shapes of the paper's sizes (robustness check: deep / wide)")
+                   help="model shapes of the paper's sizes (robustness check: deep / wide / gated swiglu LLMs)")
     p.add_argument("--encoders", choices=ENCODER_MODES, default="paper",
                    help="encoders trainable, frozen (projectors trainable), or as the paper's evidence says "
                         "(default: A2/A3 trainable, A4 frozen)")

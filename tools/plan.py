@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mimo.planner.api import DEFAULT_GLOBAL_BATCH, load_raw  # noqa: E402
+from mimo.planner.api import DEFAULT_GLOBAL_BATCH, load_raw, with_hf_architecture  # noqa: E402
 from mimo.planner.emit import TRAINING_DEFAULTS, to_yaml  # noqa: E402
 from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
@@ -59,11 +59,12 @@ def _int(value, path: str) -> int:
 
 
 def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
-    spec = read_model(raw.get("model"))
+    model = with_hf_architecture(raw).get("model")
+    spec = read_model(model)
     hw = get_gpu(gpu)
     data = raw.get("data") or {}
     training = raw.get("training") or {}
-    seq = data.get("seq_length", max_sequence_length(raw.get("model")))
+    seq = data.get("seq_length", max_sequence_length(model))
     if seq is None:
         raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
     seq = _int(seq, "data.seq_length")
@@ -124,7 +125,10 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
 def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     """A complete config (the README's config schema) for a searched candidate."""
     cfg = {"model": copy.deepcopy(raw["model"])}
-    cfg["model"]["language"].setdefault("max_sequence_length", searcher.work.seq_length)
+    model = cfg["model"]
+    if model.get("hf") is None and model["language"].get("hf") is None:
+        # A Hugging Face directory sets the length itself (max_position_embeddings).
+        model["language"].setdefault("max_sequence_length", searcher.work.seq_length)
     par = {}
     for name in order:
         p = planned.pars[name]
@@ -142,7 +146,7 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
         par[name] = entry
     cfg["parallelism"] = par
     if par["language"]["cp"] > 1:
-        cfg["model"]["language"]["attention"] = "bitfield"  # CP runs on the bitfield kernel only
+        model.setdefault("language", {})["attention"] = "bitfield"  # CP runs on the bitfield kernel only
     data = dict(raw.get("data") or {})
     data.setdefault("kind", "mock")
     data.setdefault("seq_length", searcher.work.seq_length)

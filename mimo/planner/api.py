@@ -3,12 +3,14 @@ complete config for the best one."""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import yaml
 
+from mimo.config.hf_arch import resolve_hf
 from mimo.planner.cost_model import Calibration, Workload
 from mimo.planner.emit import build_config
 from mimo.planner.hardware import get_gpu
@@ -31,7 +33,7 @@ class PlanResult:
 
 def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(config, Mapping):
-        return dict(config)
+        return copy.deepcopy(dict(config))
     try:
         with open(config) as fh:
             raw = yaml.safe_load(fh)
@@ -42,6 +44,19 @@ def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{config}: expected a mapping at top level")
     return raw
+
+
+def with_hf_architecture(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``raw`` in which every module that names a Hugging Face
+    directory (``hf:``) has its architecture filled in from that directory's
+    config.json, as the trainer builds it. ``raw`` itself stays as written,
+    so a config emitted from it keeps its ``hf:`` form."""
+    resolved = copy.deepcopy(raw)
+    problems = resolve_hf(resolved)
+    if problems:
+        field, reason = problems[0]
+        raise ValueError(f"{field}: {reason}")
+    return resolved
 
 
 def _positive_int(value: Any, path: str) -> int:
@@ -55,12 +70,13 @@ def make_plan(config: str | os.PathLike | Mapping[str, Any], gpus: int, gpu: str
               micro_batch: int | None = None, calibration: Calibration | None = None,
               frozen_aware: bool = True) -> PlanResult:
     raw = load_raw(config)
-    spec = read_model(raw.get("model"))
+    model = with_hf_architecture(raw).get("model")
+    spec = read_model(model)
     hw = get_gpu(gpu)
     gpus = _positive_int(gpus, "gpus")
     data = raw.get("data") or {}
     training = raw.get("training") or {}
-    seq = data.get("seq_length", max_sequence_length(raw.get("model")))
+    seq = data.get("seq_length", max_sequence_length(model))
     if seq is None:
         raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
     seq = _positive_int(seq, "data.seq_length")

@@ -114,6 +114,7 @@ class CostModel:
         tp_bw = gpu.link_bandwidth(tp)
         cp_bw = gpu.link_bandwidth(tp * cp)
         h, f = module.hidden_size, module.ffn_hidden_size
+        q, fc1 = module.attention_width, module.mlp_in_width
         kv = module.num_query_groups * module.kv_channels
         layers: list[LayerWork] = []
 
@@ -129,9 +130,9 @@ class CostModel:
                 "patch_embed", module.frozen, gemm, 0.0, gemm, local * (feats + h) * bpe,
                 0.0, 0.0, feats * h, local * feats * bpe))
 
-        lin_params = h * (h + 2 * kv) + h * h + 2 * h * f
+        lin_params = h * (q + 2 * kv) + q * h + h * fc1 + f * h
         lin = 2 * local * lin_params
-        attn = 4 * local * seq * h * causal
+        attn = 4 * local * seq * q * causal
         layer_ar = 2 * _allreduce_s(local * h * bpe, tp, tp_bw)
         kv_bytes = 2 * tokens * kv / tp * bpe
         cp_comm = _allgather_s(kv_bytes, cp, cp_bw)
@@ -140,11 +141,11 @@ class CostModel:
             (lin + attn) / tp,
             (lin + ATTENTION_BACKWARD_RATIO * attn) / tp,
             lin / tp,
-            lin_params / tp * bpe + local * bpe * (8 * h + (4 * h + 2 * kv + 2 * f) / tp),
+            lin_params / tp * bpe + local * bpe * (8 * h + (2 * h + 2 * q + 2 * kv + fc1 + f) / tp),
             layer_ar + cp_comm,
             layer_ar + cp_comm,
             (lin_params + 4 * h) / tp,
-            local * bpe * (5 * h + (2 * h + 2 * kv + 2 * f) / tp),
+            local * bpe * (5 * h + (h + q + 2 * kv + fc1 + f) / tp),
         )
         layers.extend([transformer] * module.num_layers)
 

@@ -6,7 +6,7 @@ run does, from first principles and public hardware figures, with no fitted
 constants:
 
 * **Compute.** Every transformer layer is its four GEMMs (QKV, attention
-  projection, FC1, FC2), fused attention and the memory-bound elementwise work
+  projection, FC1 - gate and up halves when the MLP is gated - and FC2), fused attention and the memory-bound elementwise work
   (layer norms, residuals, bias/activation, dropout). A GEMM costs its FLOPs at
   the GPU's achieved large-GEMM rate plus its operand traffic at HBM bandwidth,
   so skinny GEMMs (small hidden sizes cut by TP) are slower per FLOP, as on real
@@ -193,15 +193,19 @@ class StepModel:
         seq_div = tp if par.sp else 1
         t = tokens / cp
         h, f = mod.hidden_size, mod.ffn_hidden_size
+        # q: query / attention-output width (heads x head dim, which need not
+        # be h); fc1: the MLP's first output, two ffn-wide halves when gated.
+        q, fc1 = mod.attention_width, mod.mlp_in_width
         kv = mod.num_query_groups * mod.kv_channels
         kv_rank = kv / min(tp, mod.num_query_groups)
         tp_one = self._ring(t * h * bpe, tp, tp)
 
-        gemm = (self._gemm(t, h, (h + 2 * kv) / tp) + self._gemm(t, h / tp, h)
-                + self._gemm(t, h, f / tp) + self._gemm(t, f / tp, h))
-        attn_f = 4.0 * t * span * h / tp / self.attn_flops
+        gemm = (self._gemm(t, h, (q + 2 * kv) / tp) + self._gemm(t, q / tp, h)
+                + self._gemm(t, h, fc1 / tp) + self._gemm(t, f / tp, h))
+        attn_f = 4.0 * t * span * q / tp / self.attn_flops
         attn_b = ATTENTION_BACKWARD_RATIO * attn_f
-        ew = bpe * t * (8 * h / seq_div + 4 * f / tp) / self.hbm
+        # The MLP's activation reads fc1 and writes f, forward and backward.
+        ew = bpe * t * (8 * h / seq_div + 2 * (fc1 + f) / tp) / self.hbm
         cp_f = cp_b = 0.0
         if cp > 1:
             span_gpus = tp * cp
@@ -214,8 +218,8 @@ class StepModel:
             # correction of the partial output (read two, write one), and in
             # backward an fp32 accumulation of dQ and of the travelling dK/dV.
             steps = cp - 1
-            cp_f += steps * (3 * t * h / tp * bpe / self.hbm + 4 * self.gpu.kernel_overhead)
-            cp_b += steps * ((2 * t * h / tp + 4 * t * kv_rank) * 4 / self.hbm + 6 * self.gpu.kernel_overhead)
+            cp_f += steps * (3 * t * q / tp * bpe / self.hbm + 4 * self.gpu.kernel_overhead)
+            cp_b += steps * ((2 * t * q / tp + 4 * t * kv_rank) * 4 / self.hbm + 6 * self.gpu.kernel_overhead)
         ko = self.gpu.kernel_overhead
         fwd = gemm + attn_f + ew + 4 * tp_one + cp_f + 20 * ko
         bwd_in = gemm + attn_b + 2 * ew + 4 * tp_one + cp_b + 20 * ko
@@ -224,8 +228,8 @@ class StepModel:
         elif par.recompute == "full":
             bwd_in += fwd
         layer = LayerCost(fwd, bwd_in, gemm + 10 * ko, mod.frozen)
-        params = (h * (h + 2 * kv) + h * h + 2 * h * f) / tp + 4 * h
-        full_act = t * ((4 * h * bpe + 2 * h) / seq_div + bpe * ((h + 2 * kv) + h + 2 * f) / tp)
+        params = (h * (q + 2 * kv) + q * h + h * fc1 + f * h) / tp + 4 * h
+        full_act = t * ((4 * h * bpe + 2 * h) / seq_div + bpe * ((q + 2 * kv) + q + fc1 + f) / tp)
         act = t * h * bpe / seq_div if par.recompute == "full" else full_act
         transient = full_act if par.recompute == "full" else 0.0
 
@@ -317,8 +321,16 @@ class StepModel:
             lists, upstream = self._module_lists(mod, par, samples, upstream)
             for lst, vals in zip((f_all, b_all, w_all, tr_all, a_all, x_all), lists):
                 lst.extend(vals)
+        last, last_par = mods[-1][0], mods[-1][1]
+        if pp == 1 and last.is_language and last.tie_embeddings:
+            # One stage holds both ends, so the output layer reuses the
+            # embedding's weight (with PP > 1 the last stage keeps a copy).
+            shared = last.vocab_size * last.hidden_size / last_par.tp
+            w_all[-1] -= shared
+            if not last.frozen:
+                tr_all[-1] -= shared
         costs = _sum_lists(f_all, b_all)
-        lead = len(costs) - mods[-1][0].num_layers
+        lead = len(costs) - last.num_layers
         sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
         sizes[0] += lead
         return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from mimo.config.schema import ACTIVATIONS
+
 
 @dataclass(frozen=True)
 class ModuleSpec:
@@ -21,7 +23,11 @@ class ModuleSpec:
     num_query_groups: int
     ffn_hidden_size: int
     frozen: bool
+    # swiglu's MLP is gated: its first linear layer is two ffn-wide halves (gate, up).
+    gated: bool = False
+    head_dim: int = 0                  # kv_channels; 0: hidden_size / num_attention_heads
     vocab_size: int = 0                # language only
+    tie_embeddings: bool = False       # language only: the output layer reuses the embedding
     tokens_per_item: int = 0           # encoders: tokens one image / clip becomes
     input_features: int = 0            # encoders: features per token entering the embed
     projector_kind: str | None = None  # encoders: mlp | linear | None
@@ -33,7 +39,17 @@ class ModuleSpec:
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the query heads (and of the attention output projection's input)."""
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def mlp_in_width(self) -> int:
+        """Output width of the MLP's first linear layer."""
+        return (2 if self.gated else 1) * self.ffn_hidden_size
 
 
 @dataclass(frozen=True)
@@ -82,8 +98,13 @@ def _transformer(obj: Any, path: str) -> dict:
     hidden = _int(obj, "hidden_size", path)
     heads = _int(obj, "num_attention_heads", path)
     groups = _int(obj, "num_query_groups", path, default=heads)
-    if hidden % heads:
-        raise ValueError(f"{path}.hidden_size: not divisible by num_attention_heads")
+    # None (the config dataclass's default) or absent: hidden_size / heads.
+    head_dim = 0 if _get(obj, "kv_channels") is None else _int(obj, "kv_channels", path)
+    if not head_dim and hidden % heads:
+        raise ValueError(f"{path}.hidden_size: not divisible by num_attention_heads (set kv_channels)")
+    activation = _get(obj, "activation", "gelu")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{path}.activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if heads % groups:
         raise ValueError(f"{path}.num_query_groups: must divide num_attention_heads")
     return dict(
@@ -93,6 +114,8 @@ def _transformer(obj: Any, path: str) -> dict:
         num_query_groups=groups,
         ffn_hidden_size=_int(obj, "ffn_hidden_size", path, default=4 * hidden),
         frozen=_bool(obj, "frozen", path),
+        gated=activation == "swiglu",
+        head_dim=head_dim,
     )
 
 
@@ -133,6 +156,7 @@ def read_model(model: Any) -> ModelSpec:
         raise ValueError("model.language: required")
     lang = ModuleSpec(name="language", kind="language",
                       vocab_size=_int(lang_obj, "vocab_size", "model.language"),
+                      tie_embeddings=_bool(lang_obj, "tie_embeddings", "model.language"),
                       **_transformer(lang_obj, "model.language"))
     encoders_obj = _get(model, "encoders") or {}
     if isinstance(encoders_obj, Mapping):

@@ -108,13 +108,31 @@ def test_homogeneous_keeps_encoder_in_stage_zero_and_balances_llm_layers():
 def test_paper_a2_slower_rows_stay_below_8_percent_for_other_shapes():
     # robustness: the rows measured on par / slower are not predicted as big
     # gains for model shapes other than ours (same sizes)
-    for shapes in ("ours", "deep", "wide"):
+    for shapes in ("ours", "deep", "wide", "gated"):
         paper_check.use_shapes(shapes)
         try:
             rs = paper_check.rows("A2")
         finally:
             paper_check.use_shapes("ours")
         assert paper_check.metrics("A2", rs)["par_or_slower_below_8"], shapes
+
+
+def test_paper_a3_targets_hold_for_llama_style_gated_shapes():
+    # swiglu LLMs of the same sizes (paper_check --shapes gated): sized by
+    # three MLP matrices, and Table A3's targets still hold
+    paper_check.use_shapes("gated")
+    try:
+        spec = read_model(paper_check.model_config("1B", "70B"))
+        rs = paper_check.rows("A3")
+    finally:
+        paper_check.use_shapes("ours")
+    model = LayoutSearch(spec, get_gpu("h100"), Work(512, {}), 8, 1).model
+    params = sum(model.chain([(spec.language, Par(), 1)], 1).weights)
+    assert spec.language.gated and abs(params / 70e9 - 1) < 0.02
+    m = paper_check.metrics("A3", rs)
+    assert m["big_gains_predicted"] and m["spearman_gain"] >= 0.5
+    assert 0.6 <= m["step_ratio_median"] <= 1.6
+    assert m["memory_within_40pct"] >= 0.75 and m["max_predicted_memory_gb"] <= 100
 
 
 def test_context_parallel_ring_steps_cost_more_than_the_exchange():
