@@ -390,3 +390,35 @@ def test_emitted_config_passes_config_check(tmp_path):
     chk = subprocess.run([sys.executable, "-m", "mimo.config", "check", str(out), "--world-size", "8"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert chk.returncode == 0 and chk.stdout.strip() == "ok", chk.stderr
+
+
+@pytest.mark.parametrize("table,model,seq,gbs,mb,enc,llm,world", [
+    # A3 1B+7B 64K: 32 encoder DP ranks for a step of 4 samples (DP over images)
+    ("A3", "1B+7B", 65536, 4, 1, "1/1/1/32", "2/8/1/2", 32),
+    # A2 3B+120B: encoder 2/1/1/128 colocated with the LLM 8/1/4/8 on 256 GPUs
+    ("A2", "3B+120B", 8192, 256, 1, "2/1/1/128", "8/1/4/8", 256),
+    # A4 12B+120B: an 8-GPU encoder island after the LLM's 256 GPUs
+    ("A4", "12B+120B", 8192, 256, 1, "2/1/1/4", "8/1/2/16", 264),
+])
+def test_paper_layouts_pass_the_config_check(table, model, seq, gbs, mb, enc, llm, world):
+    from mimo.config import load_config
+    e, lm = model.split("+")
+
+    def par(t, offset=0, recompute="none"):
+        tp, cp, pp, dp = (int(x) for x in t.split("/"))
+        return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "sp": tp > 1, "recompute": recompute,
+                "rank_offset": offset}
+    lp = par(llm)
+    offset = world - 8 if table == "A4" else 0
+    cfg = {"model": paper_check.model_config(e, lm, table == "A4"),
+           "parallelism": {"language": lp, "images": par(enc, offset, "none" if e == "1B" else "full")},
+           "data": {"kind": "mock", "seq_length": seq},
+           "training": {"global_batch_size": gbs, "micro_batch_size": mb, "train_iters": 1,
+                        "precision": "bf16", "use_distributed_optimizer": True}}
+    cfg["model"]["language"]["max_sequence_length"] = seq
+    if lp["cp"] > 1:
+        cfg["model"]["language"]["attention"] = "bitfield"
+    load_config(cfg, world_size=world)          # raises ConfigError naming the field
+    assert LayoutSearch(read_model(cfg["model"]), get_gpu("h100"), Work(seq, {"images": 1}), gbs, mb).evaluate(
+        {"language": Par(*(lp[k] for k in ("tp", "cp", "pp", "dp")), True),
+         "images": Par(*(int(x) for x in enc.split("/")), rank_offset=offset)}).gpus == world
