@@ -423,64 +423,82 @@ class StepModel:
         return self.chain([(e, par, samples)], par.pp)
 
     def colocated(self, pars: Mapping[str, Par]) -> Estimate:
+        return self.non_colocated(pars) if self._islands(pars) else self._placed(pars, "colocated")
+
+    def non_colocated(self, pars: Mapping[str, Par]) -> Estimate:
+        return self._placed(pars, "non-colocated")
+
+    def _islands(self, pars: Mapping[str, Par]) -> dict[range, list[ModuleSpec]]:
+        """Encoders off the LLM's ranks, grouped by the rank range they share."""
+        islands: dict[range, list[ModuleSpec]] = {}
+        for e in self.spec.encoders:
+            if pars[e.name].ranks != pars["language"].ranks:
+                islands.setdefault(pars[e.name].ranks, []).append(e)
+        return islands
+
+    def _placed(self, pars: Mapping[str, Par], placement: str) -> Estimate:
+        """Encoders on the LLM's ranks run colocated (three phases around the
+        LLM's 1F1B); the others run on their islands, pipelined into the LLM
+        (both at once is a mixed placement, costed as non-colocated)."""
         lp = pars["language"]
         mb = self.g // (self.m * lp.dp)
         llm = self.llm_chain(lp)
+        islands = self._islands(pars)
+        on_llm = [e for e in self.spec.encoders if pars[e.name].ranks == lp.ranks]
+        phases, enc_updates, enc_mem = self._colocated_encoders(on_llm, pars, lp, mb)
+        # The LLM's ranks update the LLM, then their colocated encoders.
+        update = self.update_time(llm, lp) + enc_updates
+        llm_mem = self.chain_memory(llm, 0, mb, lp.dp * lp.cp) + enc_mem
+        modules = {"language": llm_mem, **{e.name: llm_mem for e in on_llm}}
+        stages = list(llm.total)
+        fill = sum(llm.total)
+        ranks = set(lp.ranks)
+        for island, encs in islands.items():
+            ranks.update(island)
+            fill_e, island_stages, mem, u = self._island(encs, pars, lp, mb)
+            fill = max(fill, fill_e + sum(llm.total))
+            stages += island_stages
+            update = max(update, u)
+            for e in encs:
+                modules[e.name] = mem
+        step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + phases + update
+        return self._estimate(placement, step, modules, len(ranks), update)
+
+    def _colocated_encoders(self, encs, pars, lp: Par, mb: int) -> tuple[float, float, float]:
+        """Time the encoder phases of the three-phase schedule add to the
+        step, the encoders' updates, and their memory on the LLM's ranks."""
         window = min(lp.pp, mb)
-        update = self.update_time(llm, lp)
-        step = self.pipeline(llm.total, mb, self._llm_hop(lp)) + update
-        llm_mem = self.chain_memory(llm, 0, mb, lp.dp * lp.cp) - self.gpu.reserved_bytes
-        enc_mem = 0.0
-        for e in self.spec.encoders:
+        step = update = mem = 0.0
+        for e in encs:
             ep = pars[e.name]
             # The step's items, one window of LLM microbatches at a time,
             # divided over the encoder's DP ranks.
             samples = window * self.m * lp.dp / ep.dp
             ch = self.encoder_chain(e, ep, samples)
-            windows = mb / window
             hop = self._p2p(samples * self._tokens(e, 1)[0] * e.hidden_size * self.bpe, 2 * ep.tp * ep.dp)
             # Each window: the encoder's forward, later its backward, through
             # its own pipeline (one chunk, so no overlap between its stages).
-            step += windows * (sum(ch.forward) + sum(ch.backward) + 2 * (ep.pp - 1) * hop)
-            u = self.update_time(ch, ep)
-            step += u
-            update += u
-            enc_mem += self.chain_memory(ch, 0, 1, ep.dp * ep.cp) - self.gpu.reserved_bytes
-        peak = llm_mem + enc_mem + self.gpu.reserved_bytes
-        return self._estimate("colocated", step, {n: peak for n in pars}, lp.size, update)
+            step += mb / window * (sum(ch.forward) + sum(ch.backward) + 2 * (ep.pp - 1) * hop)
+            update += self.update_time(ch, ep)
+            mem += self.chain_memory(ch, 0, 1, ep.dp * ep.cp) - self.gpu.reserved_bytes
+        return step, update, mem
 
-    def non_colocated(self, pars: Mapping[str, Par]) -> Estimate:
-        lp = pars["language"]
-        mb = self.g // (self.m * lp.dp)
-        llm = self.llm_chain(lp)
-        stages = list(llm.total)
-        fill = sum(llm.total)
-        modules = {"language": self.chain_memory(llm, 0, mb, lp.dp * lp.cp)}
-        update = self.update_time(llm, lp)
-        islands: dict[range, list] = {}
-        for e in self.spec.encoders:
-            islands.setdefault(pars[e.name].ranks, []).append(e)
-        gpus = lp.size
-        for ranks, encs in islands.items():
-            gpus += len(ranks)
-            first = pars[encs[0].name]
-            chains = [(e, self.encoder_chain(e, pars[e.name], self.m * lp.dp / pars[e.name].dp))
-                      for e in encs]
-            pp = first.pp
-            merged = [sum(c.total[i] for _, c in chains) for i in range(pp)]
-            boundary = sum(self._p2p(self.m * lp.dp / pars[e.name].dp * self._tokens(e, 1)[0]
-                                     * self.spec.language.hidden_size * self.bpe, 2 * first.size + lp.size)
-                           for e in encs)
-            fill_e = sum(merged) + 2 * boundary
-            fill = max(fill, fill_e + sum(llm.total))
-            stages += merged
-            mem = sum(self.chain_memory(c, lp.pp, mb, pars[e.name].dp * pars[e.name].cp)
-                      - self.gpu.reserved_bytes for e, c in chains) + self.gpu.reserved_bytes
-            for e, c in chains:
-                modules[e.name] = mem
-                update = max(update, self.update_time(c, pars[e.name]))
-        step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + update
-        return self._estimate("non-colocated", step, modules, gpus, update)
+    def _island(self, encs, pars, lp: Par, mb: int) -> tuple[float, list[float], float, float]:
+        """One island's pipeline fill, its stage times (encoders sharing it
+        add up on the ranks they share: with depths p_e under the island's
+        deepest P, island stage i runs stage i * p_e // P of each), its peak
+        memory and its slowest update."""
+        depth = max(pars[e.name].pp for e in encs)
+        chains = [(e, self.encoder_chain(e, pars[e.name], self.m * lp.dp / pars[e.name].dp)) for e in encs]
+        stages = [sum(c.total[i * pars[e.name].pp // depth] for e, c in chains) for i in range(depth)]
+        size = len(pars[encs[0].name].ranks)
+        boundary = sum(self._p2p(self.m * lp.dp / pars[e.name].dp * self._tokens(e, 1)[0]
+                                 * self.spec.language.hidden_size * self.bpe, 2 * size + lp.size)
+                       for e in encs)
+        mem = sum(self.chain_memory(c, lp.pp, mb, pars[e.name].dp * pars[e.name].cp)
+                  - self.gpu.reserved_bytes for e, c in chains) + self.gpu.reserved_bytes
+        update = max(self.update_time(c, pars[e.name]) for e, c in chains)
+        return sum(stages) + 2 * boundary, stages, mem, update
 
 
 # ---- helpers ----------------------------------------------------------------------

@@ -422,3 +422,48 @@ def test_paper_layouts_pass_the_config_check(table, model, seq, gbs, mb, enc, ll
     assert LayoutSearch(read_model(cfg["model"]), get_gpu("h100"), Work(seq, {"images": 1}), gbs, mb).evaluate(
         {"language": Par(*(lp[k] for k in ("tp", "cp", "pp", "dp")), True),
          "images": Par(*(int(x) for x in enc.split("/")), rank_offset=offset)}).gpus == world
+
+
+def _example(name):
+    with open(os.path.join(ROOT, "examples", "configs", f"{name}.yaml")) as fh:
+        return yaml.safe_load(fh)
+
+
+def _evaluate(raw, drop=()):
+    model = {**raw["model"], "encoders": {k: v for k, v in raw["model"]["encoders"].items() if k not in drop}}
+    spec = read_model(model)
+    tr, seq = raw["training"], raw["data"]["seq_length"]
+    search = LayoutSearch(spec, get_gpu("cpu"), Work(seq, {e.name: 1.0 for e in spec.encoders}),
+                          tr["global_batch_size"], tr["micro_batch_size"], "fp32")
+    pars = {}
+    for m in spec.modules:
+        e = raw["parallelism"][m.name]
+        pars[m.name] = Par(e.get("tp", 1), e.get("cp", 1), e.get("pp", 1), e.get("dp", 1),
+                           rank_offset=e.get("rank_offset", 0))
+    return search.evaluate(pars)
+
+
+def test_mixed_placement_costs_the_colocated_encoder_on_the_llm_ranks():
+    # images on the LLM's ranks 0-3 (three phases), audio on its island 4-5
+    raw = _example("cpu_mixed_placement")
+    mixed = _evaluate(raw)
+    assert mixed.gpus == 6 and mixed.placement == "non-colocated"
+    assert mixed.modules["images"] == mixed.modules["language"]
+    # The three phases add to the step exactly what they add without the island.
+    island_only = _evaluate(raw, drop=("images",))
+    images_only, llm_only = _evaluate(raw, drop=("audio",)), _evaluate(raw, drop=("audio", "images"))
+    assert images_only.placement == "colocated"
+    added = images_only.step_time - llm_only.step_time
+    assert added > 0
+    assert mixed.step_time == pytest.approx(island_only.step_time + added, rel=1e-9)
+
+
+def test_island_encoders_of_different_pipeline_depths_share_ranks():
+    # images pp 2 and audio dp 2 on ranks 2-3: each rank runs an images stage and an audio replica
+    raw = _example("cpu_island")
+    est = _evaluate(raw)
+    assert est.gpus == 4 and est.placement == "non-colocated"
+    r = _plan("--config", os.path.join(ROOT, "examples", "configs", "cpu_island.yaml"), "--evaluate", "--gpu", "cpu",
+              "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpus"] == 4
