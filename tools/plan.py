@@ -23,13 +23,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mimo.planner.api import DEFAULT_GLOBAL_BATCH, load_raw, with_hf_architecture  # noqa: E402
+from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.config.schema import DATA_KINDS  # noqa: E402
+from mimo.planner.api import (DEFAULT_GLOBAL_BATCH, load_raw, section, sequence_length,  # noqa: E402
+                              with_hf_architecture)
 from mimo.planner.emit import TRAINING_DEFAULTS, to_yaml  # noqa: E402
 from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
 from mimo.planner.megatron import RECOMPUTE, Par, Work  # noqa: E402
 from mimo.planner.profiling import mean_items  # noqa: E402
-from mimo.planner.spec import max_sequence_length, read_model  # noqa: E402
+from mimo.planner.spec import read_model  # noqa: E402
+
+# What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
+# the trainer's other keys must hold their defaults for the cost to mean anything.
+PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "sp", "recompute", "rank_offset", "stage_layers")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +51,8 @@ def _load_samples(path: str):
             data = json.load(fh)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: invalid JSON ({exc.msg})") from None
+    except (UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable as JSON ({type(exc).__name__})") from None
     if not isinstance(data, list) or not data or not all(
             isinstance(s, list) and len(s) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
                                                         and x >= 0 for x in s)
@@ -62,12 +71,8 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     model = with_hf_architecture(raw).get("model")
     spec = read_model(model)
     hw = get_gpu(gpu)
-    data = raw.get("data") or {}
-    training = raw.get("training") or {}
-    seq = data.get("seq_length", max_sequence_length(model))
-    if seq is None:
-        raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
-    seq = _int(seq, "data.seq_length")
+    data, training = section(raw, "data"), section(raw, "training")
+    seq = sequence_length(model, data)
     g = _int(training.get("global_batch_size", DEFAULT_GLOBAL_BATCH), "training.global_batch_size")
     m = _int(training.get("micro_batch_size", 1), "training.micro_batch_size")
     if g % m:
@@ -84,6 +89,11 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     if not fp32_grads and precision != "bf16":
         raise ValueError(f"training.grad_reduce_in_fp32: false needs precision: bf16 (precision {precision} "
                          "keeps fp32 gradients)")
+    for i, s in enumerate(samples or ()):
+        tokens = s[0] + sum(s[1 if e.kind == "vision" else 2] * e.tokens_per_item for e in spec.encoders)
+        if tokens > seq:
+            raise ValueError(f"--samples: sample {i} holds {tokens} tokens (text and items), more than "
+                             f"data.seq_length {seq}")
     items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
     for e in spec.encoders:
         if items[e.name] * e.tokens_per_item > seq:
@@ -94,15 +104,24 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
 
 
 def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
-    section = raw.get("parallelism")
-    if not isinstance(section, dict):
+    entries = raw.get("parallelism")
+    if not isinstance(entries, dict):
         raise ValueError("parallelism: required for --evaluate")
+    names = [m.name for m in spec.modules]
+    for name in entries:
+        if name not in names:
+            raise ValueError(f"parallelism.{name}: not a module of the model ({', '.join(names)})")
     out = {}
     for mod in spec.modules:
-        entry = section.get(mod.name, {} if (homogeneous and not mod.is_language) else None)
+        entry = entries.get(mod.name, {} if (homogeneous and not mod.is_language) else None)
         path = f"parallelism.{mod.name}"
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: required")
+        for key in entry:
+            if key not in PARALLEL_KEYS:
+                raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(PARALLEL_KEYS)})")
+        if entry.get("ep", 1) != 1:
+            raise ValueError(f"{path}.ep: must be 1, got {entry['ep']!r}")
         vals = {}
         for k in ("tp", "cp", "pp", "dp"):
             v = entry.get(k, 1)
@@ -118,8 +137,24 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
         rec = entry.get("recompute", "none")
         if rec not in RECOMPUTE:
             raise ValueError(f"{path}.recompute: expected one of {', '.join(RECOMPUTE)}, got {rec!r}")
-        out[mod.name] = Par(vals["tp"], vals["cp"], vals["pp"], vals["dp"], sp, rec, off)
+        out[mod.name] = Par(vals["tp"], vals["cp"], vals["pp"], vals["dp"], sp, rec, off,
+                            _stage_layers(entry.get("stage_layers"), vals["pp"], mod, path))
     return out
+
+
+def _stage_layers(value, pp: int, mod, path: str) -> tuple[int, ...]:
+    """The config's uneven pipeline split, checked as the config check does."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ValueError(f"{path}.stage_layers: expected a list of integers, got {value!r}")
+    if len(value) != pp:
+        raise ValueError(f"{path}.stage_layers: needs one entry per pipeline stage (pp = {pp}), got {len(value)}")
+    if min(value) < 1:
+        raise ValueError(f"{path}.stage_layers: every stage needs at least one layer")
+    if sum(value) != mod.num_layers:
+        raise ValueError(f"{path}.stage_layers: must sum to num_layers ({mod.num_layers}), got {sum(value)}")
+    return tuple(value)
 
 
 def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
@@ -195,8 +230,10 @@ def main(argv=None) -> int:
             get_gpu(args.gpu)
         except ValueError as exc:
             raise ValueError(f"--gpu: {exc}") from None
+        if args.out is not None and not args.out.strip():
+            raise ValueError("--out: empty path")
         raw = load_raw(args.config)
-        training = dict(raw.get("training") or {})
+        training = section(raw, "training")
         if args.global_batch is not None:
             training["global_batch_size"] = args.global_batch
         if args.micro_batch is not None:
@@ -218,11 +255,28 @@ def main(argv=None) -> int:
             else:
                 print(f"{est.placement} on {est.gpus} x {args.gpu}: step {est.step_time:.3f} s, "
                       f"{est.tokens_per_s:,.0f} tokens/s, peak {est.peak_memory / GB:.1f} GB per GPU")
+            limit = searcher.limit
+            if est.peak_memory > limit:
+                # Costed all the same (a layout may be compared with one that
+                # fits), but the user must not read it as runnable.
+                print(f"warning: predicted peak {est.peak_memory / GB:.1f} GB per GPU exceeds the "
+                      f"{limit / GB:.1f} GB of a {args.gpu}", file=sys.stderr)
             return 0
         t0 = time.perf_counter()
         found = searcher.search(args.gpus)
         search_time = time.perf_counter() - t0
         cfg = _config(raw, searcher, found[0], order)
+        # The emitted config must pass `mimo.config check`. Its data files and
+        # tokenizer may live on the cluster only, so they are checked there.
+        if cfg["data"]["kind"] not in DATA_KINDS:
+            raise ValueError(f"data.kind: expected one of {', '.join(DATA_KINDS)}, got {cfg['data']['kind']!r}")
+        check = copy.deepcopy(cfg)
+        check["data"] = {"kind": "mock", "seq_length": searcher.work.seq_length}
+        try:
+            load_config(check)
+        except ConfigError as exc:
+            field, reason = exc.problems[0]
+            raise ValueError(f"the planned config fails the config check: {field}: {reason}") from None
         text = to_yaml(cfg)
         if args.out:
             with open(args.out, "w") as fh:

@@ -43,9 +43,12 @@ def read_hf_config(directory: str, field: str) -> Dict[str, Any]:
         raise HFConfigProblem(field, f"no config.json in {directory}")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
         raise HFConfigProblem(field, f"{path}: unreadable ({exc})")
+    if not isinstance(config, dict):
+        raise HFConfigProblem(field, f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _unsupported(field: str, kind: str, model_type, supported) -> HFConfigProblem:
@@ -298,6 +301,8 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
                 _fill(encoders[name], audio_fields(hc, field), f"model.encoders.{name}", source, problems)
         except HFConfigProblem as exc:
             problems.append((exc.field, exc.reason))
-        except (KeyError, TypeError) as exc:
-            problems.append((field, f"{source}: missing or malformed entry {exc}"))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # A config.json of the wrong shape (a list where a mapping belongs,
+            # text where a number does): name the file, not the Python error.
+            problems.append((field, f"{source}: missing or malformed entry ({exc})"))
     return problems

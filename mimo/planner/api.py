@@ -41,6 +41,10 @@ def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"cannot read {config}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{config}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{config}: not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"{config}: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config}: expected a mapping at top level")
     return raw
@@ -59,6 +63,28 @@ def with_hf_architecture(raw: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
+def section(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A top-level section (``data``, ``training``) as a dict; absent is empty."""
+    value = raw.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}: expected a mapping, got {value!r}")
+    return dict(value)
+
+
+def sequence_length(model: Any, data: Mapping[str, Any]) -> int:
+    """``data.seq_length`` (else the LLM's max_sequence_length), checked against that maximum."""
+    limit = max_sequence_length(model)
+    seq = data.get("seq_length", limit)
+    if seq is None:
+        raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
+    seq = _positive_int(seq, "data.seq_length")
+    if isinstance(limit, int) and not isinstance(limit, bool) and seq > limit:
+        raise ValueError(f"data.seq_length: {seq} exceeds model.language.max_sequence_length {limit}")
+    return seq
+
+
 def _positive_int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{path}: expected a positive integer, got {value!r}")
@@ -74,12 +100,8 @@ def make_plan(config: str | os.PathLike | Mapping[str, Any], gpus: int, gpu: str
     spec = read_model(model)
     hw = get_gpu(gpu)
     gpus = _positive_int(gpus, "gpus")
-    data = raw.get("data") or {}
-    training = raw.get("training") or {}
-    seq = data.get("seq_length", max_sequence_length(model))
-    if seq is None:
-        raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
-    seq = _positive_int(seq, "data.seq_length")
+    data, training = section(raw, "data"), section(raw, "training")
+    seq = sequence_length(model, data)
     g = _positive_int(global_batch or training.get("global_batch_size", DEFAULT_GLOBAL_BATCH),
                       "training.global_batch_size")
     m = _positive_int(micro_batch or training.get("micro_batch_size", 1), "training.micro_batch_size")

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from mimo.planner.hardware import GpuSpec
 from mimo.planner.megatron import RECOMPUTE, Estimate, Par, StepModel, Work
-from mimo.planner.rules import divisors, tp_ok
+from mimo.planner.rules import divisors_up_to, tp_ok
 from mimo.planner.spec import ModelSpec
 
 GB = 1e9
@@ -91,6 +91,11 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
                 errs.append(f"parallelism.{b}.rank_offset: ranks partially overlap {a}'s")
     if global_batch % (micro_batch * pars["language"].dp):
         errs.append("parallelism.language.dp: global_batch_size not divisible by micro_batch_size * dp")
+    used = set().union(*(pars[n].ranks for n in names))
+    idle = sorted(set(range(max(used) + 1)) - used)
+    if idle:
+        errs.append(f"parallelism: ranks {idle[0]}-{idle[-1]} belong to no module" if len(idle) > 1
+                    else f"parallelism: rank {idle[0]} belongs to no module")
     return errs
 
 
@@ -120,20 +125,22 @@ class LayoutSearch:
     def llm_layouts(self, n: int) -> list[tuple[int, int, int, int]]:
         lang, seq = self.spec.language, self.work.seq_length
         out = []
-        for tp in divisors(n):
-            if tp > self.gpu.gpus_per_node or not tp_ok(lang, tp):
+        # Each degree is bounded (TP by a node, CP by max_cp, PP by the
+        # layers), so only divisors up to that bound are tried.
+        for tp in divisors_up_to(n, self.gpu.gpus_per_node):
+            if not tp_ok(lang, tp):
                 continue
-            for cp in divisors(n // tp):
-                if cp > self.max_cp or (cp > 1 and seq % (2 * cp)):
+            for cp in divisors_up_to(n // tp, self.max_cp):
+                if cp > 1 and seq % (2 * cp):
                     continue
-                for pp in divisors(n // (tp * cp)):
+                for pp in divisors_up_to(n // (tp * cp), lang.num_layers):
                     dp = n // (tp * cp * pp)
-                    if pp <= lang.num_layers and self.g % (self.m * dp) == 0:
+                    if self.g % (self.m * dp) == 0:
                         out.append((tp, cp, pp, dp))
         return out
 
     def encoder_layouts(self, e, n: int) -> list[tuple[int, int]]:
-        return [(tp, n // tp) for tp in divisors(n) if tp <= self.gpu.gpus_per_node and tp_ok(e, tp)]
+        return [(tp, n // tp) for tp in divisors_up_to(n, self.gpu.gpus_per_node) if tp_ok(e, tp)]
 
     def _best(self, options, placement) -> Planned | None:
         """Fastest option that fits (options: iterables of pars dicts)."""

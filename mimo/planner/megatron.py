@@ -87,6 +87,9 @@ class Par:
     sp: bool = False
     recompute: str = "none"
     rank_offset: int = 0
+    # Transformer layers per pipeline stage as the config gives them
+    # (``stage_layers``); empty: the model's own balanced split.
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -282,13 +285,14 @@ class StepModel:
     def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int) -> Chain:
         """Modules in execution order (each with its layout and samples per
         microbatch), concatenated and cut into ``pp`` stages minimising the
-        slowest stage; pre/post layers stay with their neighbours. Modules
+        slowest stage (or as the last module's ``stage_layers`` cut it);
+        pre/post layers stay with their neighbours. Modules
         before the last one (encoders inside the LLM's first stage, the
         homogeneous baseline) stay whole in stage 0 with at least one LLM
         layer: Megatron can shorten its first stage
         (``decoder_first_pipeline_num_layers``) but not move an encoder."""
         key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods),
-               pp)
+               pp, mods[-1][1].stage_layers)
         if key not in self._chains:
             self._chains[key] = self._chain(mods, pp)
         return self._chains[key]
@@ -331,7 +335,10 @@ class StepModel:
                 tr_all[-1] -= shared
         costs = _sum_lists(f_all, b_all)
         lead = len(costs) - last.num_layers
-        sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
+        if last_par.stage_layers:
+            sizes = list(last_par.stage_layers)
+        else:
+            sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
         sizes[0] += lead
         return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),
                      _stages(tr_all, sizes), _stages(a_all, sizes),

@@ -12,8 +12,14 @@ from mimo.planner.spec import ModelSpec, ModuleSpec
 from mimo.planner.stages import Layout
 
 
+def divisors_up_to(n: int, limit: int) -> list[int]:
+    """Divisors of ``n`` that are at most ``limit``."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_ok(module: ModuleSpec, tp: int) -> bool:

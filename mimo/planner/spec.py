@@ -76,7 +76,13 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
-def _int(obj: Any, key: str, path: str, default: Any = None, minimum: int = 1) -> int:
+# Far above any real model, low enough that the planner's arithmetic stays in
+# float range and its per-layer lists stay small.
+MAX_SIZE = 2 ** 40
+MAX_LAYERS = 10_000
+
+
+def _int(obj: Any, key: str, path: str, default: Any = None, minimum: int = 1, maximum: int = MAX_SIZE) -> int:
     value = _get(obj, key, default)
     if value is None:
         raise ValueError(f"{path}.{key}: required")
@@ -84,6 +90,8 @@ def _int(obj: Any, key: str, path: str, default: Any = None, minimum: int = 1) -
         raise ValueError(f"{path}.{key}: expected an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{path}.{key}: must be >= {minimum}")
+    if value > maximum:
+        raise ValueError(f"{path}.{key}: {value} is beyond what the planner costs (at most {maximum})")
     return value
 
 
@@ -108,7 +116,7 @@ def _transformer(obj: Any, path: str) -> dict:
     if heads % groups:
         raise ValueError(f"{path}.num_query_groups: must divide num_attention_heads")
     return dict(
-        num_layers=_int(obj, "num_layers", path),
+        num_layers=_int(obj, "num_layers", path, maximum=MAX_LAYERS),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -140,6 +148,8 @@ def _encoder(name: str, obj: Any) -> ModuleSpec:
     else:
         raise ValueError(f"{path}.kind: expected vision or audio, got {kind!r}")
     proj = _get(obj, "projector")
+    if proj is not None and not isinstance(proj, Mapping) and not hasattr(proj, "kind"):
+        raise ValueError(f"{path}.projector: expected a mapping (kind, frozen), got {proj!r}")
     proj_kind = _get(proj, "kind", "mlp") if proj is not None else "mlp"
     if proj_kind not in ("mlp", "linear"):
         raise ValueError(f"{path}.projector.kind: expected mlp or linear, got {proj_kind!r}")
@@ -163,7 +173,10 @@ def read_model(model: Any) -> ModelSpec:
         items = list(encoders_obj.items())
     else:
         raise ValueError("model.encoders: expected a mapping of name -> encoder")
-    return ModelSpec(lang, tuple(_encoder(str(n), o) for n, o in items))
+    for n, _ in items:
+        if not isinstance(n, str):
+            raise ValueError(f"model.encoders: names must be strings, got {n!r}")
+    return ModelSpec(lang, tuple(_encoder(n, o) for n, o in items))
 
 
 def max_sequence_length(model: Any) -> int | None:

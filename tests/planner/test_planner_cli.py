@@ -108,3 +108,117 @@ def test_every_ranked_candidate_emits_a_valid_config_cp_ones_with_bitfield_atten
             seen_cp = True
             assert cfg["model"]["language"]["attention"] == "bitfield"
     assert seen_cp, "the 8-GPU LLaVA plan ranks a CP candidate in its top 10 (see docs/planner.md)"
+
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import plan as plan_cli  # noqa: E402
+
+
+def _tiny():
+    with open(TINY) as fh:
+        return yaml.safe_load(fh)
+
+
+def _eval_tiny(**language):
+    raw = _tiny()
+    raw["parallelism"] = {"language": {"tp": 2, "dp": 2, **language}, "images": {"tp": 2, "dp": 2},
+                          "audio": {"dp": 4}}
+    return raw
+
+
+def _set(path, value, base=None):
+    raw = base or _tiny()
+    node = raw
+    *head, last = path.split(".")
+    for k in head:
+        node = node[k]
+    node[last] = value
+    return raw
+
+
+# (config, extra args, the start of the one error line); found by fuzzing plan.py
+MALFORMED = {
+    "data_list": (lambda: _set("data", [1, 2]), [], "error: data: expected a mapping"),
+    "training_str": (lambda: _set("training", "fast"), [], "error: training: expected a mapping"),
+    "seq_over_max": (lambda: _set("data.seq_length", 100000), [],
+                     "error: data.seq_length: 100000 exceeds model.language.max_sequence_length"),
+    "projector_str": (lambda: _set("model.encoders.audio.projector", "linear"), [],
+                      "error: model.encoders.audio.projector: expected a mapping"),
+    "layers_huge": (lambda: _set("model.language.num_layers", 10 ** 9), [], "error: model.language.num_layers"),
+    "hidden_overflow": (lambda: _set("model.language.hidden_size", 10 ** 400), [],
+                        "error: model.language.hidden_size"),
+    "data_kind": (lambda: _set("data.kind", "bogus"), [], "error: data.kind"),
+    "unknown_module": (lambda: _set("parallelism.video", {"tp": 1}, _eval_tiny()), ["--evaluate"],
+                       "error: parallelism.video: not a module"),
+    "unknown_key": (lambda: _eval_tiny(tensor_parallel=2), ["--evaluate"],
+                    "error: parallelism.language.tensor_parallel: unknown key"),
+    "ep": (lambda: _eval_tiny(ep=2), ["--evaluate"], "error: parallelism.language.ep: must be 1"),
+    "stage_layers_sum": (lambda: _eval_tiny(pp=2, dp=1, stage_layers=[1, 1]), ["--evaluate"],
+                         "error: parallelism.language.stage_layers: must sum to num_layers"),
+    "stage_layers_type": (lambda: _eval_tiny(pp=2, dp=1, stage_layers="x"), ["--evaluate"],
+                          "error: parallelism.language.stage_layers: expected a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_config_is_one_error_line(tmp_path, capsys, case):
+    make, extra, start = MALFORMED[case]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(make()))
+    args = ["--config", str(path), "--gpu", "cpu"] + (extra if extra else ["--gpus", "4"])
+    assert plan_cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(start), err
+
+
+@pytest.mark.parametrize("text,start", [
+    ("[" * 100000, "error: {path}: unreadable as JSON"),
+    ("[[1000, 1, 1]]", "error: --samples: sample 0 holds"),
+])
+def test_bad_samples_file_is_one_error_line(tmp_path, capsys, text, start):
+    samples = tmp_path / "s.json"
+    samples.write_text(text)
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--samples", str(samples)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(start.format(path=samples)), err
+
+
+def test_out_must_name_a_file(capsys):
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--out", ""]) == 2
+    assert capsys.readouterr().err.strip() == "error: --out: empty path"
+
+
+def test_huge_gpu_budget_ends_quickly(capsys):
+    # divisors in O(sqrt n): 10^12 GPUs is an answer (no layout fits the batch), not a hang
+    assert plan_cli.main(["--config", TINY, "--gpus", str(10 ** 12), "--gpu", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: no layout fits")
+
+
+def test_stage_layers_are_costed_as_given(tmp_path, capsys):
+    def step(stage_layers):
+        path = tmp_path / "s.yaml"
+        path.write_text(yaml.safe_dump(_eval_tiny(pp=2, dp=1, **({"stage_layers": stage_layers}
+                                                                  if stage_layers else {}))))
+        assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--evaluate", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["step_time_s"]
+    balanced, skewed = step(None), step([3, 1])
+    assert step([2, 2]) == balanced and skewed > balanced
+
+
+def test_evaluate_warns_when_the_layout_does_not_fit(tmp_path, capsys):
+    raw = _set("model.language.hidden_size", 65536, _eval_tiny())
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--evaluate", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["peak_memory_gb"] > 64
+    assert out.err.startswith("warning: predicted peak")
+
+
+def test_ranks_left_to_no_module_are_an_error(tmp_path, capsys):
+    raw = _eval_tiny()
+    raw["parallelism"]["audio"] = {"dp": 4, "rank_offset": 100}
+    path = tmp_path / "gap.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--evaluate"]) == 2
+    assert capsys.readouterr().err.strip() == "error: parallelism: ranks 4-99 belong to no module"
