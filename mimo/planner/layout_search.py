@@ -188,7 +188,7 @@ class LayoutSearch:
                     if c:
                         found.append(c)
                 else:
-                    est = self.model.colocated({"language": lp})
+                    est = self.model.heterogeneous({"language": lp})
                     if est.peak_memory <= self.limit:
                         found.append(Planned(est, {"language": lp}))
         if encs and gpus > 1:

@@ -55,8 +55,10 @@ Placements:
 * ``colocated``: same GPUs, each encoder with its own TP/DP; the three-phase
   schedule (encoder forward, LLM 1F1B, encoder backward) in windows of the
   LLM's in-flight microbatches.
-* ``non-colocated``: encoders on their own GPUs (one island, stages merged),
-  pipelined into the LLM; the step is paced by the slowest stage of either.
+* ``non-colocated``: encoders on their own GPUs (encoders sharing an island
+  add up on the ranks they share), pipelined into the LLM; the step is paced
+  by the slowest stage of either. Encoders left on the LLM's GPUs in such a
+  layout (a mixed placement) still run colocated.
 """
 
 from __future__ import annotations
@@ -402,11 +404,11 @@ class StepModel:
 
     # ---- placements ---------------------------------------------------------------
     def evaluate(self, placement: str, pars: Mapping[str, Par]) -> Estimate:
+        """``homogeneous`` builds Megatron's baseline from the LLM's layout;
+        otherwise the encoders' own rank ranges say where each one runs."""
         if placement == "homogeneous":
             return self.homogeneous(pars)
-        if placement == "colocated":
-            return self.colocated(pars)
-        return self.non_colocated(pars)
+        return self.heterogeneous(pars)
 
     def _estimate(self, placement, step, modules, gpus, update) -> Estimate:
         return Estimate(placement, step, max(modules.values()), modules,
@@ -429,29 +431,22 @@ class StepModel:
     def encoder_chain(self, e: ModuleSpec, par: Par, samples: float) -> Chain:
         return self.chain([(e, par, samples)], par.pp)
 
-    def colocated(self, pars: Mapping[str, Par]) -> Estimate:
-        return self.non_colocated(pars) if self._islands(pars) else self._placed(pars, "colocated")
-
-    def non_colocated(self, pars: Mapping[str, Par]) -> Estimate:
-        return self._placed(pars, "non-colocated")
-
-    def _islands(self, pars: Mapping[str, Par]) -> dict[range, list[ModuleSpec]]:
-        """Encoders off the LLM's ranks, grouped by the rank range they share."""
-        islands: dict[range, list[ModuleSpec]] = {}
-        for e in self.spec.encoders:
-            if pars[e.name].ranks != pars["language"].ranks:
-                islands.setdefault(pars[e.name].ranks, []).append(e)
-        return islands
-
-    def _placed(self, pars: Mapping[str, Par], placement: str) -> Estimate:
+    def heterogeneous(self, pars: Mapping[str, Par]) -> Estimate:
         """Encoders on the LLM's ranks run colocated (three phases around the
-        LLM's 1F1B); the others run on their islands, pipelined into the LLM
-        (both at once is a mixed placement, costed as non-colocated)."""
+        LLM's 1F1B); the others run on their islands (encoders sharing a rank
+        range), pipelined into the LLM. Any island makes the placement
+        ``non-colocated`` (with colocated encoders too, a mixed placement)."""
         lp = pars["language"]
         mb = self.g // (self.m * lp.dp)
         llm = self.llm_chain(lp)
-        islands = self._islands(pars)
-        on_llm = [e for e in self.spec.encoders if pars[e.name].ranks == lp.ranks]
+        on_llm, islands = [], {}
+        for e in self.spec.encoders:
+            ep = pars[e.name]
+            if ep.rank_offset == lp.rank_offset and ep.size == lp.size:
+                on_llm.append(e)
+            else:
+                islands.setdefault(ep.ranks, []).append(e)
+        placement = "non-colocated" if islands else "colocated"
         phases, enc_updates, enc_mem = self._colocated_encoders(on_llm, pars, lp, mb)
         # The LLM's ranks update the LLM, then their colocated encoders.
         update = self.update_time(llm, lp) + enc_updates
@@ -459,9 +454,7 @@ class StepModel:
         modules = {"language": llm_mem, **{e.name: llm_mem for e in on_llm}}
         stages = list(llm.total)
         fill = sum(llm.total)
-        ranks = set(lp.ranks)
         for island, encs in islands.items():
-            ranks.update(island)
             fill_e, island_stages, mem, u = self._island(encs, pars, lp, mb)
             fill = max(fill, fill_e + sum(llm.total))
             stages += island_stages
@@ -469,7 +462,7 @@ class StepModel:
             for e in encs:
                 modules[e.name] = mem
         step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + phases + update
-        return self._estimate(placement, step, modules, len(ranks), update)
+        return self._estimate(placement, step, modules, _covered([lp.ranks, *islands]), update)
 
     def _colocated_encoders(self, encs, pars, lp: Par, mb: int) -> tuple[float, float, float]:
         """Time the encoder phases of the three-phase schedule add to the
@@ -509,6 +502,17 @@ class StepModel:
 
 
 # ---- helpers ----------------------------------------------------------------------
+def _covered(ranges) -> int:
+    """How many ranks the ranges cover together (each counted once)."""
+    total, end = 0, None
+    for r in sorted(ranges, key=lambda r: r.start):
+        start = r.start if end is None else max(r.start, end)
+        if r.stop > start:
+            total += r.stop - start
+        end = r.stop if end is None else max(end, r.stop)
+    return total
+
+
 def _fold(values, pre: int, post: int) -> list[float]:
     core = list(values[pre:len(values) - post])
     core[0] += sum(values[:pre])
