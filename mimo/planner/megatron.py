@@ -6,8 +6,9 @@ run does, from first principles and public hardware figures, with no fitted
 constants:
 
 * **Compute.** Every transformer layer is its four GEMMs (QKV, attention
-  projection, FC1 - gate and up halves when the MLP is gated - and FC2), fused attention and the memory-bound elementwise work
-  (layer norms, residuals, bias/activation, dropout). A GEMM costs its FLOPs at
+  projection, FC1 - gate and up halves when the MLP is gated - and FC2),
+  fused attention and the memory-bound elementwise work (layer norms,
+  residuals, bias/activation, dropout). A GEMM costs its FLOPs at
   the GPU's achieved large-GEMM rate plus its operand traffic at HBM bandwidth,
   so skinny GEMMs (small hidden sizes cut by TP) are slower per FLOP, as on real
   hardware. Backward is data-gradient + weight-gradient GEMMs and 2.5x the
