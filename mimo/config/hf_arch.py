@@ -282,7 +282,10 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
                 _check_window(hc.get("text_config") or {}, raw, field, problems)
                 model.setdefault("language", {})
                 model.setdefault("encoders", {})
-                if not isinstance(model["language"], dict) or not isinstance(model["encoders"], dict):
+                bad = [sec for sec in ("language", "encoders") if not isinstance(model[sec], dict)]
+                for sec in bad:
+                    problems.append((f"model.{sec}", f"must be a mapping, got {model[sec]!r}"))
+                if bad:
                     continue
                 model["encoders"].setdefault(LLAVA_ENCODER, {})
                 _fill(model["language"], lang_f, "model.language", source, problems)
@@ -299,6 +302,9 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
                       f"model.encoders.{name}", source, problems)
             elif what == "audio":
                 _fill(encoders[name], audio_fields(hc, field), f"model.encoders.{name}", source, problems)
+            else:
+                problems.append((f"model.encoders.{name}.kind",
+                                 f"expected vision or audio for an hf encoder, got {what!r}"))
         except HFConfigProblem as exc:
             problems.append((exc.field, exc.reason))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:

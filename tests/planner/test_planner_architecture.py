@@ -169,3 +169,20 @@ def test_missing_hf_directory_is_one_error_line(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: model.hf: no such directory")
+
+
+@pytest.mark.parametrize("change,start", [
+    (lambda m: m.update(encoders=["images"]), "error: model.encoders: must be a mapping"),
+    (lambda m: m["encoders"]["images"].update(kind="video"), "error: model.encoders.images.kind: expected vision or audio"),
+])
+def test_hf_sections_of_the_wrong_kind_name_their_field(tmp_path, change, start):
+    directory = make_llava(str(tmp_path / "llava"))
+    cfg, _ = _hf_config(tmp_path, directory)
+    if ".kind" in start:   # an encoder of its own HF directory
+        cfg["model"] = {"language": _language(), "encoders": {"images": {"hf": directory, "kind": "vision"}}}
+    change(cfg["model"])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = _plan("--config", str(path), "--gpus", "4", "--gpu", "cpu")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith(start), r.stderr
