@@ -32,7 +32,7 @@ from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
 from mimo.planner.megatron import RECOMPUTE, Par, Work  # noqa: E402
 from mimo.planner.profiling import mean_items  # noqa: E402
-from mimo.planner.spec import read_model  # noqa: E402
+from mimo.planner.spec import MAX_SIZE, read_model  # noqa: E402
 
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
 # the trainer's other keys must hold their defaults for the cost to mean anything.
@@ -55,7 +55,7 @@ def _load_samples(path: str):
         raise ValueError(f"{path}: unreadable as JSON ({type(exc).__name__})") from None
     if not isinstance(data, list) or not data or not all(
             isinstance(s, list) and len(s) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                        and x >= 0 for x in s)
+                                                        and 0 <= x <= MAX_SIZE for x in s)
             for s in data):
         raise ValueError(f"{path}: expected a non-empty JSON list of [text_tokens, images, audio_clips]")
     return [tuple(s) for s in data]
@@ -64,6 +64,8 @@ def _load_samples(path: str):
 def _int(value, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{path}: expected a positive integer, got {value!r}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{path}: {value} is beyond what the planner costs (at most {MAX_SIZE})")
     return value
 
 
@@ -122,16 +124,16 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
         for key in entry:
             if key not in PARALLEL_KEYS:
                 raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(PARALLEL_KEYS)})")
-        if entry.get("ep", 1) != 1:
+        if entry.get("ep", 1) != 1 or isinstance(entry.get("ep"), (bool, float)):
             raise ValueError(f"{path}.ep: must be 1, got {entry['ep']!r}")
         vals = {}
         for k in ("tp", "cp", "pp", "dp"):
             v = entry.get(k, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{path}.{k}: expected a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+                raise ValueError(f"{path}.{k}: expected a positive integer up to {MAX_SIZE}, got {v!r}")
             vals[k] = v
         off = entry.get("rank_offset", 0)
-        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+        if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= MAX_SIZE:
             raise ValueError(f"{path}.rank_offset: expected a non-negative integer, got {off!r}")
         sp = entry.get("sp", False)
         if not isinstance(sp, bool):

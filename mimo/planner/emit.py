@@ -31,7 +31,7 @@ def build_config(raw: Mapping[str, Any], cand: Candidate, order: list[str], seq_
     cfg["parallelism"] = parallelism_section(cand, order)
     if cfg["parallelism"].get("language", {}).get("cp", 1) > 1:
         # Context parallelism runs on the bitfield attention kernel only.
-        cfg["model"]["language"]["attention"] = "bitfield"
+        cfg["model"].setdefault("language", {})["attention"] = "bitfield"
     data = dict(raw.get("data") or {})
     data.setdefault("kind", "mock")
     data.setdefault("seq_length", seq_length)

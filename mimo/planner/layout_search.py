@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from mimo.planner.hardware import GpuSpec
 from mimo.planner.megatron import RECOMPUTE, Estimate, Par, StepModel, Work
-from mimo.planner.rules import divisors_up_to, tp_ok
+from mimo.planner.rules import divisors_up_to, sp_ok, tp_ok
 from mimo.planner.spec import ModelSpec
 
 GB = 1e9
@@ -67,6 +67,8 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
             lp = pars.get("language")
             if lp is not None and not tp_ok(m, lp.tp):
                 errs.append(f"{path}: inherits tp {lp.tp}, which does not divide its heads/hidden/ffn")
+            elif lp is not None and p.sp and lp.tp > 1 and not sp_ok(m, lp.tp, 1, seq_length):
+                errs.append(f"{path}.sp: inherits tp {lp.tp}, which does not divide its tokens per item")
             continue
         if min(p.tp, p.cp, p.pp, p.dp) < 1 or p.rank_offset < 0:
             errs.append(f"{path}: degrees must be >= 1 and rank_offset >= 0")
@@ -79,6 +81,12 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
             errs.append(f"{path}.cp: encoders run with cp 1")
         if p.pp > m.num_layers:
             errs.append(f"{path}.pp: {p.pp} > num_layers {m.num_layers}")
+        if p.sp and p.tp > 1 and not sp_ok(m, p.tp, p.cp, seq_length):
+            what = (f"the sequence ({seq_length}) divisible by tp * cp" if m.is_language
+                    else f"tokens per item ({m.tokens_per_item + m.class_token}, class token included) divisible by tp")
+            errs.append(f"{path}.sp: needs {what}")
+        if m.is_language and m.tie_embeddings and p.pp > 1:
+            errs.append(f"{path}.pp: tied embeddings (model.language.tie_embeddings) need pp 1")
     if errs or homogeneous:
         lp = pars.get("language")
         if lp is not None and not errs and global_batch % (micro_batch * lp.dp):
@@ -91,11 +99,16 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
                 errs.append(f"parallelism.{b}.rank_offset: ranks partially overlap {a}'s")
     if global_batch % (micro_batch * pars["language"].dp):
         errs.append("parallelism.language.dp: global_batch_size not divisible by micro_batch_size * dp")
-    used = set().union(*(pars[n].ranks for n in names))
-    idle = sorted(set(range(max(used) + 1)) - used)
-    if idle:
-        errs.append(f"parallelism: ranks {idle[0]}-{idle[-1]} belong to no module" if len(idle) > 1
-                    else f"parallelism: rank {idle[0]} belongs to no module")
+    if errs:
+        return errs
+    # Ranks no module holds, from the sorted rank ranges (the degrees can be huge).
+    gaps, end = [], 0
+    for start, stop in sorted({(pars[n].ranks.start, pars[n].ranks.stop) for n in names}):
+        if start > end:
+            gaps.append(f"{end}-{start - 1}" if start - 1 > end else f"{end}")
+        end = max(end, stop)
+    if gaps:
+        errs.append(f"parallelism: ranks {', '.join(gaps)} belong to no module")
     return errs
 
 
@@ -133,11 +146,16 @@ class LayoutSearch:
             for cp in divisors_up_to(n // tp, self.max_cp):
                 if cp > 1 and seq % (2 * cp):
                     continue
-                for pp in divisors_up_to(n // (tp * cp), lang.num_layers):
+                # The trainer ties the output layer to the embedding only in one stage.
+                for pp in divisors_up_to(n // (tp * cp), 1 if lang.tie_embeddings else lang.num_layers):
                     dp = n // (tp * cp * pp)
                     if self.g % (self.m * dp) == 0:
                         out.append((tp, cp, pp, dp))
         return out
+
+    def _sp(self, module, tp: int, cp: int) -> bool:
+        """SP wherever TP > 1 and the sequence splits evenly (the config check's rule)."""
+        return tp > 1 and sp_ok(module, tp, cp, self.work.seq_length)
 
     def encoder_layouts(self, e, n: int) -> list[tuple[int, int]]:
         return [(tp, n // tp) for tp in divisors_up_to(n, self.gpu.gpus_per_node) if tp_ok(e, tp)]
@@ -169,19 +187,20 @@ class LayoutSearch:
         # tries ``none`` and, only when that does not fit, ``full``.
         recs = ("none", "full")
         for tp, cp, pp, dp in self.llm_layouts(gpus):
+            sp = self._sp(spec.language, tp, cp)
             for rec in recs:
-                lp = Par(tp, cp, pp, dp, tp > 1, rec, 0)
+                lp = Par(tp, cp, pp, dp, sp, rec, 0)
                 if rec != "none" and self.model.chain_memory(
-                        self.model.llm_chain(Par(tp, cp, pp, dp, tp > 1, "none", 0)),
+                        self.model.llm_chain(Par(tp, cp, pp, dp, sp, "none", 0)),
                         0, self.g // (self.m * dp), dp * cp) <= self.limit:
                     continue
                 if encs:
-                    enc_recs = {e.name: [Par(tp, cp, 1, dp, tp > 1, r, 0) for r in ("none", "full")]
+                    enc_recs = {e.name: [Par(tp, cp, 1, dp, self._sp(e, tp, 1), r, 0) for r in ("none", "full")]
                                 for e in encs}
                     h = self._best(self._with_encoders(lp, enc_recs), "homogeneous")
                     if h:
                         found.append(h)
-                    opts = {e.name: [Par(etp, 1, 1, edp, etp > 1, r, 0)
+                    opts = {e.name: [Par(etp, 1, 1, edp, self._sp(e, etp, 1), r, 0)
                                      for etp, edp in self.encoder_layouts(e, gpus) for r in ("none", "full")]
                             for e in encs}
                     c = self._best(self._with_encoders(lp, opts), "colocated")
@@ -218,14 +237,14 @@ class LayoutSearch:
                 # its fastest fitting recompute setting is chosen alone.
                 lp = None
                 for rec in ("none", "full"):
-                    cand = Par(tp, cp, pp, dp, tp > 1, rec, 0)
+                    cand = Par(tp, cp, pp, dp, self._sp(self.spec.language, tp, cp), rec, 0)
                     ch = self.model.llm_chain(cand)
                     if self.model.chain_memory(ch, 0, self.g // (self.m * dp), dp * cp) <= self.limit:
                         lp = cand
                         break
                 if lp is None:
                     continue
-                opts = {e.name: [Par(etp, 1, 1, edp, etp > 1, r, n_l)
+                opts = {e.name: [Par(etp, 1, 1, edp, self._sp(e, etp, 1), r, n_l)
                                  for etp, edp in self.encoder_layouts(e, n_e) for r in ("none", "full")]
                         for e in encs}
                 best = self._best(self._with_encoders(lp, opts), "non-colocated")

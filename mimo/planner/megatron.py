@@ -329,9 +329,9 @@ class StepModel:
             for lst, vals in zip((f_all, b_all, w_all, tr_all, a_all, x_all), lists):
                 lst.extend(vals)
         last, last_par = mods[-1][0], mods[-1][1]
-        if pp == 1 and last.is_language and last.tie_embeddings:
-            # One stage holds both ends, so the output layer reuses the
-            # embedding's weight (with PP > 1 the last stage keeps a copy).
+        if last.is_language and last.tie_embeddings:
+            # The output layer reuses the embedding's weight (the trainer
+            # ties them only with one pipeline stage; the rules refuse more).
             shared = last.vocab_size * last.hidden_size / last_par.tp
             w_all[-1] -= shared
             if not last.frozen:

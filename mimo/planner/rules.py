@@ -27,6 +27,14 @@ def tp_ok(module: ModuleSpec, tp: int) -> bool:
                                      module.hidden_size, module.ffn_hidden_size))
 
 
+def sp_ok(module: ModuleSpec, tp: int, cp: int, seq_length: int) -> bool:
+    """Sequence parallelism cuts each sequence into tp equal shards: the
+    LLM's CP share of a sample, an encoder's item (class token included)."""
+    if module.is_language:
+        return seq_length % (tp * cp) == 0
+    return (module.tokens_per_item + module.class_token) % tp == 0
+
+
 def cp_ok(module: ModuleSpec, cp: int, seq_length: int) -> bool:
     if not module.is_language:
         return cp == 1

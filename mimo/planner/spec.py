@@ -32,6 +32,7 @@ class ModuleSpec:
     input_features: int = 0            # encoders: features per token entering the embed
     projector_kind: str | None = None  # encoders: mlp | linear | None
     projector_frozen: bool = False
+    class_token: bool = False          # vision: a class token (CLIP) runs through the layers too
 
     @property
     def is_language(self) -> bool:
@@ -155,7 +156,8 @@ def _encoder(name: str, obj: Any) -> ModuleSpec:
         raise ValueError(f"{path}.projector.kind: expected mlp or linear, got {proj_kind!r}")
     proj_frozen = _bool(proj, "frozen", f"{path}.projector") if proj is not None else False
     return ModuleSpec(name=name, kind=kind, tokens_per_item=tokens, input_features=features,
-                      projector_kind=proj_kind, projector_frozen=proj_frozen, **common)
+                      projector_kind=proj_kind, projector_frozen=proj_frozen,
+                      class_token=kind == "vision" and _bool(obj, "class_token", path), **common)
 
 
 def read_model(model: Any) -> ModelSpec:

@@ -69,10 +69,37 @@ def test_reading_swiglu_as_a_plain_mlp_misses_a_third_of_the_mlp():
     assert missed >= 0.99 * per_layer * LLAMA["num_hidden_layers"]
 
 
-def test_tied_embeddings_are_shared_only_within_one_stage():
-    # With PP > 1 Megatron keeps a copy of the embedding on the last stage.
-    assert _planner_params(_language(tie=True), pp=2) == _planner_params(_language(), pp=2)
+def test_tied_embeddings_keep_the_llm_in_one_stage():
+    # As the config check: tie_embeddings needs the LLM at pp 1, so the
+    # search never proposes more and --evaluate refuses it.
     assert _planner_params(_language(tie=True)) < _planner_params(_language())
+    spec = read_model({"language": _language(tie=True)})
+    search = LayoutSearch(spec, get_gpu("h100"), Work(4096, {}), 64, 1)
+    assert {c.pars["language"].pp for c in search.search(32)} == {1}
+    with pytest.raises(ValueError, match="parallelism.language.pp: tied embeddings"):
+        search.evaluate({"language": Par(tp=2, pp=2, dp=4)})
+    untied = LayoutSearch(read_model({"language": _language()}), get_gpu("h100"), Work(4096, {}), 64, 1)
+    assert max(c.pars["language"].pp for c in untied.search(32)) > 1     # the rule is what limits it
+
+
+def test_sequence_parallel_only_where_the_sequence_splits_evenly(tmp_path):
+    # a CLIP-style encoder: 576 patches + a class token = 577 tokens, which no tp > 1 divides
+    model = {"language": _language(), "encoders": {"images": {
+        "kind": "vision", "num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+        "image_size": 336, "patch_size": 14, "class_token": True}}}
+    spec = read_model(model)
+    search = LayoutSearch(spec, get_gpu("h100"), Work(4096, {"images": 1.0}), 128, 1)
+    found = search.search(64)
+    assert all(not c.pars["images"].sp for c in found if c.pars["images"].tp > 1)
+    assert any(c.pars["images"].tp > 1 for c in found)
+    with pytest.raises(ValueError, match=r"parallelism.images.sp: needs tokens per item \(577"):
+        search.evaluate({"language": Par(tp=2, dp=32), "images": Par(tp=2, dp=32, sp=True)})
+    cfg = {"model": model, "data": {"kind": "mock", "seq_length": 4096},
+           "training": {"global_batch_size": 128, "micro_batch_size": 1}}
+    path = tmp_path / "clip.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = _plan("--config", str(path), "--gpus", "64", "--out", str(tmp_path / "out.yaml"))
+    assert r.returncode == 0, r.stderr
 
 
 def test_gated_mlp_costs_more_time_and_memory():

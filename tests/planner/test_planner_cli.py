@@ -195,7 +195,8 @@ def test_out_must_name_a_file(capsys):
 
 
 def test_huge_gpu_budget_ends_quickly(capsys):
-    # divisors in O(sqrt n): 10^12 GPUs is an answer (no layout fits the batch), not a hang
+    # divisors bounded by TP <= node, CP <= max_cp, PP <= layers: 10^12 GPUs is an answer
+    # (no layout fits the batch), not a hang
     assert plan_cli.main(["--config", TINY, "--gpus", str(10 ** 12), "--gpu", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: no layout fits")
 
@@ -221,10 +222,16 @@ def test_evaluate_warns_when_the_layout_does_not_fit(tmp_path, capsys):
     assert out.err.startswith("warning: predicted peak")
 
 
-def test_ranks_left_to_no_module_are_an_error(tmp_path, capsys):
+@pytest.mark.parametrize("images,audio,message", [
+    ({"tp": 2, "dp": 2}, {"dp": 4, "rank_offset": 100}, "ranks 4-99 belong to no module"),
+    ({"dp": 1, "rank_offset": 5}, {"dp": 1, "rank_offset": 7}, "ranks 4, 6 belong to no module"),
+    # huge degrees and offsets are answered at once, not by listing ranks
+    ({"dp": 2, "rank_offset": 10 ** 10}, {"dp": 4}, "ranks 4-9999999999 belong to no module"),
+])
+def test_ranks_left_to_no_module_are_an_error(tmp_path, capsys, images, audio, message):
     raw = _eval_tiny()
-    raw["parallelism"]["audio"] = {"dp": 4, "rank_offset": 100}
+    raw["parallelism"]["images"], raw["parallelism"]["audio"] = images, audio
     path = tmp_path / "gap.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--evaluate"]) == 2
-    assert capsys.readouterr().err.strip() == "error: parallelism: ranks 4-99 belong to no module"
+    assert capsys.readouterr().err.strip() == f"error: parallelism: {message}"
