@@ -84,7 +84,6 @@ ALT = {
               {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
                "12B": (60, 4096, 32)}, 448),
 }
-GATED = ("gated",)
 _SHAPES = {"name": "ours", "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
@@ -136,7 +135,7 @@ def _shapes(enc: str, llm: str):
     llms, encs, image = ALT[_SHAPES["name"]]
     L, h, a, g = llms[llm]
     el, eh, ea = encs[enc]
-    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] in GATED else 2)
+    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] == "gated" else 2)
     return (L, h, a, g, f), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
 
 
@@ -145,7 +144,7 @@ def model_config(enc: str, llm: str, frozen: bool = False) -> dict:
     return {
         "language": {"num_layers": L, "hidden_size": h, "num_attention_heads": a, "num_query_groups": g,
                      "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False,
-                     "activation": "swiglu" if _SHAPES["name"] in GATED else "gelu"},
+                     "activation": "swiglu" if _SHAPES["name"] == "gated" else "gelu"},
         "encoders": {"images": {"kind": "vision", "num_layers": el, "hidden_size": eh, "num_attention_heads": ea,
                                 "ffn_hidden_size": ef, "image_size": image, "patch_size": PATCH,
                                 "frozen": frozen,

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mimo.config import ConfigError, load_config  # noqa: E402
 from mimo.config.schema import DATA_KINDS  # noqa: E402
-from mimo.planner.api import (DEFAULT_GLOBAL_BATCH, load_raw, section, sequence_length,  # noqa: E402
-                              with_hf_architecture)
+from mimo.planner.api import (DEFAULT_GLOBAL_BATCH, load_raw, positive_int, section,  # noqa: E402
+                              sequence_length, with_hf_architecture)
 from mimo.planner.emit import TRAINING_DEFAULTS, to_yaml  # noqa: E402
 from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
@@ -61,22 +61,14 @@ def _load_samples(path: str):
     return [tuple(s) for s in data]
 
 
-def _int(value, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{path}: expected a positive integer, got {value!r}")
-    if value > MAX_SIZE:
-        raise ValueError(f"{path}: {value} is beyond what the planner costs (at most {MAX_SIZE})")
-    return value
-
-
 def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     model = with_hf_architecture(raw).get("model")
     spec = read_model(model)
     hw = get_gpu(gpu)
     data, training = section(raw, "data"), section(raw, "training")
     seq = sequence_length(model, data)
-    g = _int(training.get("global_batch_size", DEFAULT_GLOBAL_BATCH), "training.global_batch_size")
-    m = _int(training.get("micro_batch_size", 1), "training.micro_batch_size")
+    g = positive_int(training.get("global_batch_size", DEFAULT_GLOBAL_BATCH), "training.global_batch_size")
+    m = positive_int(training.get("micro_batch_size", 1), "training.micro_batch_size")
     if g % m:
         raise ValueError("training.global_batch_size: not divisible by micro_batch_size")
     precision = training.get("precision", "fp32" if hw.name == "cpu" else "bf16")
@@ -126,12 +118,7 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
                 raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(PARALLEL_KEYS)})")
         if entry.get("ep", 1) != 1 or isinstance(entry.get("ep"), (bool, float)):
             raise ValueError(f"{path}.ep: must be 1, got {entry['ep']!r}")
-        vals = {}
-        for k in ("tp", "cp", "pp", "dp"):
-            v = entry.get(k, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
-                raise ValueError(f"{path}.{k}: expected a positive integer up to {MAX_SIZE}, got {v!r}")
-            vals[k] = v
+        vals = {k: positive_int(entry.get(k, 1), f"{path}.{k}") for k in ("tp", "cp", "pp", "dp")}
         off = entry.get("rank_offset", 0)
         if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= MAX_SIZE:
             raise ValueError(f"{path}.rank_offset: expected a non-negative integer, got {off!r}")

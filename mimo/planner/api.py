@@ -16,7 +16,7 @@ from mimo.planner.emit import build_config
 from mimo.planner.hardware import get_gpu
 from mimo.planner.profiling import ProfileResult, Sample, mean_items, stable_profiling_batch
 from mimo.planner.search import Candidate, Planner, SearchSettings
-from mimo.planner.spec import ModelSpec, max_sequence_length, read_model
+from mimo.planner.spec import MAX_SIZE, ModelSpec, max_sequence_length, read_model
 
 DEFAULT_GLOBAL_BATCH = 64
 
@@ -79,15 +79,18 @@ def sequence_length(model: Any, data: Mapping[str, Any]) -> int:
     seq = data.get("seq_length", limit)
     if seq is None:
         raise ValueError("data.seq_length: required (or model.language.max_sequence_length)")
-    seq = _positive_int(seq, "data.seq_length")
+    seq = positive_int(seq, "data.seq_length")
     if isinstance(limit, int) and not isinstance(limit, bool) and seq > limit:
         raise ValueError(f"data.seq_length: {seq} exceeds model.language.max_sequence_length {limit}")
     return seq
 
 
-def _positive_int(value: Any, path: str) -> int:
+def positive_int(value: Any, path: str) -> int:
+    """A count from the config or the command line, up to what the planner costs."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{path}: expected a positive integer, got {value!r}")
+    if value > MAX_SIZE:
+        raise ValueError(f"{path}: {value} is beyond what the planner costs (at most {MAX_SIZE})")
     return value
 
 
@@ -99,12 +102,12 @@ def make_plan(config: str | os.PathLike | Mapping[str, Any], gpus: int, gpu: str
     model = with_hf_architecture(raw).get("model")
     spec = read_model(model)
     hw = get_gpu(gpu)
-    gpus = _positive_int(gpus, "gpus")
+    gpus = positive_int(gpus, "gpus")
     data, training = section(raw, "data"), section(raw, "training")
     seq = sequence_length(model, data)
-    g = _positive_int(global_batch or training.get("global_batch_size", DEFAULT_GLOBAL_BATCH),
+    g = positive_int(global_batch or training.get("global_batch_size", DEFAULT_GLOBAL_BATCH),
                       "training.global_batch_size")
-    m = _positive_int(micro_batch or training.get("micro_batch_size", 1), "training.micro_batch_size")
+    m = positive_int(micro_batch or training.get("micro_batch_size", 1), "training.micro_batch_size")
     if g % m:
         raise ValueError("training.global_batch_size: not divisible by micro_batch_size")
     precision = training.get("precision", "fp32" if hw.name == "cpu" else "bf16")

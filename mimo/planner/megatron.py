@@ -463,7 +463,9 @@ class StepModel:
             for e in encs:
                 modules[e.name] = mem
         step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + phases + update
-        return self._estimate(placement, step, modules, _covered([lp.ranks, *islands]), update)
+        # Layouts leave no rank idle (``layout_rule_errors``): the last rank used is the GPU count.
+        gpus = max(r.stop for r in (lp.ranks, *islands))
+        return self._estimate(placement, step, modules, gpus, update)
 
     def _colocated_encoders(self, encs, pars, lp: Par, mb: int) -> tuple[float, float, float]:
         """Time the encoder phases of the three-phase schedule add to the
@@ -503,17 +505,6 @@ class StepModel:
 
 
 # ---- helpers ----------------------------------------------------------------------
-def _covered(ranges) -> int:
-    """How many ranks the ranges cover together (each counted once)."""
-    total, end = 0, None
-    for r in sorted(ranges, key=lambda r: r.start):
-        start = r.start if end is None else max(r.start, end)
-        if r.stop > start:
-            total += r.stop - start
-        end = r.stop if end is None else max(end, r.stop)
-    return total
-
-
 def _fold(values, pre: int, post: int) -> list[float]:
     core = list(values[pre:len(values) - post])
     core[0] += sum(values[:pre])

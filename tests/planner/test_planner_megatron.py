@@ -463,6 +463,10 @@ def test_island_encoders_of_different_pipeline_depths_share_ranks():
     raw = _example("cpu_island")
     est = _evaluate(raw)
     assert est.gpus == 4 and est.placement == "non-colocated"
+    # the audio replicas' work is charged on the ranks images' stages run on
+    images_only = _evaluate(raw, drop=("audio",))
+    assert est.step_time > images_only.step_time and est.modules["audio"] == est.modules["images"]
+    assert est.modules["images"] > images_only.modules["images"]
     r = _plan("--config", os.path.join(ROOT, "examples", "configs", "cpu_island.yaml"), "--evaluate", "--gpu", "cpu",
               "--json")
     assert r.returncode == 0, r.stderr
