@@ -165,10 +165,16 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
             p = Par(p.tp, 1, 1, size // p.tp, p.sp, p.recompute, 0)
         entry = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": 1, "rank_offset": p.rank_offset,
                  "sp": p.sp, "recompute": p.recompute}
-        if p.pp > 1:
-            mod = searcher.spec.module(name)
-            samples = searcher.m if mod.is_language else searcher.m * planned.pars["language"].dp / p.dp
-            entry["stage_layers"] = searcher.model.chain([(mod, p, samples)], p.pp).sizes
+        if p.pp > 1 and name == "language":
+            # The split that was costed (balanced, or moved to fit memory); the
+            # homogeneous one counts the encoders in its first stage, which
+            # the nearest mimo config does not.
+            entry["stage_layers"] = list(searcher.model.llm_chain(p).sizes
+                                         if planned.estimate.placement == "homogeneous"
+                                         else planned.estimate.llm_stage_layers)
+        elif p.pp > 1:
+            samples = searcher.m * planned.pars["language"].dp / p.dp
+            entry["stage_layers"] = searcher.model.chain([(searcher.spec.module(name), p, samples)], p.pp).sizes
         par[name] = entry
     cfg["parallelism"] = par
     if par["language"]["cp"] > 1:
@@ -187,6 +193,19 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     training.setdefault("grad_reduce_in_fp32", searcher.grad_reduce_in_fp32)
     cfg["training"] = training
     return cfg
+
+
+def _split_hint(searcher: LayoutSearch, pars: dict, homogeneous: bool) -> str:
+    """Where moving LLM layers to later pipeline stages would make the layout
+    fit, the split to write (the search writes such splits itself)."""
+    lp = pars["language"]
+    if homogeneous or lp.pp == 1 or lp.stage_layers:
+        return ""
+    fitted = searcher.evaluate(pars, fit_memory=True)
+    if fitted.peak_memory > searcher.limit:
+        return ""
+    return (f"; parallelism.language.stage_layers: {list(fitted.llm_stage_layers)} would fit "
+            f"(peak {fitted.peak_memory / GB:.1f} GB, step {fitted.step_time:.3f} s)")
 
 
 def _short(p: Par) -> str:
@@ -251,7 +270,8 @@ def main(argv=None) -> int:
                 # Costed all the same (a layout may be compared with one that
                 # fits), but the user must not read it as runnable.
                 print(f"warning: predicted peak {est.peak_memory / GB:.1f} GB per GPU exceeds the "
-                      f"{limit / GB:.1f} GB of a {args.gpu}", file=sys.stderr)
+                      f"{limit / GB:.1f} GB of a {args.gpu}{_split_hint(searcher, pars, args.homogeneous)}",
+                      file=sys.stderr)
             return 0
         t0 = time.perf_counter()
         found = searcher.search(args.gpus)

@@ -126,13 +126,18 @@ class LayoutSearch:
         self.max_cp = max_cp
 
     # ---- evaluate ----------------------------------------------------------------
-    def evaluate(self, pars: Mapping[str, Par], homogeneous: bool = False) -> Estimate:
+    def evaluate(self, pars: Mapping[str, Par], homogeneous: bool = False, fit_memory: bool = False) -> Estimate:
+        """Cost a given layout. Its pipeline split is ``stage_layers``, or
+        else the balanced one, which the trainer does not change when it
+        runs out of memory; ``fit_memory`` costs the fastest split that fits
+        instead (what the search would write). The homogeneous baseline is
+        always split as a tuned Megatron run splits it."""
         errs = layout_rule_errors(self.spec, pars, self.g, self.m, self.work.seq_length, homogeneous)
         if errs:
             raise ValueError(errs[0])
         if homogeneous:
             return self.model.homogeneous(pars)
-        return self.model.evaluate(placement_of(self.spec, pars), pars)
+        return self.model.evaluate(placement_of(self.spec, pars), pars, fit_memory)
 
     # ---- search --------------------------------------------------------------------
     def llm_layouts(self, n: int) -> list[tuple[int, int, int, int]]:

@@ -42,6 +42,10 @@ constants:
   generalised to any ffn / GQA width; stage ``i`` of ``p`` holds
   ``min(p - i, M)`` microbatches in 1F1B; the last LLM stage holds the fp32
   logits of one microbatch.
+* **Pipeline split.** Layers are split to minimise the slowest stage; where
+  that split runs a stage out of memory (early stages hold more 1F1B
+  microbatches), the fastest split that fits instead, with layers moved to
+  later stages, as a tuned run sets its layer balance.
 * **Step.** 1F1B over ``M`` microbatches: the sum of the stage times plus
   ``M - 1`` times the slowest stage. Gradient reduce-scatter (in the gradient
   buffer's dtype) and parameter all-gather (bf16, distributed optimizer)
@@ -135,6 +139,34 @@ class Chain:
 
 
 @dataclass
+class Layers:
+    """Modules' layers end to end (pre/post layers folded in): per layer
+    forward / backward seconds, weights, trainable weights, activation and
+    transient bytes; the first ``lead`` belong to modules before the last."""
+    forward: list[float]
+    backward: list[float]
+    weights: list[float]
+    trainable: list[float]
+    activations: list[float]
+    transient: list[float]
+    lead: int
+    items: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        # What ``partition`` splits: the leading modules and the last
+        # module's first layer are one item (they stay in stage 0).
+        self.items = _lead_item(_sum_lists(self.forward, self.backward), self.lead)
+
+    def cut(self, sizes: list[int]) -> Chain:
+        """The chain for ``sizes`` layers of the last module per stage."""
+        sizes = list(sizes)
+        sizes[0] += self.lead
+        return Chain(_stages(self.forward, sizes), _stages(self.backward, sizes), _stages(self.weights, sizes),
+                     _stages(self.trainable, sizes), _stages(self.activations, sizes),
+                     [max(self.transient[i:j], default=0.0) for i, j in _bounds(sizes)], sizes)
+
+
+@dataclass
 class Estimate:
     placement: str
     step_time: float
@@ -143,6 +175,7 @@ class Estimate:
     tokens_per_s: float
     gpus: int
     update_time: float = 0.0              # optimizer traffic + step, inside step_time
+    llm_stage_layers: tuple[int, ...] = ()  # the LLM's transformer layers per pipeline stage
 
 
 class StepModel:
@@ -173,6 +206,8 @@ class StepModel:
         self._layers: dict[tuple, tuple] = {}
         self._lists: dict[tuple, tuple] = {}
         self._updates: dict[tuple, float] = {}
+        self._concats: dict[tuple, Layers] = {}
+        self._stage_memory: dict[tuple, tuple[StageMemory, list]] = {}
         self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
         self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
@@ -285,7 +320,8 @@ class StepModel:
             return samples * self.work.seq_length, self.work.seq_length / 2.0
         return samples * self.work.items(mod.name) * mod.tokens_per_item, float(mod.tokens_per_item)
 
-    def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int) -> Chain:
+    def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int,
+              fit: tuple[int, int, int, float] | None = None) -> Chain:
         """Modules in execution order (each with its layout and samples per
         microbatch), concatenated and cut into ``pp`` stages minimising the
         slowest stage (or as the last module's ``stage_layers`` cut it);
@@ -293,12 +329,45 @@ class StepModel:
         before the last one (encoders inside the LLM's first stage, the
         homogeneous baseline) stay whole in stage 0 with at least one LLM
         layer: Megatron can shorten its first stage
-        (``decoder_first_pipeline_num_layers``) but not move an encoder."""
+        (``decoder_first_pipeline_num_layers``) but not move an encoder.
+
+        ``fit`` = (behind, microbatches, shard, budget bytes), as
+        ``chain_memory`` reads them: when the time-balanced split needs more
+        than the budget on some stage, the split is the fastest one that
+        fits, if any does. Early stages hold more 1F1B microbatches, so this
+        moves layers to later stages, the layer balance a tuned run sets
+        (``decoder_first_pipeline_num_layers`` / ``..._last_...``) instead
+        of running out of memory."""
         key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods),
                pp, mods[-1][1].stage_layers)
         if key not in self._chains:
             self._chains[key] = self._chain(mods, pp)
-        return self._chains[key]
+        balanced = self._chains[key]
+        if fit is None or pp == 1 or mods[-1][1].stage_layers:
+            return balanced
+        behind, mb, shard, budget = fit
+        if self.chain_memory(balanced, behind, mb, shard) <= budget:
+            return balanced
+        layers = self._concat(mods)
+        held = (*key, behind, mb, shard)
+        if held not in self._stage_memory:
+            self._stage_memory[held] = (self._held(layers, pp, behind, mb, shard), [])
+        memory, known = self._stage_memory[held]
+        limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD
+        # The fastest split under a limit stays the fastest for any smaller
+        # limit it still fits (fewer splits fit), and no split fits under a
+        # limit below one that none fits: a search's many budgets (one per
+        # colocated encoder layout) reuse earlier answers.
+        for low, high, chain in known:
+            if low <= limit <= high:
+                return chain or balanced
+        sizes = partition(layers.items, pp, memory, limit)
+        if sizes is None:
+            known.append((float("-inf"), limit, None))
+            return balanced
+        chain = layers.cut(sizes)
+        known.append((memory.largest(sizes), limit, chain))
+        return chain
 
     def _module_lists(self, mod: ModuleSpec, par: Par, samples: float, upstream: bool):
         """One module's per-layer forward, backward, weights, trainable
@@ -321,7 +390,11 @@ class StepModel:
         hit = self._lists[key] = (lists, output_requires_grad(costs, up))
         return hit
 
-    def _chain(self, mods, pp: int) -> Chain:
+    def _concat(self, mods) -> Layers:
+        """The modules' layers end to end (cached per module layouts)."""
+        key = tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods)
+        if key in self._concats:
+            return self._concats[key]
         f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []
         upstream = False
         for mod, par, samples in mods:
@@ -336,21 +409,31 @@ class StepModel:
             w_all[-1] -= shared
             if not last.frozen:
                 tr_all[-1] -= shared
-        costs = _sum_lists(f_all, b_all)
-        lead = len(costs) - last.num_layers
-        if last_par.stage_layers:
-            sizes = list(last_par.stage_layers)
-        else:
-            sizes = partition([sum(costs[:lead + 1])] + costs[lead + 1:], pp)
-        sizes[0] += lead
-        return Chain(_stages(f_all, sizes), _stages(b_all, sizes), _stages(w_all, sizes),
-                     _stages(tr_all, sizes), _stages(a_all, sizes),
-                     [max(x_all[i:j], default=0.0) for i, j in _bounds(sizes)], list(sizes))
+        layers = self._concats[key] = Layers(f_all, b_all, w_all, tr_all, a_all, x_all,
+                                             len(f_all) - last.num_layers)
+        return layers
+
+    def _chain(self, mods, pp: int) -> Chain:
+        layers = self._concat(mods)
+        stage_layers = mods[-1][1].stage_layers
+        return layers.cut(list(stage_layers) if stage_layers else partition(layers.items, pp))
+
+    def _held(self, layers: Layers, pp: int, behind: int, mb: int, shard: int) -> StageMemory:
+        """What each partition item holds, for a split that must fit."""
+        fixed = [self.state_bytes(w, tr, shard) for w, tr in zip(layers.weights, layers.trainable)]
+        return StageMemory(_lead_item(fixed, layers.lead), _lead_item(layers.activations, layers.lead),
+                           _lead_item(layers.transient, layers.lead, max),
+                           [max(1, min(pp - i + behind, mb)) for i in range(pp)])
 
     # ---- memory ---------------------------------------------------------------
-    def stage_memory(self, ch: Chain, i: int, in_flight: int, shard: int) -> float:
+    def state_bytes(self, weights: float, trainable: float, shard: int) -> float:
+        """Weights, gradient buffer and the optimizer's shard of ``weights``
+        parameters (``trainable`` of them trained)."""
         opt = self.master_bytes / (shard if self.dist_opt else 1)
-        states = ch.weights[i] * self.weight_bytes + ch.trainable[i] * (self.grad_bytes + opt)
+        return weights * self.weight_bytes + trainable * (self.grad_bytes + opt)
+
+    def stage_memory(self, ch: Chain, i: int, in_flight: int, shard: int) -> float:
+        states = self.state_bytes(ch.weights[i], ch.trainable[i], shard)
         return (states + ch.activations[i] * in_flight + ch.transient[i]) * ALLOCATOR_OVERHEAD \
             + self.gpu.reserved_bytes
 
@@ -404,42 +487,53 @@ class StepModel:
         return self._p2p(act / (par.tp if par.sp else 1), 2 * par.tp * par.cp * par.dp)
 
     # ---- placements ---------------------------------------------------------------
-    def evaluate(self, placement: str, pars: Mapping[str, Par]) -> Estimate:
-        """``homogeneous`` builds Megatron's baseline from the LLM's layout;
-        otherwise the encoders' own rank ranges say where each one runs."""
+    def evaluate(self, placement: str, pars: Mapping[str, Par], fit_memory: bool = True) -> Estimate:
+        """``homogeneous`` builds Megatron's baseline from the LLM's layout
+        (its layers split as a tuned run splits them, to fit memory where
+        needed); otherwise the encoders' own rank ranges say where each one
+        runs, and ``fit_memory`` says whether the LLM's split may move
+        layers to fit memory (a search, which writes the split it costed
+        into the config) or not (a config costed as written)."""
         if placement == "homogeneous":
             return self.homogeneous(pars)
-        return self.heterogeneous(pars)
+        return self.heterogeneous(pars, fit_memory)
 
-    def _estimate(self, placement, step, modules, gpus, update) -> Estimate:
+    def _estimate(self, placement, step, modules, gpus, update, llm_stages) -> Estimate:
         return Estimate(placement, step, max(modules.values()), modules,
-                        self.g * self.work.seq_length / step, gpus, update)
+                        self.g * self.work.seq_length / step, gpus, update, tuple(llm_stages))
 
     def homogeneous(self, pars: Mapping[str, Par]) -> Estimate:
         lp = pars["language"]
         mb = self.g // (self.m * lp.dp)
         mods = [(e, Par(lp.tp, lp.cp, 1, lp.dp, pars[e.name].sp, pars[e.name].recompute), self.m)
                 for e in self.spec.encoders]
-        ch = self.chain(mods + [(self.spec.language, lp, self.m)], lp.pp)
+        ch = self.chain(mods + [(self.spec.language, lp, self.m)], lp.pp,
+                        (0, mb, lp.dp * lp.cp, self.gpu.memory_bytes))
         update = self.update_time(ch, lp)
         step = self.pipeline(ch.total, mb, self._llm_hop(lp)) + update
         mem = self.chain_memory(ch, 0, mb, lp.dp * lp.cp)
-        return self._estimate("homogeneous", step, {n: mem for n in pars}, lp.size, update)
+        encoder_layers = sum(e.num_layers for e in self.spec.encoders)
+        llm_stages = [ch.sizes[0] - encoder_layers, *ch.sizes[1:]]
+        return self._estimate("homogeneous", step, {n: mem for n in pars}, lp.size, update, llm_stages)
 
-    def llm_chain(self, lp: Par) -> Chain:
-        return self.chain([(self.spec.language, lp, self.m)], lp.pp)
+    def llm_chain(self, lp: Par, others: float = 0.0, fit_memory: bool = True) -> Chain:
+        """The LLM's stages on its ranks; with ``fit_memory``, split to fit
+        the GPU's memory beside ``others`` bytes (colocated encoders) where
+        the balanced split does not."""
+        mb = self.g // (self.m * lp.dp)
+        fit = (0, mb, lp.dp * lp.cp, self.gpu.memory_bytes - others) if fit_memory else None
+        return self.chain([(self.spec.language, lp, self.m)], lp.pp, fit)
 
     def encoder_chain(self, e: ModuleSpec, par: Par, samples: float) -> Chain:
         return self.chain([(e, par, samples)], par.pp)
 
-    def heterogeneous(self, pars: Mapping[str, Par]) -> Estimate:
+    def heterogeneous(self, pars: Mapping[str, Par], fit_memory: bool = True) -> Estimate:
         """Encoders on the LLM's ranks run colocated (three phases around the
         LLM's 1F1B); the others run on their islands (encoders sharing a rank
         range), pipelined into the LLM. Any island makes the placement
         ``non-colocated`` (with colocated encoders too, a mixed placement)."""
         lp = pars["language"]
         mb = self.g // (self.m * lp.dp)
-        llm = self.llm_chain(lp)
         on_llm, islands = [], {}
         for e in self.spec.encoders:
             ep = pars[e.name]
@@ -449,6 +543,7 @@ class StepModel:
                 islands.setdefault(ep.ranks, []).append(e)
         placement = "non-colocated" if islands else "colocated"
         phases, enc_updates, enc_mem = self._colocated_encoders(on_llm, pars, lp, mb)
+        llm = self.llm_chain(lp, enc_mem, fit_memory)
         # The LLM's ranks update the LLM, then their colocated encoders.
         update = self.update_time(llm, lp) + enc_updates
         llm_mem = self.chain_memory(llm, 0, mb, lp.dp * lp.cp) + enc_mem
@@ -465,7 +560,7 @@ class StepModel:
         step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + phases + update
         # Layouts leave no rank idle (``layout_rule_errors``): the last rank used is the GPU count.
         gpus = max(r.stop for r in (lp.ranks, *islands))
-        return self._estimate(placement, step, modules, gpus, update)
+        return self._estimate(placement, step, modules, gpus, update, llm.sizes)
 
     def _colocated_encoders(self, encs, pars, lp: Par, mb: int) -> tuple[float, float, float]:
         """Time the encoder phases of the three-phase schedule add to the
@@ -513,6 +608,11 @@ def _fold(values, pre: int, post: int) -> list[float]:
     return core
 
 
+def _lead_item(values, lead: int, join=sum) -> list[float]:
+    """``values`` with the first ``lead + 1`` entries joined into one item."""
+    return [join(values[:lead + 1])] + list(values[lead + 1:])
+
+
 def _sum_lists(a, b) -> list[float]:
     return [x + y for x, y in zip(a, b)]
 
@@ -530,35 +630,101 @@ def _stages(values, sizes) -> list[float]:
     return [sum(values[i:j]) for i, j in _bounds(sizes)]
 
 
-def partition(costs: list[float], pp: int) -> list[int]:
+class StageMemory:
+    """What pipeline stages hold, for ``partition``: per item, bytes held
+    once (``fixed``: weights, gradients, optimizer shard), bytes per
+    in-flight microbatch (``per_microbatch``) and bytes live once
+    (``transient``, the largest counts); stage ``k`` holds ``in_flight[k]``
+    microbatches."""
+
+    def __init__(self, fixed, per_microbatch, transient, in_flight):
+        self.fixed = [0.0, *accumulate(fixed)]
+        self.act = [0.0, *accumulate(per_microbatch)]
+        # Sparse table for the largest transient of a range.
+        self.peak = [list(transient)]
+        width = 1
+        while 2 * width <= len(transient):
+            row = self.peak[-1]
+            self.peak.append([max(row[i], row[i + width]) for i in range(len(row) - width)])
+            width *= 2
+        self.in_flight = in_flight
+
+    def held(self, stage: int, i: int, j: int) -> float:
+        """Bytes items ``i .. j-1`` hold as stage ``stage``."""
+        level = (j - i).bit_length() - 1
+        row = self.peak[level]
+        transient = max(row[i], row[j - (1 << level)])
+        return self.fixed[j] - self.fixed[i] + self.in_flight[stage] * (self.act[j] - self.act[i]) + transient
+
+    def fits(self, stage: int, i: int, j: int, limit: float) -> bool:
+        return self.held(stage, i, j) <= limit
+
+    def largest(self, sizes: list[int]) -> float:
+        """Bytes held by the fullest stage of a split."""
+        ends = list(accumulate(sizes))
+        return max(self.held(k, j - n, j) for k, (n, j) in enumerate(zip(sizes, ends)))
+
+    def earliest(self, stage: int, lo: int, j: int, limit: float) -> int | None:
+        """The earliest start in ``lo .. j-1`` of a stage ending at ``j``
+        that fits (memory grows as the start moves back), or None."""
+        if not self.fits(stage, j - 1, j, limit):
+            return None
+        if self.fits(stage, lo, j, limit):
+            return lo
+        hi = j - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(stage, mid, j, limit):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+
+def partition(costs: list[float], pp: int, memory: StageMemory | None = None,
+              limit: float = float("inf")) -> list[int] | None:
     """Contiguous split into ``pp`` non-empty stages with the smallest possible
-    slowest stage (optimal to 1e-12 relative). A greedy sweep from the back
-    (each stage as long as the bound allows) decides whether a bound is
-    feasible. Bisection on the bound, with both ends snapped to values a
+    slowest stage (optimal to 1e-12 relative); with ``memory``, the smallest
+    slowest stage among splits whose every stage holds at most ``limit``
+    bytes, or None if none does.
+    A greedy sweep from the back (each stage as long as the bound, and the
+    memory, allow) decides whether a bound is feasible: both limits only
+    tighten as a stage grows, so the sweep finds every stage's earliest
+    start. Bisection on the bound, with both ends snapped to values a
     split can take: a feasible sweep lowers the upper end to its own slowest
     stage; a failed one raises the lower end to the smallest stage that
-    would have had to grow by one layer (no bound below that can succeed,
-    since the sweep would cut the same stages). Stages fill from the back,
-    leaving the early stages (which hold more 1F1B microbatches) the
-    lightest."""
+    time alone kept from growing by one layer (no bound below that can
+    succeed, since the sweep would cut the same stages). Stages fill from
+    the back, leaving the early stages (which hold more 1F1B microbatches)
+    the lightest."""
     n = len(costs)
     if pp < 1 or pp > n:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
     if pp == 1:
-        return [n]
+        return [n] if memory is None or memory.fits(0, 0, n, limit) else None
     pre = [0.0, *accumulate(costs)]
 
     def cut(bound: float) -> tuple[list[int] | None, float]:
         """(sizes, slowest stage) when ``bound`` is feasible, else (None, the
-        next bound worth trying)."""
+        next bound worth trying; infinite when no larger bound helps)."""
         sizes, j, worst, grow = [], n, 0.0, float("inf")
         for s in range(pp, 0, -1):
             # earliest start leaving s - 1 layers before it and one in it
             i = bisect_left(pre, pre[j] - bound, s - 1, j - 1)
+            while i < j - 1 and pre[j] - pre[i] > bound:
+                i += 1    # rounding: pre[i] >= pre[j] - bound need not mean pre[j] - pre[i] <= bound
             if pre[j] - pre[i] > bound:
                 return None, pre[j] - pre[j - 1]
+            held = memory is not None and not memory.fits(s - 1, i, j, limit)
+            if held:
+                i = memory.earliest(s - 1, i, j, limit)
+                if i is None:
+                    # Its last layer alone does not fit here: only a later
+                    # stage that time kept short can change that by growing.
+                    return None, grow
             worst = max(worst, pre[j] - pre[i])
-            if i > 0:
+            if i > s - 1 and not held:
+                # time, not the layers the earlier stages need, kept it short
                 grow = min(grow, pre[j] - pre[i - 1])
             sizes.append(j - i)
             j = i
@@ -568,15 +734,16 @@ def partition(costs: list[float], pp: int) -> list[int]:
 
     peak = max(costs)
     lo = max(peak, pre[n] / pp)
-    best, hi = cut(lo + peak)
-    assert best is not None
+    best, hi = cut(lo + peak if memory is None else pre[n])
+    if best is None:
+        return None
     mid = lo
     for _ in range(200):
         if hi - lo <= 1e-12 * hi:
             break
         sizes, value = cut(mid)
         if sizes is None:
-            lo = max(lo, min(value, hi))
+            lo = max(lo, mid, min(value, hi))
         else:
             best, hi = sizes, value
         mid = (lo + hi) / 2

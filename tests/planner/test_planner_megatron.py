@@ -12,7 +12,7 @@ import yaml
 
 from mimo.planner.hardware import get_gpu
 from mimo.planner.layout_search import LayoutSearch
-from mimo.planner.megatron import Par, Work, partition
+from mimo.planner.megatron import Par, StageMemory, Work, partition
 from mimo.planner.spec import read_model
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -87,6 +87,152 @@ def test_partition_is_optimal_on_long_uniform_chains():
             got = max(got, sum(costs[i:i + s]))
             i += s
         assert got == pytest.approx(_dp_best(costs, pp), rel=1e-9)
+
+
+def _held(mem, pp, sizes):
+    i, out = 0, []
+    for k, s in enumerate(sizes):
+        out.append(mem.held(k, i, i + s))
+        i += s
+    return out
+
+
+def test_partition_under_a_memory_limit_is_optimal():
+    # Exhaustive reference: the smallest slowest stage among the splits whose
+    # every stage (early stages holding more microbatches) fits the limit.
+    rng = random.Random(11)
+    checked = infeasible = 0
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        pp = rng.randint(1, n)
+        costs = [rng.uniform(0, 10) for _ in range(n)]
+        fixed = [rng.uniform(0, 4) for _ in range(n)]
+        act = [rng.uniform(0, 3) for _ in range(n)]
+        trans = [rng.uniform(0, 6) if rng.random() < 0.3 else 0.0 for _ in range(n)]
+        in_flight = [max(1, min(pp - k, rng.randint(1, 4))) for k in range(pp)]
+        in_flight = sorted(in_flight, reverse=True)
+        mem = StageMemory(fixed, act, trans, in_flight)
+        limit = rng.uniform(2, 30)
+        feasible = []
+        for c in combinations(range(1, n), pp - 1):
+            bounds = list(zip((0,) + c, c + (n,)))
+            if all(mem.held(k, a, b) <= limit for k, (a, b) in enumerate(bounds)):
+                feasible.append(max(sum(costs[a:b]) for a, b in bounds))
+        sizes = partition(costs, pp, mem, limit)
+        if not feasible:
+            assert sizes is None
+            infeasible += 1
+            continue
+        assert sizes is not None and len(sizes) == pp and min(sizes) >= 1 and sum(sizes) == n
+        assert max(_held(mem, pp, sizes)) <= limit
+        got, i = 0.0, 0
+        for s in sizes:
+            got = max(got, sum(costs[i:i + s]))
+            i += s
+        assert got == pytest.approx(min(feasible), rel=1e-9, abs=1e-12)
+        checked += 1
+    assert checked > 100 and infeasible > 20    # both outcomes exercised
+
+
+def test_partition_survives_rounding_of_stage_sums():
+    # pre[j] - bound <= pre[i] need not give pre[j] - pre[i] <= bound in
+    # floating point: a bound just below 6 once failed a split whose stages
+    # all sum to at most 5, and the memory-bound bisection settled on 6.
+    costs = [1.0, 2.0, 2.0, 0.2746122832090814, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0, 2.0]
+    fixed = [1.37, 1.93, 3.0, 1.48, 3.1, 1.34, 0.88, 3.08, 3.55, 1.31, 3.74]
+    act = [0.09, 1.16, 2.38, 2.45, 2.08, 2.55, 1.68, 0.9, 1.35, 1.73, 1.68]
+    mem = StageMemory(fixed, act, [2.57] + [0.0] * 10, [3, 2, 1, 1])
+    sizes = partition(costs, 4, mem, 26.33)
+    assert sizes is not None and max(_held(mem, 4, sizes)) <= 26.33
+    i, worst = 0, 0.0
+    for n in sizes:
+        worst = max(worst, sum(costs[i:i + n]))
+        i += n
+    assert worst == 5.0
+
+
+def test_pipeline_split_moves_layers_to_later_stages_to_fit_memory():
+    # Table A3's 128K homogeneous layout 4/8/2/1 for a narrow 14B LLM (64 x
+    # 4096): the time-balanced split puts two 2-sample microbatches of
+    # activations for half the layers on stage 0, over 80 GiB. A tuned run
+    # (the paper's search covers "LLM pipeline-layer balance") moves layers
+    # to stage 1, which holds one microbatch.
+    cfg = paper_check.model_config("1B", "14B")
+    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456)
+    spec = read_model(cfg)
+    gpu = get_gpu("h100")
+    s = LayoutSearch(spec, gpu, Work(131072, {"images": 96.0}), 4, 2, grad_reduce_in_fp32=False)
+    m = s.model
+    lp = Par(4, 8, 2, 1, True)
+    enc = spec.encoders[0]
+    mods = [(enc, Par(4, 8, 1, 1, True), 2), (spec.language, lp, 2)]
+    balanced = m.chain(mods, 2)
+    fitted = m.chain(mods, 2, (0, 2, 8, gpu.memory_bytes))
+    assert m.chain_memory(balanced, 0, 2, 8) > gpu.memory_bytes      # the old answer: over memory
+    assert m.chain_memory(fitted, 0, 2, 8) <= gpu.memory_bytes
+    assert fitted.sizes[0] < balanced.sizes[0] and sum(fitted.sizes) == sum(balanced.sizes)
+    assert max(fitted.total) > max(balanced.total)                    # paid in time
+    est = s.evaluate({"language": lp, "images": Par(sp=True)}, homogeneous=True)
+    assert est.peak_memory <= gpu.memory_bytes
+    assert list(est.llm_stage_layers) == [fitted.sizes[0] - enc.num_layers, fitted.sizes[1]]
+    # a split that fits as it is is left alone
+    assert m.chain(mods, 2, (0, 2, 8, 10 * gpu.memory_bytes)) is balanced
+
+
+def test_emitted_stage_layers_are_the_split_that_was_costed():
+    # Colocated, the encoder's memory sits beside every LLM stage: the LLM's
+    # split moves layers back until both fit, and the config plan.py writes
+    # carries that split, which costs the same when evaluated as written.
+    import plan as plan_cli
+    from mimo.planner.layout_search import Planned
+    cfg = paper_check.model_config("1B", "14B")
+    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456)
+    spec = read_model(cfg)
+    gpu = get_gpu("h100")
+    s = LayoutSearch(spec, gpu, Work(131072, {"images": 96.0}), 4, 1, grad_reduce_in_fp32=False)
+    pars = {"language": Par(2, 8, 4, 1, True), "images": Par(2, 1, 1, 32, True)}
+    est = s.evaluate(pars, fit_memory=True)
+    balanced = s.model.chain([(spec.language, pars["language"], 1)], 4).sizes
+    as_written = s.evaluate(pars)           # a config without stage_layers: the balanced split
+    assert as_written.peak_memory > gpu.memory_bytes and list(as_written.llm_stage_layers) == balanced
+    assert est.peak_memory <= gpu.memory_bytes
+    assert list(est.llm_stage_layers) != balanced and est.llm_stage_layers[0] < balanced[0]
+    out = plan_cli._config({"model": cfg}, s, Planned(est, pars), ["language", "images"])
+    written = out["parallelism"]["language"]["stage_layers"]
+    assert written == list(est.llm_stage_layers)
+    again = s.evaluate({**pars, "language": Par(2, 8, 4, 1, True, stage_layers=tuple(written))})
+    assert again.step_time == pytest.approx(est.step_time, rel=1e-12)
+    assert again.peak_memory == pytest.approx(est.peak_memory, rel=1e-12)
+
+
+def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
+    # plan.py --evaluate costs a config as written (the trainer would not
+    # move layers either) and, when moving LLM layers back would make it fit,
+    # says which stage_layers to write.
+    import plan as plan_cli
+    cfg = paper_check.model_config("1B", "14B")
+    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456,
+                           max_sequence_length=131072)
+    raw = {"model": cfg, "data": {"kind": "mock", "seq_length": 131072},
+           "training": {"global_batch_size": 4, "micro_batch_size": 1, "precision": "bf16",
+                        "grad_reduce_in_fp32": False},
+           "parallelism": {"language": {"tp": 2, "cp": 8, "pp": 4, "dp": 1, "sp": True},
+                           "images": {"tp": 2, "dp": 32, "sp": True}}}
+    path = _write(tmp_path, raw)
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps([[32768, 96, 0]]))
+    args = ["--config", path, "--evaluate", "--json", "--samples", str(samples)]
+    assert plan_cli.main(args) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["peak_memory_gb"] > 80
+    hint = out.err.split("parallelism.language.stage_layers: ")[1]
+    split = json.loads(hint.split(" would fit")[0])
+    assert sum(split) == 64 and split[0] < 16
+    raw["parallelism"]["language"]["stage_layers"] = split
+    assert plan_cli.main(["--config", _write(tmp_path, raw, "fitted.yaml"), "--evaluate", "--json",
+                          "--samples", str(samples)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["peak_memory_gb"] < 80 * 1.073741824 and out.err == ""
 
 
 def test_homogeneous_keeps_encoder_in_stage_zero_and_balances_llm_layers():
