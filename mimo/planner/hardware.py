@@ -27,10 +27,14 @@ class GpuSpec:
     # achieved fraction of peak for large bf16 GEMMs (cuBLAS on H100 SXM reaches
     # 650-750 TFLOP/s on big square-ish shapes) and for fused attention
     # (FlashAttention forward ~50-60% of peak; its backward does 2.5x the FLOPs
-    # at a lower rate), achieved NCCL bus bandwidth as a fraction of the link
-    # rate, and per-message latency inside / across nodes.
+    # at a lower rate: the FlashAttention-3 paper's H100 SXM5 figures for head
+    # dim 128 at 8K-16K tokens give cuDNN 516-518 TFLOP/s backward against
+    # 595-600 forward, FlashAttention-3 559-561 against 646-648, about 0.86x),
+    # achieved NCCL bus bandwidth as a fraction of the link rate, and
+    # per-message latency inside / across nodes.
     gemm_efficiency: float = 0.7
     attention_efficiency: float = 0.5
+    attention_backward_rate: float = 0.86
     link_efficiency: float = 0.8
     intra_node_latency: float = 8e-6
     inter_node_latency: float = 25e-6

@@ -12,8 +12,9 @@ constants:
   the GPU's achieved large-GEMM rate plus its operand traffic at HBM bandwidth,
   so skinny GEMMs (small hidden sizes cut by TP) are slower per FLOP, as on real
   hardware. Backward is data-gradient + weight-gradient GEMMs and 2.5x the
-  attention FLOPs; frozen-aware: gradients autograd skips are not charged
-  (``costs.backward_costs``, exact per layer).
+  attention FLOPs, at fused attention's lower backward rate; frozen-aware:
+  gradients autograd skips are not charged (``costs.backward_costs``, exact
+  per layer).
 * **Tensor parallelism** stays inside a node. Without SP a layer does two
   all-reduces forward and two backward; with SP (``sp``) the same volume as
   all-gather / reduce-scatter, and the layer-norm / dropout activations and
@@ -189,6 +190,7 @@ class StepModel:
         scale = 1.0 if precision == "bf16" else 0.5
         self.gemm_flops = gpu.peak_flops * gpu.gemm_efficiency * scale
         self.attn_flops = gpu.peak_flops * gpu.attention_efficiency * scale
+        self.attn_backward_flops = self.attn_flops * gpu.attention_backward_rate
         self.hbm = gpu.memory_bandwidth
         self.dist_opt = distributed_optimizer
         # Per trainable bf16 parameter: 2 bytes of weight, the gradient buffer
@@ -243,8 +245,9 @@ class StepModel:
 
         gemm = (self._gemm(t, h, (q + 2 * kv) / tp) + self._gemm(t, q / tp, h)
                 + self._gemm(t, h, fc1 / tp) + self._gemm(t, f / tp, h))
-        attn_f = 4.0 * t * span * q / tp / self.attn_flops
-        attn_b = ATTENTION_BACKWARD_RATIO * attn_f
+        attn_flops = 4.0 * t * span * q / tp
+        attn_f = attn_flops / self.attn_flops
+        attn_b = ATTENTION_BACKWARD_RATIO * attn_flops / self.attn_backward_flops
         # The MLP's activation reads fc1 and writes f, forward and backward.
         ew = bpe * t * (8 * h / seq_div + 2 * (fc1 + f) / tp) / self.hbm
         cp_f = cp_b = 0.0

@@ -235,6 +235,27 @@ def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     assert json.loads(out.out)["peak_memory_gb"] < 80 * 1.073741824 and out.err == ""
 
 
+def test_attention_backward_runs_at_its_own_rate():
+    # Fused attention's backward does 2.5x the forward FLOPs at 0.86x the
+    # forward rate (FlashAttention-3 paper, H100 SXM5, head dim 128): only
+    # the backward changes with the rate, by exactly that attention time.
+    import dataclasses
+    from mimo.planner.megatron import StepModel
+    spec = read_model(paper_check.model_config("1B", "7B"))
+    work = Work(65536, {"images": 48.0})
+    h100 = get_gpu("h100")
+    assert h100.attention_backward_rate == 0.86
+    same = dataclasses.replace(h100, attention_backward_rate=1.0)
+    lang, lp = spec.language, Par(2, 1, 1, 2, True)      # CP 1: no ring to hide behind the attention
+    tokens, span = 65536.0, 65536 / 2
+    a = StepModel(spec, h100, work, 4, 1).module_layers(lang, lp, tokens, span, lang.hidden_size)[0][1]
+    b = StepModel(spec, same, work, 4, 1).module_layers(lang, lp, tokens, span, lang.hidden_size)[0][1]
+    attn_f = 4.0 * tokens * span * lang.attention_width / lp.tp / (h100.peak_flops * h100.attention_efficiency)
+    assert a.forward == b.forward
+    assert a.backward_input - b.backward_input == pytest.approx(2.5 * attn_f * (1 / 0.86 - 1), rel=1e-9)
+    assert a.backward_weight == b.backward_weight
+
+
 def test_homogeneous_keeps_encoder_in_stage_zero_and_balances_llm_layers():
     # Megatron's tuned homogeneous run: the whole encoder sits in the LLM's
     # first stage, which gets fewer LLM layers (decoder_first_pipeline_num_layers)
