@@ -351,12 +351,18 @@ class StepModel:
         behind, mb, shard, budget = fit
         if self.chain_memory(balanced, behind, mb, shard) <= budget:
             return balanced
+        limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD
+        # Whatever the split, the stages together hold every layer's state and
+        # at least the last stage's count of microbatches of activations.
+        least = sum(self.state_bytes(w, tr, shard) for w, tr in zip(balanced.weights, balanced.trainable)) \
+            + max(1, min(1 + behind, mb)) * sum(balanced.activations)
+        if least > pp * limit:
+            return balanced
         layers = self._concat(mods)
         held = (*key, behind, mb, shard)
         if held not in self._stage_memory:
             self._stage_memory[held] = (self._held(layers, pp, behind, mb, shard), [])
         memory, known = self._stage_memory[held]
-        limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD
         # The fastest split under a limit stays the fastest for any smaller
         # limit it still fits (fewer splits fit), and no split fits under a
         # limit below one that none fits: a search's many budgets (one per
