@@ -209,7 +209,8 @@ class StepModel:
         self._lists: dict[tuple, tuple] = {}
         self._updates: dict[tuple, float] = {}
         self._concats: dict[tuple, Layers] = {}
-        self._stage_memory: dict[tuple, tuple[StageMemory, list]] = {}
+        # per split-to-fit key: [bytes per stage at the very least, StageMemory, known answers]
+        self._stage_memory: dict[tuple, list] = {}
         self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
         self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
@@ -352,17 +353,20 @@ class StepModel:
         if self.chain_memory(balanced, behind, mb, shard) <= budget:
             return balanced
         limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD
-        # Whatever the split, the stages together hold every layer's state and
-        # at least the last stage's count of microbatches of activations.
-        least = sum(self.state_bytes(w, tr, shard) for w, tr in zip(balanced.weights, balanced.trainable)) \
-            + max(1, min(1 + behind, mb)) * sum(balanced.activations)
-        if least > pp * limit:
-            return balanced
-        layers = self._concat(mods)
         held = (*key, behind, mb, shard)
         if held not in self._stage_memory:
-            self._stage_memory[held] = (self._held(layers, pp, behind, mb, shard), [])
-        memory, known = self._stage_memory[held]
+            # Whatever the split, the stages together hold every layer's state
+            # and at least the last stage's count of microbatches of activations.
+            least = sum(self.state_bytes(w, tr, shard) for w, tr in zip(balanced.weights, balanced.trainable)) \
+                + max(1, min(1 + behind, mb)) * sum(balanced.activations)
+            self._stage_memory[held] = [least / pp, None, []]
+        entry = self._stage_memory[held]
+        if entry[0] > limit:
+            return balanced
+        layers = self._concat(mods)
+        if entry[1] is None:
+            entry[1] = self._held(layers, pp, behind, mb, shard)
+        _, memory, known = entry
         # The fastest split under a limit stays the fastest for any smaller
         # limit it still fits (fewer splits fit), and no split fits under a
         # limit below one that none fits: a search's many budgets (one per
