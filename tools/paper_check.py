@@ -83,7 +83,22 @@ ALT = {
                "70B": (80, 8192, 64, 8), "120B": (96, 10240, 80, 8)},
               {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
                "12B": (60, 4096, 32)}, 448),
+    # Llama-1/2-style: gated MLPs and multi-head attention (a K/V head per
+    # query head, so CP moves and stores far more K/V), the widths of
+    # Llama-2 7B / 13B, Llama-1 33B / 65B and a 120B; encoders as ours.
+    "mha": ({"7B": (32, 4096, 32, 32), "14B": (40, 5120, 40, 40), "32B": (60, 6656, 52, 52),
+             "70B": (80, 8192, 64, 64), "120B": (96, 10240, 80, 80)},
+            {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
+             "12B": (60, 4096, 32)}, 448),
+    # Deeper and narrower LLMs than "deep" (14B = 64 x 4096: the most
+    # activation memory per parameter of any set), encoders as ours.
+    "narrow": ({"7B": (40, 3584, 28, 4), "14B": (64, 4096, 32, 8), "32B": (80, 5120, 40, 8),
+                "70B": (100, 7168, 56, 8), "120B": (128, 8192, 64, 8)},
+               {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
+                "12B": (60, 4096, 32)}, 448),
 }
+# Shape sets whose LLMs have gated (swiglu) MLPs.
+GATED = ("gated", "mha")
 _SHAPES = {"name": "ours", "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
@@ -135,7 +150,7 @@ def _shapes(enc: str, llm: str):
     llms, encs, image = ALT[_SHAPES["name"]]
     L, h, a, g = llms[llm]
     el, eh, ea = encs[enc]
-    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] == "gated" else 2)
+    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] in GATED else 2)
     return (L, h, a, g, f), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
 
 
@@ -144,7 +159,7 @@ def model_config(enc: str, llm: str, frozen: bool = False) -> dict:
     return {
         "language": {"num_layers": L, "hidden_size": h, "num_attention_heads": a, "num_query_groups": g,
                      "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False,
-                     "activation": "swiglu" if _SHAPES["name"] == "gated" else "gelu"},
+                     "activation": "swiglu" if _SHAPES["name"] in GATED else "gelu"},
         "encoders": {"images": {"kind": "vision", "num_layers": el, "hidden_size": eh, "num_attention_heads": ea,
                                 "ffn_hidden_size": ef, "image_size": image, "patch_size": PATCH,
                                 "frozen": frozen,
@@ -395,7 +410,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="h100")
     p.add_argument("--json", action="store_true")
     p.add_argument("--shapes", choices=["ours", *ALT], default="ours",
-                   help="model shapes of the paper's sizes (robustness check: deep / wide / gated swiglu LLMs)")
+                   help="model shapes of the paper's sizes (robustness check: deep / wide / narrow, "
+                        "gated swiglu LLMs, mha: gated with multi-head attention)")
     p.add_argument("--encoders", choices=ENCODER_MODES, default="paper",
                    help="encoders trainable, frozen (projectors trainable), or as the paper's evidence says "
                         "(default: A2/A3 trainable, A4 frozen)")

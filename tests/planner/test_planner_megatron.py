@@ -275,7 +275,7 @@ def test_homogeneous_keeps_encoder_in_stage_zero_and_balances_llm_layers():
 def test_paper_a2_slower_rows_stay_below_8_percent_for_other_shapes():
     # robustness: the rows measured on par / slower are not predicted as big
     # gains for model shapes other than ours (same sizes)
-    for shapes in ("ours", "deep", "wide", "gated"):
+    for shapes in ("ours", *paper_check.ALT):
         paper_check.use_shapes(shapes)
         try:
             rs = paper_check.rows("A2")
@@ -284,10 +284,13 @@ def test_paper_a2_slower_rows_stay_below_8_percent_for_other_shapes():
         assert paper_check.metrics("A2", rs)["par_or_slower_below_8"], shapes
 
 
-def test_paper_a3_targets_hold_for_llama_style_gated_shapes():
-    # swiglu LLMs of the same sizes (paper_check --shapes gated): sized by
-    # three MLP matrices, and Table A3's targets still hold
-    paper_check.use_shapes("gated")
+@pytest.mark.parametrize("shapes", ["gated", "mha", "narrow", "deep", "wide"])
+def test_paper_a3_targets_hold_for_other_shapes(shapes):
+    # Other shapes of the same sizes (paper_check --shapes): every LLM at
+    # its stated size (gated ones sized by three MLP matrices), and Table
+    # A3's targets still hold. "narrow" (14B = 64 x 4096) needs the split
+    # that fits memory: balanced, its 128K homogeneous layout needs 101.5 GB.
+    paper_check.use_shapes(shapes)
     try:
         spec = read_model(paper_check.model_config("1B", "70B"))
         rs = paper_check.rows("A3")
@@ -295,10 +298,10 @@ def test_paper_a3_targets_hold_for_llama_style_gated_shapes():
         paper_check.use_shapes("ours")
     model = LayoutSearch(spec, get_gpu("h100"), Work(512, {}), 8, 1).model
     params = sum(model.chain([(spec.language, Par(), 1)], 1).weights)
-    assert spec.language.gated and abs(params / 70e9 - 1) < 0.02
+    assert spec.language.gated == (shapes in paper_check.GATED) and abs(params / 70e9 - 1) < 0.02
     m = paper_check.metrics("A3", rs)
     assert m["big_gains_predicted"] and m["spearman_gain"] >= 0.5
-    assert 0.6 <= m["step_ratio_median"] <= 1.6
+    assert 0.6 <= m["step_ratio_median"] <= 1.6 and m["step_ratio_within_0.5_2"] >= 0.75
     assert m["memory_within_40pct"] >= 0.75 and m["max_predicted_memory_gb"] <= 100
 
 
