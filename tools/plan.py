@@ -155,25 +155,29 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     if model.get("hf") is None and model["language"].get("hf") is None:
         # A Hugging Face directory sets the length itself (max_position_embeddings).
         model["language"].setdefault("max_sequence_length", searcher.work.seq_length)
+    pars = dict(planned.pars)
+    estimate = planned.estimate
+    if estimate.placement == "homogeneous":
+        # Not expressible as its own placement: the nearest config colocates
+        # each encoder at the LLM's TP over the same GPUs, and its LLM split
+        # is the one that layout is costed with (the encoders' memory beside
+        # every LLM stage, not inside the first).
+        size = pars["language"].size
+        for name in order:
+            if name != "language":
+                p = pars[name]
+                pars[name] = Par(p.tp, 1, 1, size // p.tp, p.sp, p.recompute, 0)
+        estimate = searcher.model.evaluate("colocated", pars)
     par = {}
     for name in order:
-        p = planned.pars[name]
-        if planned.estimate.placement == "homogeneous" and name != "language":
-            # Not expressible as its own placement: the nearest config is the
-            # encoder colocated with the LLM's TP over the same GPUs.
-            size = planned.pars["language"].size
-            p = Par(p.tp, 1, 1, size // p.tp, p.sp, p.recompute, 0)
+        p = pars[name]
         entry = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": 1, "rank_offset": p.rank_offset,
                  "sp": p.sp, "recompute": p.recompute}
         if p.pp > 1 and name == "language":
-            # The split that was costed (balanced, or moved to fit memory); the
-            # homogeneous one counts the encoders in its first stage, which
-            # the nearest mimo config does not.
-            entry["stage_layers"] = list(searcher.model.llm_chain(p).sizes
-                                         if planned.estimate.placement == "homogeneous"
-                                         else planned.estimate.llm_stage_layers)
+            # The split that was costed (balanced, or moved to fit memory).
+            entry["stage_layers"] = list(estimate.llm_stage_layers)
         elif p.pp > 1:
-            samples = searcher.m * planned.pars["language"].dp / p.dp
+            samples = searcher.m * pars["language"].dp / p.dp
             entry["stage_layers"] = searcher.model.chain([(searcher.spec.module(name), p, samples)], p.pp).sizes
         par[name] = entry
     cfg["parallelism"] = par

@@ -352,7 +352,9 @@ class StepModel:
         behind, mb, shard, budget = fit
         if self.chain_memory(balanced, behind, mb, shard) <= budget:
             return balanced
-        limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD
+        # (A hair of slack: stage sums here are prefix-sum differences, which
+        # may round above the per-stage sums ``chain_memory`` adds.)
+        limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD * (1 + 1e-12)
         held = (*key, behind, mb, shard)
         if held not in self._stage_memory:
             # Whatever the split, the stages together hold every layer's state

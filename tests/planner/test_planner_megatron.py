@@ -205,6 +205,28 @@ def test_emitted_stage_layers_are_the_split_that_was_costed():
     assert again.peak_memory == pytest.approx(est.peak_memory, rel=1e-12)
 
 
+def test_a_homogeneous_pick_is_written_with_the_split_of_the_config_it_becomes():
+    # A homogeneous candidate is written as its nearest mimo config (the
+    # encoder colocated at the LLM's TP); the stage_layers written are the
+    # ones that config is costed with, so it fits as written.
+    import plan as plan_cli
+    s = paper_check._searcher("3B+70B", 16384, 50, 256, 1, "h100")
+    best = s.search(256)[0]
+    assert best.estimate.placement == "homogeneous" and best.pars["language"].pp > 1
+    cfg = plan_cli._config({"model": paper_check.model_config("3B", "70B")}, s, best, ["images", "language"])
+    written = {n: Par(e["tp"], e["cp"], e["pp"], e["dp"], e["sp"], e["recompute"], e["rank_offset"],
+                      tuple(e.get("stage_layers", ()))) for n, e in cfg["parallelism"].items()}
+    as_written = s.evaluate(written)
+    assert as_written.placement == "colocated" and as_written.peak_memory <= s.limit
+    free = {**written, "language": Par(*(getattr(written["language"], k) for k in
+                                         ("tp", "cp", "pp", "dp", "sp", "recompute", "rank_offset")))}
+    assert as_written.llm_stage_layers == s.evaluate(free, fit_memory=True).llm_stage_layers
+    # the LLM-alone split (what was written before) is over memory beside the encoder
+    alone = s.model.llm_chain(free["language"]).sizes
+    assert s.evaluate({**free, "language": Par(*(getattr(free["language"], k) for k in (
+        "tp", "cp", "pp", "dp", "sp", "recompute", "rank_offset")), tuple(alone))}).peak_memory > s.limit
+
+
 def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     # plan.py --evaluate costs a config as written (the trainer would not
     # move layers either) and, when moving LLM layers back would make it fit,
