@@ -189,32 +189,35 @@ class LayoutSearch:
         encs = spec.encoders
         found: list[Planned] = []
         # With fused attention ``selective`` saves no memory, so the search
-        # tries ``none`` and, only when that does not fit, ``full``.
-        recs = ("none", "full")
+        # tries the LLM without recompute and, for each placement where
+        # nothing fits that way, with ``full``.
         for tp, cp, pp, dp in self.llm_layouts(gpus):
             sp = self._sp(spec.language, tp, cp)
-            for rec in recs:
+            fitted: dict[str, Planned] = {}
+            for rec in ("none", "full"):
                 lp = Par(tp, cp, pp, dp, sp, rec, 0)
-                if rec != "none" and self.model.chain_memory(
-                        self.model.llm_chain(Par(tp, cp, pp, dp, sp, "none", 0)),
-                        0, self.g // (self.m * dp), dp * cp) <= self.limit:
+                if self.model.chain_memory(self.model.llm_chain(lp), 0, self.g // (self.m * dp),
+                                           dp * cp) > self.limit:
+                    continue    # not even the LLM alone fits
+                if not encs:
+                    est = self.model.heterogeneous({"language": lp})
+                    if "language" not in fitted and est.peak_memory <= self.limit:
+                        fitted["language"] = Planned(est, {"language": lp})
                     continue
-                if encs:
+                if "homogeneous" not in fitted:
                     enc_recs = {e.name: [Par(tp, cp, 1, dp, self._sp(e, tp, 1), r, 0) for r in ("none", "full")]
                                 for e in encs}
                     h = self._best(self._with_encoders(lp, enc_recs), "homogeneous")
                     if h:
-                        found.append(h)
+                        fitted["homogeneous"] = h
+                if "colocated" not in fitted:
                     opts = {e.name: [Par(etp, 1, 1, edp, self._sp(e, etp, 1), r, 0)
                                      for etp, edp in self.encoder_layouts(e, gpus) for r in ("none", "full")]
                             for e in encs}
                     c = self._best(self._with_encoders(lp, opts), "colocated")
                     if c:
-                        found.append(c)
-                else:
-                    est = self.model.heterogeneous({"language": lp})
-                    if est.peak_memory <= self.limit:
-                        found.append(Planned(est, {"language": lp}))
+                        fitted["colocated"] = c
+            found += fitted.values()
         if encs and gpus > 1:
             found += self._search_non_colocated(gpus)
         if not found:
