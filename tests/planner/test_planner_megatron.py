@@ -227,6 +227,19 @@ def test_a_homogeneous_pick_is_written_with_the_split_of_the_config_it_becomes()
         "tp", "cp", "pp", "dp", "sp", "recompute", "rank_offset")), tuple(alone))}).peak_memory > s.limit
 
 
+def test_search_recomputes_the_llm_where_its_encoders_leave_no_room():
+    # 3B + 14B at 32K on 32 GPUs, LLM 4/1/1/8: the LLM alone fits without
+    # recompute, but not beside any colocated encoder; the search then tries
+    # full LLM recompute for that placement, which fits.
+    s = paper_check._searcher("3B+14B", 32768, 75, 8, 1, "h100")
+    none, full = Par(4, 1, 1, 8, True, "none"), Par(4, 1, 1, 8, True, "full")
+    assert s.model.chain_memory(s.model.llm_chain(none), 0, 1, 8) <= s.limit
+    colocated = [c for c in s.search(32) if c.estimate.placement == "colocated"]
+    assert not [c for c in colocated if c.pars["language"] == none]
+    picked = [c for c in colocated if c.pars["language"] == full]
+    assert picked and picked[0].estimate.peak_memory <= s.limit
+
+
 def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     # plan.py --evaluate costs a config as written (the trainer would not
     # move layers either) and, when moving LLM layers back would make it fit,
