@@ -151,17 +151,27 @@ def test_partition_survives_rounding_of_stage_sums():
     assert worst == 5.0
 
 
+def _narrow_14b(micro_batch):
+    """1B ViT + the 64 x 4096 14B LLM (paper_check --shapes narrow) at 128K
+    tokens, 75% vision, global batch 4, bf16 gradients: config, spec, GPU, search."""
+    paper_check.use_shapes("narrow")
+    try:
+        cfg = paper_check.model_config("1B", "14B")
+    finally:
+        paper_check.use_shapes("ours")
+    spec = read_model(cfg)
+    gpu = get_gpu("h100")
+    return cfg, spec, gpu, LayoutSearch(spec, gpu, Work(131072, {"images": 96.0}), 4, micro_batch,
+                                        grad_reduce_in_fp32=False)
+
+
 def test_pipeline_split_moves_layers_to_later_stages_to_fit_memory():
     # Table A3's 128K homogeneous layout 4/8/2/1 for a narrow 14B LLM (64 x
     # 4096): the time-balanced split puts two 2-sample microbatches of
     # activations for half the layers on stage 0, over 80 GiB. A tuned run
     # (the paper's search covers "LLM pipeline-layer balance") moves layers
     # to stage 1, which holds one microbatch.
-    cfg = paper_check.model_config("1B", "14B")
-    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456)
-    spec = read_model(cfg)
-    gpu = get_gpu("h100")
-    s = LayoutSearch(spec, gpu, Work(131072, {"images": 96.0}), 4, 2, grad_reduce_in_fp32=False)
+    cfg, spec, gpu, s = _narrow_14b(micro_batch=2)
     m = s.model
     lp = Par(4, 8, 2, 1, True)
     enc = spec.encoders[0]
@@ -185,11 +195,7 @@ def test_emitted_stage_layers_are_the_split_that_was_costed():
     # carries that split, which costs the same when evaluated as written.
     import plan as plan_cli
     from mimo.planner.layout_search import Planned
-    cfg = paper_check.model_config("1B", "14B")
-    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456)
-    spec = read_model(cfg)
-    gpu = get_gpu("h100")
-    s = LayoutSearch(spec, gpu, Work(131072, {"images": 96.0}), 4, 1, grad_reduce_in_fp32=False)
+    cfg, spec, gpu, s = _narrow_14b(micro_batch=1)
     pars = {"language": Par(2, 8, 4, 1, True), "images": Par(2, 1, 1, 32, True)}
     est = s.evaluate(pars, fit_memory=True)
     balanced = s.model.chain([(spec.language, pars["language"], 1)], 4).sizes
@@ -245,9 +251,8 @@ def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     # move layers either) and, when moving LLM layers back would make it fit,
     # says which stage_layers to write.
     import plan as plan_cli
-    cfg = paper_check.model_config("1B", "14B")
-    cfg["language"].update(num_layers=64, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=19456,
-                           max_sequence_length=131072)
+    cfg = _narrow_14b(micro_batch=1)[0]
+    cfg["language"]["max_sequence_length"] = 131072
     raw = {"model": cfg, "data": {"kind": "mock", "seq_length": 131072},
            "training": {"global_batch_size": 4, "micro_batch_size": 1, "precision": "bf16",
                         "grad_reduce_in_fp32": False},
