@@ -200,9 +200,10 @@ class LayoutSearch:
                                            dp * cp) > self.limit:
                     continue    # not even the LLM alone fits
                 if not encs:
-                    est = self.model.heterogeneous({"language": lp})
-                    if "language" not in fitted and est.peak_memory <= self.limit:
-                        fitted["language"] = Planned(est, {"language": lp})
+                    # the LLM alone fits (checked above): one candidate, the
+                    # first recompute setting that fits
+                    if "language" not in fitted:
+                        fitted["language"] = Planned(self.model.heterogeneous({"language": lp}), {"language": lp})
                     continue
                 if "homogeneous" not in fitted:
                     enc_recs = {e.name: [Par(tp, cp, 1, dp, self._sp(e, tp, 1), r, 0) for r in ("none", "full")]

@@ -151,7 +151,7 @@ class Layers:
     activations: list[float]
     transient: list[float]
     lead: int
-    items: list[float] = field(default_factory=list)
+    items: list[float] = field(init=False)
 
     def __post_init__(self):
         # What ``partition`` splits: the leading modules and the last

@@ -246,6 +246,25 @@ def test_search_recomputes_the_llm_where_its_encoders_leave_no_room():
     assert picked and picked[0].estimate.peak_memory <= s.limit
 
 
+def test_text_only_search_recomputes_only_where_nothing_else_fits():
+    # An LLM without encoders: one candidate per layout, recompute only when
+    # the layout does not fit without it.
+    cfg = paper_check.model_config("1B", "14B")
+    del cfg["encoders"]
+    spec = read_model(cfg)
+    s = LayoutSearch(spec, get_gpu("h100"), Work(32768, {}), 16, 1, grad_reduce_in_fp32=False)
+    found = s.search(16)
+    layouts = [(p.pars["language"].tp, p.pars["language"].cp, p.pars["language"].pp) for p in found]
+    assert len(layouts) == len(set(layouts)) and all(set(p.pars) == {"language"} for p in found)
+    assert all(p.estimate.peak_memory <= s.limit for p in found)
+    full = [p for p in found if p.pars["language"].recompute == "full"]
+    assert full
+    for p in full:
+        lp = p.pars["language"]
+        none = Par(lp.tp, lp.cp, lp.pp, lp.dp, lp.sp, "none")
+        assert s.model.chain_memory(s.model.llm_chain(none), 0, 16 // lp.dp, lp.dp * lp.cp) > s.limit
+
+
 def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     # plan.py --evaluate costs a config as written (the trainer would not
     # move layers either) and, when moving LLM layers back would make it fit,
