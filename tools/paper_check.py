@@ -63,6 +63,9 @@ def _ffn(params: float, layers: int, hidden: int, heads: int, groups: int, vocab
     return max(512, int(round(f / 512)) * 512)
 
 
+# Our encoders' (layers, hidden, heads), for the sets that vary only the LLMs.
+OUR_ENCODERS = {size: shape[:3] for size, shape in ENCODERS.items()}
+
 # Other shapes of the same sizes, for the robustness check (``--shapes``):
 # deeper and narrower, or shallower and wider, than ours; "wide" also uses
 # 336 px images (576 tokens each). ffn is recomputed to keep the size.
@@ -81,21 +84,18 @@ ALT = {
     # encoders as ours.
     "gated": ({"7B": (32, 4096, 32, 8), "14B": (48, 5120, 40, 8), "32B": (64, 5120, 40, 8),
                "70B": (80, 8192, 64, 8), "120B": (96, 10240, 80, 8)},
-              {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
-               "12B": (60, 4096, 32)}, 448),
+              OUR_ENCODERS, IMAGE),
     # Llama-1/2-style: gated MLPs and multi-head attention (a K/V head per
     # query head, so CP moves and stores far more K/V), the widths of
     # Llama-2 7B / 13B, Llama-1 33B / 65B and a 120B; encoders as ours.
     "mha": ({"7B": (32, 4096, 32, 32), "14B": (40, 5120, 40, 40), "32B": (60, 6656, 52, 52),
              "70B": (80, 8192, 64, 64), "120B": (96, 10240, 80, 80)},
-            {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
-             "12B": (60, 4096, 32)}, 448),
+            OUR_ENCODERS, IMAGE),
     # Deeper and narrower LLMs than "deep" (14B = 64 x 4096: the most
     # activation memory per parameter of any set), encoders as ours.
     "narrow": ({"7B": (40, 3584, 28, 4), "14B": (64, 4096, 32, 8), "32B": (80, 5120, 40, 8),
                 "70B": (100, 7168, 56, 8), "120B": (128, 8192, 64, 8)},
-               {"1B": (24, 2048, 16), "3B": (40, 2560, 32), "6B": (52, 3072, 24), "7.2B": (36, 4096, 32),
-                "12B": (60, 4096, 32)}, 448),
+               OUR_ENCODERS, IMAGE),
 }
 # Shape sets whose LLMs have gated (swiglu) MLPs.
 GATED = ("gated", "mha")

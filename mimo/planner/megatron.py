@@ -209,8 +209,9 @@ class StepModel:
         self._lists: dict[tuple, tuple] = {}
         self._updates: dict[tuple, float] = {}
         self._concats: dict[tuple, Layers] = {}
-        # per split-to-fit key: [bytes per stage at the very least, StageMemory, known answers]
-        self._stage_memory: dict[tuple, list] = {}
+        # Per split-to-fit key: bytes a stage holds at the very least, and what each layer holds.
+        self._stage_floor: dict[tuple, float] = {}
+        self._stage_memory: dict[tuple, StageMemory] = {}
         self._chains: dict[tuple, Chain] = {}    # chains live as long as the model,
         self._memory: dict[tuple, float] = {}    # so their ids are stable keys here
 
@@ -356,33 +357,22 @@ class StepModel:
         # may round above the per-stage sums ``chain_memory`` adds.)
         limit = (budget - self.gpu.reserved_bytes) / ALLOCATOR_OVERHEAD * (1 + 1e-12)
         held = (*key, behind, mb, shard)
-        if held not in self._stage_memory:
+        if held not in self._stage_floor:
             # Whatever the split, the stages together hold every layer's state
             # and at least the last stage's count of microbatches of activations.
             least = sum(self.state_bytes(w, tr, shard) for w, tr in zip(balanced.weights, balanced.trainable)) \
                 + max(1, min(1 + behind, mb)) * sum(balanced.activations)
-            self._stage_memory[held] = [least / pp, None, []]
-        entry = self._stage_memory[held]
-        if entry[0] > limit:
+            self._stage_floor[held] = least / pp
+        if self._stage_floor[held] > limit:
             return balanced
-        layers = self._concat(mods)
-        if entry[1] is None:
-            entry[1] = self._held(layers, pp, behind, mb, shard)
-        _, memory, known = entry
-        # The fastest split under a limit stays the fastest for any smaller
-        # limit it still fits (fewer splits fit), and no split fits under a
-        # limit below one that none fits: a search's many budgets (one per
-        # colocated encoder layout) reuse earlier answers.
-        for low, high, chain in known:
-            if low <= limit <= high:
-                return chain or balanced
-        sizes = partition(layers.items, pp, memory, limit)
-        if sizes is None:
-            known.append((float("-inf"), limit, None))
-            return balanced
-        chain = layers.cut(sizes)
-        known.append((memory.largest(sizes), limit, chain))
-        return chain
+        fitted = (*held, limit)
+        if fitted not in self._chains:
+            layers = self._concat(mods)
+            if held not in self._stage_memory:
+                self._stage_memory[held] = self._held(layers, pp, behind, mb, shard)
+            sizes = partition(layers.items, pp, self._stage_memory[held], limit)
+            self._chains[fitted] = balanced if sizes is None else layers.cut(sizes)
+        return self._chains[fitted]
 
     def _module_lists(self, mod: ModuleSpec, par: Par, samples: float, upstream: bool):
         """One module's per-layer forward, backward, weights, trainable
@@ -673,11 +663,6 @@ class StageMemory:
 
     def fits(self, stage: int, i: int, j: int, limit: float) -> bool:
         return self.held(stage, i, j) <= limit
-
-    def largest(self, sizes: list[int]) -> float:
-        """Bytes held by the fullest stage of a split."""
-        ends = list(accumulate(sizes))
-        return max(self.held(k, j - n, j) for k, (n, j) in enumerate(zip(sizes, ends)))
 
     def earliest(self, stage: int, lo: int, j: int, limit: float) -> int | None:
         """The earliest start in ``lo .. j-1`` of a stage ending at ``j``

@@ -89,7 +89,7 @@ def test_partition_is_optimal_on_long_uniform_chains():
         assert got == pytest.approx(_dp_best(costs, pp), rel=1e-9)
 
 
-def _held(mem, pp, sizes):
+def _stage_bytes(mem, sizes):
     i, out = 0, []
     for k, s in enumerate(sizes):
         out.append(mem.held(k, i, i + s))
@@ -124,7 +124,7 @@ def test_partition_under_a_memory_limit_is_optimal():
             infeasible += 1
             continue
         assert sizes is not None and len(sizes) == pp and min(sizes) >= 1 and sum(sizes) == n
-        assert max(_held(mem, pp, sizes)) <= limit
+        assert max(_stage_bytes(mem, sizes)) <= limit
         got, i = 0.0, 0
         for s in sizes:
             got = max(got, sum(costs[i:i + s]))
@@ -143,7 +143,7 @@ def test_partition_survives_rounding_of_stage_sums():
     act = [0.09, 1.16, 2.38, 2.45, 2.08, 2.55, 1.68, 0.9, 1.35, 1.73, 1.68]
     mem = StageMemory(fixed, act, [2.57] + [0.0] * 10, [3, 2, 1, 1])
     sizes = partition(costs, 4, mem, 26.33)
-    assert sizes is not None and max(_held(mem, 4, sizes)) <= 26.33
+    assert sizes is not None and max(_stage_bytes(mem, sizes)) <= 26.33
     i, worst = 0, 0.0
     for n in sizes:
         worst = max(worst, sum(costs[i:i + n]))
