@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,45 +68,103 @@ def _ffn(params: float, layers: int, hidden: int, heads: int, groups: int, vocab
 # Our encoders' (layers, hidden, heads), for the sets that vary only the LLMs.
 OUR_ENCODERS = {size: shape[:3] for size, shape in ENCODERS.items()}
 
+
+class ShapeSet(NamedTuple):
+    """Model shapes of the paper's sizes: (layers, hidden, heads, query
+    groups) per LLM and (layers, hidden, heads) per encoder; ffn is
+    computed to keep each size."""
+    llms: dict
+    encoders: dict
+    image: int = IMAGE
+    gated: bool = False          # swiglu LLMs (three ffn x hidden matrices)
+    vocab: int = VOCAB
+
+
 # Other shapes of the same sizes, for the robustness check (``--shapes``):
 # deeper and narrower, or shallower and wider, than ours; "wide" also uses
-# 336 px images (576 tokens each). ffn is recomputed to keep the size.
-# (layers, hidden, heads, groups) per LLM and (layers, hidden, heads) per encoder.
+# 336 px images (576 tokens each).
 ALT = {
-    "deep": ({"7B": (48, 3584, 56, 8), "14B": (56, 4608, 48, 8), "32B": (64, 6144, 48, 8),
-              "70B": (96, 7168, 56, 8), "120B": (120, 9216, 72, 8)},
-             {"1B": (32, 1792, 16), "3B": (48, 2304, 24), "6B": (64, 2816, 32), "7.2B": (48, 3584, 32),
-              "12B": (80, 3584, 32)}, 448),
-    "wide": ({"7B": (24, 4608, 48, 8), "14B": (32, 6144, 48, 8), "32B": (40, 8192, 64, 8),
-              "70B": (64, 9216, 72, 8), "120B": (80, 11264, 88, 8)},
-             {"1B": (16, 2560, 32), "3B": (28, 3072, 24), "6B": (40, 3584, 32), "7.2B": (32, 4608, 48),
-              "12B": (48, 4608, 48)}, 336),
+    "deep": ShapeSet({"7B": (48, 3584, 56, 8), "14B": (56, 4608, 48, 8), "32B": (64, 6144, 48, 8),
+                      "70B": (96, 7168, 56, 8), "120B": (120, 9216, 72, 8)},
+                     {"1B": (32, 1792, 16), "3B": (48, 2304, 24), "6B": (64, 2816, 32), "7.2B": (48, 3584, 32),
+                      "12B": (80, 3584, 32)}),
+    "wide": ShapeSet({"7B": (24, 4608, 48, 8), "14B": (32, 6144, 48, 8), "32B": (40, 8192, 64, 8),
+                      "70B": (64, 9216, 72, 8), "120B": (80, 11264, 88, 8)},
+                     {"1B": (16, 2560, 32), "3B": (28, 3072, 24), "6B": (40, 3584, 32), "7.2B": (32, 4608, 48),
+                      "12B": (48, 4608, 48)}, 336),
     # Llama-style LLMs: a gated (swiglu) MLP, the layer counts and widths of
     # Llama-2 7B, Qwen2.5 14B / 32B, Llama-3 70B and a 120B of that family;
     # encoders as ours.
-    "gated": ({"7B": (32, 4096, 32, 8), "14B": (48, 5120, 40, 8), "32B": (64, 5120, 40, 8),
-               "70B": (80, 8192, 64, 8), "120B": (96, 10240, 80, 8)},
-              OUR_ENCODERS, IMAGE),
+    "gated": ShapeSet({"7B": (32, 4096, 32, 8), "14B": (48, 5120, 40, 8), "32B": (64, 5120, 40, 8),
+                       "70B": (80, 8192, 64, 8), "120B": (96, 10240, 80, 8)},
+                      OUR_ENCODERS, gated=True),
     # Llama-1/2-style: gated MLPs and multi-head attention (a K/V head per
     # query head, so CP moves and stores far more K/V), the widths of
     # Llama-2 7B / 13B, Llama-1 33B / 65B and a 120B; encoders as ours.
-    "mha": ({"7B": (32, 4096, 32, 32), "14B": (40, 5120, 40, 40), "32B": (60, 6656, 52, 52),
-             "70B": (80, 8192, 64, 64), "120B": (96, 10240, 80, 80)},
-            OUR_ENCODERS, IMAGE),
+    "mha": ShapeSet({"7B": (32, 4096, 32, 32), "14B": (40, 5120, 40, 40), "32B": (60, 6656, 52, 52),
+                     "70B": (80, 8192, 64, 64), "120B": (96, 10240, 80, 80)},
+                    OUR_ENCODERS, gated=True),
     # Deeper and narrower LLMs than "deep" (14B = 64 x 4096: the most
     # activation memory per parameter of any set), encoders as ours.
-    "narrow": ({"7B": (40, 3584, 28, 4), "14B": (64, 4096, 32, 8), "32B": (80, 5120, 40, 8),
-                "70B": (100, 7168, 56, 8), "120B": (128, 8192, 64, 8)},
-               OUR_ENCODERS, IMAGE),
+    "narrow": ShapeSet({"7B": (40, 3584, 28, 4), "14B": (64, 4096, 32, 8), "32B": (80, 5120, 40, 8),
+                        "70B": (100, 7168, 56, 8), "120B": (128, 8192, 64, 8)},
+                       OUR_ENCODERS),
 }
-# Shape sets whose LLMs have gated (swiglu) MLPs.
-GATED = ("gated", "mha")
-_SHAPES = {"name": "ours", "encoders": "paper", "grad_reduce_in_fp32": False}
+
+# Ranges ``random_shapes`` draws from. Widths per size bracket published
+# dense models of that size; depth follows from the width, an MLP ratio
+# (gelu 3.5-5.5 x hidden, swiglu 2.6-3.6 x) and the size, and is kept to
+# the aspect ratios (hidden / layers) such models have: LLMs 64-200
+# (Llama-2 7B 128, Qwen2.5-32B 80, Llama-3 70B 102), ViTs 28-130 (ViT-L/14
+# 43, ViT-g 35, InternViT-6B 71, EVA-CLIP-8B 128).
+RANDOM_LLM_WIDTHS = {"7B": (3072, 4608), "14B": (4096, 6144), "32B": (5120, 8192),
+                     "70B": (7168, 9216), "120B": (8192, 12288)}
+RANDOM_ENCODER_WIDTHS = {"1B": (1536, 2560), "3B": (2048, 3584), "6B": (2560, 4096),
+                         "7.2B": (3072, 4608), "12B": (3584, 5120)}
+RANDOM_VOCABS = (32000, 128256, 152064, 256000)
+RANDOM_IMAGES = (224, 336, 448)          # 14 px patches: 256, 576, 1024 tokens
+LLM_ASPECT, ENCODER_ASPECT = (64, 200), (28, 130)
+
+
+def random_shapes(seed: int) -> ShapeSet:
+    """A random but plausible shape set of the paper's sizes: head
+    dimensions 64-128, head and query-group counts that TP 8 divides (the
+    paper's layouts run every LLM and, in H, every encoder at TP up to 8),
+    query groups 8, 16 or one per head, gated or not, one of four
+    vocabularies and image sizes."""
+    rng = random.Random(seed)
+    gated = rng.random() < 0.6
+    vocab = rng.choice(RANDOM_VOCABS)
+    llms = {}
+    for size, (lo, hi) in RANDOM_LLM_WIDTHS.items():
+        while True:
+            h, heads = rng.choice([(h, h // d) for h in range(lo, hi + 1, 512) for d in (64, 96, 128)
+                                   if h % d == 0 and (h // d) % 8 == 0])
+            groups = rng.choice([g for g in (8, 16, heads) if heads % g == 0])
+            ratio = rng.uniform(2.6, 3.6) if gated else rng.uniform(3.5, 5.5)
+            per_layer = 2 * h * h + 2 * h * h * groups / heads + (3 if gated else 2) * ratio * h * h
+            layers = max(4, round((SIZES[size] - 2 * vocab * h) / per_layer / 4) * 4)
+            if LLM_ASPECT[0] <= h / layers <= LLM_ASPECT[1]:
+                break
+        llms[size] = (layers, h, heads, groups)
+    encoders = {}
+    for size, (lo, hi) in RANDOM_ENCODER_WIDTHS.items():
+        while True:
+            h, heads = rng.choice([(h, a) for h in range(lo, hi + 1, 256) for a in range(8, 81, 8)
+                                   if h % a == 0 and h // a in (64, 80, 96, 128)])
+            layers = max(4, round(SIZES[size] / (12 * h * h)))
+            if ENCODER_ASPECT[0] <= h / layers <= ENCODER_ASPECT[1]:
+                break
+        encoders[size] = (layers, h, heads)
+    return ShapeSet(llms, encoders, rng.choice(RANDOM_IMAGES), gated, vocab)
+
+
+_SHAPES = {"name": "ours", "set": None, "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
 
 def use_shapes(name: str, encoders: str = "paper", grad_reduce_in_fp32: bool = False) -> None:
-    """Select the model shapes (``ours``, ``deep`` or ``wide``) for the rows,
+    """Select the model shapes (``ours``, a name in ``ALT`` or ``random:SEED``) for the rows,
     the encoders' training state: ``trainable``, ``frozen`` (projectors stay
     trainable) or ``paper`` (see ``encoders_frozen``), and the gradient
     buffers' dtype.
@@ -117,10 +177,9 @@ def use_shapes(name: str, encoders: str = "paper", grad_reduce_in_fp32: bool = F
     activation (about 24 GB for one 8K microbatch). ``True`` costs the rows
     as mimo's trainer runs bf16 by default (what ``plan.py --evaluate`` does
     for a config that leaves ``training.grad_reduce_in_fp32`` out)."""
-    if name != "ours" and name not in ALT:
-        raise ValueError(f"unknown shapes {name!r} (ours, {', '.join(ALT)})")
     if encoders not in ENCODER_MODES:
         raise ValueError(f"unknown encoder mode {encoders!r} ({', '.join(ENCODER_MODES)})")
+    _SHAPES["set"] = shape_set(name)
     _SHAPES["name"], _SHAPES["encoders"] = name, encoders
     _SHAPES["grad_reduce_in_fp32"] = grad_reduce_in_fp32
 
@@ -144,22 +203,37 @@ def encoders_frozen(table: str) -> bool:
     return table == "A4"
 
 
+def shape_set(name: str) -> ShapeSet | None:
+    """``ours`` (None: the tables above), a name in ``ALT``, or
+    ``random:SEED``."""
+    if name == "ours":
+        return None
+    if name in ALT:
+        return ALT[name]
+    kind, _, seed = name.partition(":")
+    if kind == "random" and seed.isdigit():
+        return random_shapes(int(seed))
+    raise ValueError(f"unknown shapes {name!r} (ours, {', '.join(ALT)}, random:SEED)")
+
+
 def _shapes(enc: str, llm: str):
-    if _SHAPES["name"] == "ours":
-        return LLMS[llm], ENCODERS[enc], IMAGE
-    llms, encs, image = ALT[_SHAPES["name"]]
-    L, h, a, g = llms[llm]
-    el, eh, ea = encs[enc]
-    f = _ffn(SIZES[llm], L, h, a, g, VOCAB, 3 if _SHAPES["name"] in GATED else 2)
-    return (L, h, a, g, f), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), image
+    """(LLM shape with ffn, encoder shape with ffn, image px, gated, vocab)."""
+    shapes = _SHAPES["set"]
+    if shapes is None:
+        return LLMS[llm], ENCODERS[enc], IMAGE, False, VOCAB
+    L, h, a, g = shapes.llms[llm]
+    el, eh, ea = shapes.encoders[enc]
+    f = _ffn(SIZES[llm], L, h, a, g, shapes.vocab, 3 if shapes.gated else 2)
+    return ((L, h, a, g, f), (el, eh, ea, _ffn(SIZES[enc], el, eh, ea, ea, 0)), shapes.image,
+            shapes.gated, shapes.vocab)
 
 
 def model_config(enc: str, llm: str, frozen: bool = False) -> dict:
-    (L, h, a, g, f), (el, eh, ea, ef), image = _shapes(enc, llm)
+    (L, h, a, g, f), (el, eh, ea, ef), image, gated, vocab = _shapes(enc, llm)
     return {
         "language": {"num_layers": L, "hidden_size": h, "num_attention_heads": a, "num_query_groups": g,
-                     "ffn_hidden_size": f, "vocab_size": VOCAB, "frozen": False,
-                     "activation": "swiglu" if _SHAPES["name"] in GATED else "gelu"},
+                     "ffn_hidden_size": f, "vocab_size": vocab, "frozen": False,
+                     "activation": "swiglu" if gated else "gelu"},
         "encoders": {"images": {"kind": "vision", "num_layers": el, "hidden_size": eh, "num_attention_heads": ea,
                                 "ffn_hidden_size": ef, "image_size": image, "patch_size": PATCH,
                                 "frozen": frozen,
@@ -409,9 +483,9 @@ def main(argv=None) -> int:
     p.add_argument("--table", choices=["A2", "A3", "A4"], action="append")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--shapes", choices=["ours", *ALT], default="ours",
-                   help="model shapes of the paper's sizes (robustness check: deep / wide / narrow, "
-                        "gated swiglu LLMs, mha: gated with multi-head attention)")
+    p.add_argument("--shapes", default="ours",
+                   help="model shapes of the paper's sizes: ours, or for the robustness check deep / wide / "
+                        "narrow, gated (swiglu LLMs), mha (gated with multi-head attention), random:SEED")
     p.add_argument("--encoders", choices=ENCODER_MODES, default="paper",
                    help="encoders trainable, frozen (projectors trainable), or as the paper's evidence says "
                         "(default: A2/A3 trainable, A4 frozen)")
@@ -419,7 +493,11 @@ def main(argv=None) -> int:
                    help="gradient buffers and DP reduction: bf16 as the paper's memory shows (default), "
                         "or fp32 as mimo's trainer defaults to")
     args = p.parse_args(argv)
-    use_shapes(args.shapes, args.encoders, args.grad_reduce == "fp32")
+    try:
+        use_shapes(args.shapes, args.encoders, args.grad_reduce == "fp32")
+    except ValueError as exc:
+        print(f"error: --shapes: {exc}", file=sys.stderr)
+        return 2
     try:
         get_gpu(args.gpu)
     except ValueError as exc:

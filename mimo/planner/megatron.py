@@ -83,6 +83,13 @@ PLACEMENTS = ("homogeneous", "colocated", "non-colocated")
 ATTENTION_BACKWARD_RATIO = 2.5
 # Fragmentation of the caching allocator on top of what tensors hold.
 ALLOCATOR_OVERHEAD = 1.05
+# HBM bytes per logit of megatron-core's vocab-parallel cross entropy (its
+# default, unfused path): forward casts the bf16 logits to fp32 (read 2,
+# write 4), takes the max (4), subtracts it (8), exponentiates (8), sums (4)
+# and normalises to the softmax it saves (8); backward scales that softmax by
+# the incoming gradient in place (8) and casts it back to bf16 (6).
+CROSS_ENTROPY_FORWARD_BYTES = 38
+CROSS_ENTROPY_BACKWARD_BYTES = 14
 
 
 @dataclass(frozen=True)
@@ -300,8 +307,9 @@ class StepModel:
         if mod.is_language:
             v = mod.vocab_size
             head = self._gemm(t, h, v / tp)
-            ce = 3 * t * v / tp * 4 / self.hbm
-            costs.append(LayerCost(head + ce + tp_one, head + ce + tp_one, head, mod.frozen))
+            ce_f = CROSS_ENTROPY_FORWARD_BYTES * t * v / tp / self.hbm
+            ce_b = CROSS_ENTROPY_BACKWARD_BYTES * t * v / tp / self.hbm
+            costs.append(LayerCost(head + ce_f + tp_one, head + ce_b + tp_one, head, mod.frozen))
             weights.append(v * h / tp)
             logits = t * v / tp * 4.0
             acts.append(0.0)
