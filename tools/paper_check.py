@@ -159,7 +159,7 @@ def random_shapes(seed: int) -> ShapeSet:
     return ShapeSet(llms, encoders, rng.choice(RANDOM_IMAGES), gated, vocab)
 
 
-_SHAPES = {"name": "ours", "set": None, "encoders": "paper", "grad_reduce_in_fp32": False}
+_SHAPES = {"set": None, "encoders": "paper", "grad_reduce_in_fp32": False}
 ENCODER_MODES = ("paper", "trainable", "frozen")
 
 
@@ -179,8 +179,7 @@ def use_shapes(name: str, encoders: str = "paper", grad_reduce_in_fp32: bool = F
     for a config that leaves ``training.grad_reduce_in_fp32`` out)."""
     if encoders not in ENCODER_MODES:
         raise ValueError(f"unknown encoder mode {encoders!r} ({', '.join(ENCODER_MODES)})")
-    _SHAPES["set"] = shape_set(name)
-    _SHAPES["name"], _SHAPES["encoders"] = name, encoders
+    _SHAPES["set"], _SHAPES["encoders"] = shape_set(name), encoders
     _SHAPES["grad_reduce_in_fp32"] = grad_reduce_in_fp32
 
 
