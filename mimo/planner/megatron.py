@@ -17,8 +17,10 @@ constants:
   per layer).
 * **Tensor parallelism** stays inside a node. Without SP a layer does two
   all-reduces forward and two backward; with SP (``sp``) the same volume as
-  all-gather / reduce-scatter, and the layer-norm / dropout activations and
-  their elementwise work are split by TP too.
+  all-gather / reduce-scatter (plus the input re-gathers of the backward),
+  and the layer-norm / dropout activations and their elementwise work are
+  split by TP too. Forward collectives wait; backward ones that megatron-core
+  issues asynchronously hide behind the GEMM they overlap (``_tp_backward``).
 * **Context parallelism** (Megatron's ring): each rank exchanges its K/V chunk
   ``cp - 1`` times forward and K/V plus their gradients backward, overlapped
   with attention compute; what the attention cannot hide is exposed. When
@@ -232,6 +234,25 @@ class StepModel:
     def _gemm(self, t: float, k: float, n: float) -> float:
         return 2.0 * t * k * n / self.gemm_flops + self.bpe * (t * k + k * n + t * n) / self.hbm
 
+    def _tp_backward(self, one: float, sp: bool, column_gemms: tuple[float, ...], frozen: bool,
+                     rows: int = 2) -> float:
+        """Exposed TP communication of a backward pass, as megatron-core's
+        tensor-parallel linears run it (``one``: one all-gather or
+        reduce-scatter of the layer's activations). With SP, each row-parallel
+        linear all-gathers its output gradient before it can start (exposed);
+        each column-parallel linear all-gathers its saved input shard while its
+        data-gradient GEMM runs and reduce-scatters that gradient while its
+        weight-gradient GEMM runs (both asynchronous, so only what the GEMM
+        cannot cover is exposed). Without SP, each column-parallel linear
+        all-reduces its data gradient behind its weight-gradient GEMM. Frozen
+        weights have no weight-gradient GEMM and need no gathered input, so
+        the reduce-scatter or all-reduce is exposed whole."""
+        if one <= 0:
+            return 0.0
+        if sp:
+            return rows * one + sum(one if frozen else 2 * max(0.0, one - g) for g in column_gemms)
+        return sum(2 * one if frozen else max(0.0, 2 * one - g) for g in column_gemms)
+
     # ---- one module's layers ----------------------------------------------------
     def module_layers(self, mod: ModuleSpec, par: Par, tokens: float, span: float,
                       out_hidden: int) -> tuple[list[LayerCost], list[float], list[float], list[float]]:
@@ -252,8 +273,9 @@ class StepModel:
         kv_rank = kv / min(tp, mod.num_query_groups)
         tp_one = self._ring(t * h * bpe, tp, tp)
 
-        gemm = (self._gemm(t, h, (q + 2 * kv) / tp) + self._gemm(t, q / tp, h)
-                + self._gemm(t, h, fc1 / tp) + self._gemm(t, f / tp, h))
+        qkv, fc1_gemm = self._gemm(t, h, (q + 2 * kv) / tp), self._gemm(t, h, fc1 / tp)
+        gemm = qkv + self._gemm(t, q / tp, h) + fc1_gemm + self._gemm(t, f / tp, h)
+        tp_b = self._tp_backward(tp_one, par.sp, (qkv, fc1_gemm), mod.frozen)
         attn_flops = 4.0 * t * span * q / tp
         attn_f = attn_flops / self.attn_flops
         attn_b = ATTENTION_BACKWARD_RATIO * attn_flops / self.attn_backward_flops
@@ -275,7 +297,7 @@ class StepModel:
             cp_b += steps * ((2 * t * q / tp + 4 * t * kv_rank) * 4 / self.hbm + 6 * self.gpu.kernel_overhead)
         ko = self.gpu.kernel_overhead
         fwd = gemm + attn_f + ew + 4 * tp_one + cp_f + 20 * ko
-        bwd_in = gemm + attn_b + 2 * ew + 4 * tp_one + cp_b + 20 * ko
+        bwd_in = gemm + attn_b + 2 * ew + tp_b + cp_b + 20 * ko
         if par.recompute == "selective":
             bwd_in += attn_f
         elif par.recompute == "full":
@@ -309,7 +331,9 @@ class StepModel:
             head = self._gemm(t, h, v / tp)
             ce_f = CROSS_ENTROPY_FORWARD_BYTES * t * v / tp / self.hbm
             ce_b = CROSS_ENTROPY_BACKWARD_BYTES * t * v / tp / self.hbm
-            costs.append(LayerCost(head + ce_f + tp_one, head + ce_b + tp_one, head, mod.frozen))
+            costs.append(LayerCost(head + ce_f + tp_one,
+                                   head + ce_b + self._tp_backward(tp_one, par.sp, (head,), mod.frozen, rows=0),
+                                   head, mod.frozen))
             weights.append(v * h / tp)
             logits = t * v / tp * 4.0
             acts.append(0.0)

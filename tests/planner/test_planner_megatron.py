@@ -217,10 +217,10 @@ def test_a_homogeneous_pick_is_written_with_the_split_of_the_config_it_becomes()
     # encoder colocated at the LLM's TP); the stage_layers written are the
     # ones that config is costed with, so it fits as written.
     import plan as plan_cli
-    s = paper_check._searcher("3B+70B", 16384, 50, 256, 1, "h100")
-    best = s.search(256)[0]
+    s = paper_check._searcher("6B+70B", 16384, 50, 128, 1, "h100")
+    best = s.search(128)[0]
     assert best.estimate.placement == "homogeneous" and best.pars["language"].pp > 1
-    cfg = plan_cli._config({"model": paper_check.model_config("3B", "70B")}, s, best, ["images", "language"])
+    cfg = plan_cli._config({"model": paper_check.model_config("6B", "70B")}, s, best, ["images", "language"])
     written = {n: Par(e["tp"], e["cp"], e["pp"], e["dp"], e["sp"], e["recompute"], e["rank_offset"],
                       tuple(e.get("stage_layers", ()))) for n, e in cfg["parallelism"].items()}
     as_written = s.evaluate(written)
@@ -314,6 +314,49 @@ def test_attention_backward_runs_at_its_own_rate():
     assert a.forward == b.forward
     assert a.backward_input - b.backward_input == pytest.approx(2.5 * attn_f * (1 / 0.86 - 1), rel=1e-9)
     assert a.backward_weight == b.backward_weight
+
+
+def test_tensor_parallel_backward_overlaps_as_megatron_core_does():
+    # megatron-core's tensor-parallel linears: forward, every collective
+    # waits (SP: two all-gathers, two reduce-scatters). Backward with SP, the
+    # two row-parallel output-gradient all-gathers wait, while each
+    # column-parallel linear's input all-gather runs under its data-gradient
+    # GEMM and its reduce-scatter under its weight-gradient GEMM; without SP
+    # the two data-gradient all-reduces run under the weight-gradient GEMMs.
+    # Frozen weights have no weight-gradient GEMM to hide behind. The
+    # communication is what a free interconnect takes away.
+    import dataclasses
+    from mimo.planner.megatron import StepModel
+    h100 = get_gpu("h100")
+    free = dataclasses.replace(h100, intra_node_bandwidth=1e30, intra_node_latency=0.0)
+    tokens = 8192.0
+
+    def comm(frozen, sp):
+        cfg = paper_check.model_config("1B", "7B")
+        cfg["language"]["frozen"] = frozen
+        spec = read_model(cfg)
+        lang, lp = spec.language, Par(4, 1, 1, 2, sp)
+        a, b = (StepModel(spec, g, Work(8192, {}), 4, 1).module_layers(
+            lang, lp, tokens, tokens / 2, lang.hidden_size)[0][1] for g in (h100, free))
+        return a.forward - b.forward, a.backward_input - b.backward_input
+
+    fwd, bwd = comm(False, True)
+    assert fwd > 0 and bwd == pytest.approx(fwd / 2, rel=1e-9)   # 7B GEMMs at 8K hide the column side
+    fwd, bwd = comm(True, True)
+    assert bwd == pytest.approx(fwd, rel=1e-9)                   # frozen: reduce-scatters exposed
+    fwd, bwd = comm(False, False)                                # all-reduces (two each) under the wgrad GEMMs
+    spec = read_model(paper_check.model_config("1B", "7B"))
+    lang = spec.language
+    h, kv = lang.hidden_size, lang.num_query_groups * lang.kv_channels
+
+    def gemm(k, n):
+        return (2 * tokens * k * n / (h100.peak_flops * h100.gemm_efficiency)
+                + 2 * (tokens * k + k * n + tokens * n) / h100.memory_bandwidth)
+    one = fwd / 4
+    qkv, fc1 = gemm(h, (lang.attention_width + 2 * kv) / 4), gemm(h, lang.mlp_in_width / 4)
+    assert 2 * one > qkv and bwd == pytest.approx(2 * one - qkv + max(0.0, 2 * one - fc1), rel=1e-9)
+    fwd, bwd = comm(True, False)
+    assert bwd == pytest.approx(fwd, rel=1e-9)
 
 
 def test_cross_entropy_moves_the_bytes_of_megatrons_unfused_path():
