@@ -12,7 +12,8 @@ import yaml
 
 from mimo.planner.hardware import get_gpu
 from mimo.planner.layout_search import LayoutSearch
-from mimo.planner.megatron import Par, StageMemory, Work, partition
+from mimo.planner.megatron import Par, Work
+from mimo.planner.stage_split import StageMemory, partition
 from mimo.planner.spec import read_model
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
