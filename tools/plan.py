@@ -306,6 +306,11 @@ def main(argv=None) -> int:
         return 0
     print(f"# {len(found)} layouts costed for {args.gpus} x {args.gpu} in {search_time:.2f} s, global batch "
           f"{searcher.g}, micro batch {searcher.m}, seq {searcher.work.seq_length}")
+    dp_cap = searcher.g // searcher.m
+    if dp_cap < args.gpus:
+        # Why a small batch picks CP or PP: the batch, not the model, rules out more DP.
+        print(f"# the batch allows LLM DP <= {dp_cap}: an LLM on all {args.gpus} GPUs has "
+              f"TP x CP x PP >= {-(-args.gpus // dp_cap)}")
     print(f"# {'#':>2}  {'placement':<13}  {'step s':>8}  {'tokens/s':>11}  {'mem GB':>6}  layout")
     for i, c in enumerate(found[:args.top], 1):
         e = c.estimate

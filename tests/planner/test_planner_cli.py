@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 from mimo.planner.api import load_raw
 import subprocess
@@ -235,3 +236,17 @@ def test_ranks_left_to_no_module_are_an_error(tmp_path, capsys, images, audio, m
     path.write_text(yaml.safe_dump(raw))
     assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--evaluate"]) == 2
     assert capsys.readouterr().err.strip() == f"error: parallelism: {message}"
+
+
+def test_table_says_when_the_batch_caps_llm_dp(capsys):
+    # global batch 8, micro batch 1: LLM DP <= 8, so 16 GPUs force TP x CP x PP >= 2
+    assert plan_cli.main(["--config", TINY, "--gpus", "16", "--gpu", "cpu", "--top", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "# the batch allows LLM DP <= 8: an LLM on all 16 GPUs has TP x CP x PP >= 2" in out
+    found = re.findall(r"language\[(\d+):(\d+)\] tp(\d+) cp(\d+) pp(\d+) dp(\d+)", out)
+    rows = [(int(b) - int(a), *map(int, rest)) for a, b, *rest in found]
+    assert len(rows) == 50 and all(d <= 8 for *_, d in rows)
+    whole = [r for r in rows if r[0] == 16]
+    assert whole and all(t * c * p >= 2 for _, t, c, p, _ in whole)
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu"]) == 0
+    assert "the batch allows" not in capsys.readouterr().out
