@@ -37,6 +37,10 @@ from mimo.planner.spec import MAX_SIZE, read_model  # noqa: E402
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
 # the trainer's other keys must hold their defaults for the cost to mean anything.
 PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "sp", "recompute", "rank_offset", "stage_layers")
+# Step times this close to the best are ties for the model: one effect it
+# leaves out (a DP ring's bandwidth per node, docs/planner.md) moves such
+# gaps by up to 4.6%.
+TIE = 0.05
 
 
 class _Parser(argparse.ArgumentParser):
@@ -311,6 +315,11 @@ def main(argv=None) -> int:
         # Why a small batch picks CP or PP: the batch, not the model, rules out more DP.
         print(f"# the batch allows LLM DP <= {dp_cap}: an LLM on all {args.gpus} GPUs has "
               f"TP x CP x PP >= {-(-args.gpus // dp_cap)}")
+    best = found[0].estimate.step_time
+    ties = sum(c.estimate.step_time <= best * (1 + TIE) for c in found[1:])
+    if ties:
+        print(f"# {ties} other layout{'s' if ties > 1 else ''} within {TIE:.0%} of the best step time: "
+              f"too close for the model to rank; measure before choosing")
     print(f"# {'#':>2}  {'placement':<13}  {'step s':>8}  {'tokens/s':>11}  {'mem GB':>6}  layout")
     for i, c in enumerate(found[:args.top], 1):
         e = c.estimate

@@ -250,3 +250,19 @@ def test_table_says_when_the_batch_caps_llm_dp(capsys):
     assert whole and all(t * c * p >= 2 for _, t, c, p, _ in whole)
     assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu"]) == 0
     assert "the batch allows" not in capsys.readouterr().out
+
+
+def test_table_says_how_many_layouts_tie_with_the_best(capsys):
+    # The count covers every costed layout, not only the listed ones: check it
+    # against the step times the JSON output gives for all of them.
+    args = ["--config", LLAVA, "--gpus", "256"]
+    assert plan_cli.main([*args, "--json", "--top", "100000"]) == 0
+    steps = [c["step_time_s"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+    ties = sum(s <= steps[0] * (1 + plan_cli.TIE) for s in steps[1:])
+    assert ties > 1 and steps[ties + 1] > steps[0] * (1 + plan_cli.TIE)
+    assert plan_cli.main([*args, "--top", "1"]) == 0
+    assert (f"# {ties} other layouts within 5% of the best step time: too close for the model to rank; "
+            "measure before choosing") in capsys.readouterr().out
+    # 16 tiny CPU ranks: the best is more than 5% ahead of the next.
+    assert plan_cli.main(["--config", TINY, "--gpus", "16", "--gpu", "cpu"]) == 0
+    assert "within 5%" not in capsys.readouterr().out
