@@ -6,6 +6,11 @@ import json
 import statistics
 import sys
 
+if __name__ == "__main__" and sys.argv[1:2] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
+if __name__ == "__main__" and len(sys.argv) != 3:
+    sys.exit(__doc__)
 sys.path.insert(0, sys.argv[1] + "/tests")
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime, peak_memory_bytes

@@ -11,8 +11,8 @@ projector only (LLM and encoder frozen); A8 trains the LLM and projector.
     python tools/parity.py examples/configs/sweeps/a8_baseline.yaml examples/configs/sweeps/a8_*noncolocated.yaml
 """
 
+import argparse
 import os
-import sys
 
 import yaml
 
@@ -83,4 +83,7 @@ def write(path, cfg, comment):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "examples/configs/sweeps")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="examples/configs/sweeps",
+                        help="directory to write the configs to (default: examples/configs/sweeps)")
+    main(parser.parse_args().out)
