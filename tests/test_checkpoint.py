@@ -50,6 +50,29 @@ def test_resume_on_other_layouts(reference, tmp_path):
     assert max_rel_diff(pp2["params"], reference["params"]) <= 1e-4
 
 
+def test_resume_on_the_layout_the_planner_writes_for_more_gpus(reference, tmp_path):
+    """The README's recovery path: plan the run's config for another GPU count, resume on it."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    src = tmp_path / "run.yaml"
+    src.write_text(yaml.safe_dump(layout(**NONCOLOCATED), sort_keys=False))   # the encoders' order is the model's
+    planned = tmp_path / "planned.yaml"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "plan.py"), "--config", str(src), "--gpus", "4",
+                        "--gpu", "cpu", "--out", str(planned)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    raw = yaml.safe_load(planned.read_text())
+    ranks = {n: p["tp"] * p.get("cp", 1) * p["pp"] * p["dp"] + p["rank_offset"] for n, p in raw["parallelism"].items()}
+    assert max(ranks.values()) == 4
+    got = train(with_ckpt(raw, load=paths.iter_dir(reference["dir"], 2)))
+    assert got["start"] == 2
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"][2:]), rtol=1e-4, atol=0)
+    assert max_rel_diff(got["params"], reference["params"]) <= 1e-4
+
+
 def test_load_optimizer_false_restarts_step_and_optimizer(reference, tmp_path):
     got = train(with_ckpt(layout(), load=reference["dir"], load_optimizer=False, train_iters=1))
     assert got["start"] == 0

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from mimo.runtime import checkpoint_scope
+from mimo.runtime import checkpoint_scope, cuda_available
 
 from .checks import META, preflight, read_meta, shape_problems
 from .manifest import verify, write_manifest
@@ -178,7 +178,7 @@ def _host_staging(request):
     `torch.cuda.synchronize()`, which fails where there is no CUDA; tensors already on the
     host need a plain (blocking) copy instead."""
     fn = request.preload_fn
-    if fn is None or torch.cuda.is_available():
+    if fn is None or cuda_available():
         return request
     return request._replace(preload_fn=functools.partial(fn.func, *fn.args[:-1], False))
 

@@ -13,6 +13,8 @@ import random
 import numpy as np
 import torch
 
+from mimo.runtime import gpu_rng_state, set_gpu_rng_state
+
 
 def rng_path(ckpt: str, rank: int) -> str:
     return os.path.join(ckpt, "rng", f"rank_{rank:05d}.pt")
@@ -20,8 +22,9 @@ def rng_path(ckpt: str, rank: int) -> str:
 
 def capture() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    gpu = gpu_rng_state()
+    if gpu is not None:
+        state["cuda"] = gpu
     return state
 
 
@@ -36,5 +39,4 @@ def restore_rng(ckpt: str, rank: int) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_gpu_rng_state(state.get("cuda"))

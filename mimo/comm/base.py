@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from mimo.runtime import collective_device
+
 from .plan import EdgePlan, Piece
 from .traffic import Traffic
 
@@ -91,9 +93,7 @@ class BoundaryCommunicator:
         self.received_counts: Optional[torch.Tensor] = None
         self._groups = groups
         self._saved = deque()
-        if device is None:  # NCCL moves device tensors only; gloo moves host tensors
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else collective_device()
 
     # -- roles --------------------------------------------------------------------
     @property

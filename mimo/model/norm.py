@@ -3,10 +3,10 @@
 megatron's CPU-capable norm (`WrappedTorchNorm`) refuses sequence parallelism
 because nothing would sum its weight gradients across the TP group: each TP
 rank normalises only its sequence shard, so each holds a partial gradient.
-megatron's fused norms mark such weights `sequence_parallel` and its training
-loop sums them; mimo's gradient sync does the same
-(`allreduce_sequence_parallel_gradients`), so a plain torch norm with that
-mark is all that is missing.
+megatron's fused norms mark such weights `sequence_parallel`, and
+megatron-core's `finalize_model_grads` (which mimo's gradient sync calls) sums
+every weight so marked over the TP group, so a plain torch norm with that mark
+is all that is missing.
 """
 
 from __future__ import annotations

@@ -55,6 +55,19 @@ def manual_seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def gpu_rng_state():
+    """This process's GPU RNG state (for checkpoints); None where no GPU has been used."""
+    if cuda_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state()
+    return None
+
+
+def set_gpu_rng_state(state) -> None:
+    """Restore a state from `gpu_rng_state`; a state saved on a GPU is skipped on a CPU-only machine."""
+    if state is not None and cuda_available():
+        torch.cuda.set_rng_state(state)
+
+
 def device_name(runtime: Runtime):
     """The accelerator's marketing name (e.g. "NVIDIA H100 80GB HBM3"), None on CPU."""
     if not runtime.is_cuda:

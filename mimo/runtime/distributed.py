@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
@@ -64,6 +65,13 @@ def checkpoint_scope(runtime: Runtime):
 def optimizer_scope(runtime: Runtime):
     """Context for megatron-core DDP / optimizer calls: CPU ranks need `megatron_cpu.optimizer_on_cpu`."""
     return contextlib.nullcontext() if runtime.is_cuda else megatron_cpu.optimizer_on_cpu()
+
+
+def collective_device() -> torch.device:
+    """Where this process's collective buffers live: NCCL moves device tensors only, gloo host tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def shutdown() -> None:
