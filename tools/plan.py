@@ -87,6 +87,12 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     if not fp32_grads and precision != "bf16":
         raise ValueError(f"training.grad_reduce_in_fp32: false needs precision: bf16 (precision {precision} "
                          "keeps fp32 gradients)")
+    items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
+    for e in spec.encoders:
+        if items[e.name] * e.tokens_per_item > seq:
+            where = "--samples: on average" if samples else f"model.encoders.{e.name}:"
+            raise ValueError(f"{where} {items[e.name]:g} items of {e.name} ({e.tokens_per_item} tokens each) "
+                             f"do not fit in data.seq_length {seq}")
     over = [i for i, s in enumerate(samples or ())
             if s[0] + sum(s[1 if e.kind == "vision" else 2] * e.tokens_per_item for e in spec.encoders) > seq]
     if over:
@@ -94,11 +100,6 @@ def _searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
         # items they hold, so say so rather than refuse a nearly-right file.
         print(f"warning: --samples: {len(over)} of {len(samples)} samples (first: {over[0]}) hold more text and "
               f"item tokens than data.seq_length {seq}; their items are costed as given", file=sys.stderr)
-    items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
-    for e in spec.encoders:
-        if items[e.name] * e.tokens_per_item > seq:
-            raise ValueError(f"model.encoders.{e.name}: {items[e.name]:g} items of {e.tokens_per_item} tokens "
-                             f"do not fit in data.seq_length {seq}")
     return LayoutSearch(spec, hw, Work(seq, items), g, m, precision, dist_opt,
                         grad_reduce_in_fp32=fp32_grads), spec
 
@@ -159,19 +160,7 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     if model.get("hf") is None and model["language"].get("hf") is None:
         # A Hugging Face directory sets the length itself (max_position_embeddings).
         model["language"].setdefault("max_sequence_length", searcher.work.seq_length)
-    pars = dict(planned.pars)
-    estimate = planned.estimate
-    if estimate.placement == "homogeneous":
-        # Not expressible as its own placement: the nearest config colocates
-        # each encoder at the LLM's TP over the same GPUs, and its LLM split
-        # is the one that layout is costed with (the encoders' memory beside
-        # every LLM stage, not inside the first).
-        size = pars["language"].size
-        for name in order:
-            if name != "language":
-                p = pars[name]
-                pars[name] = Par(p.tp, 1, 1, size // p.tp, p.sp, p.recompute, 0)
-        estimate = searcher.model.evaluate("colocated", pars)
+    pars = planned.pars
     par = {}
     for name in order:
         p = pars[name]
@@ -179,7 +168,7 @@ def _config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
                  "sp": p.sp, "recompute": p.recompute}
         if p.pp > 1 and name == "language":
             # The split that was costed (balanced, or moved to fit memory).
-            entry["stage_layers"] = list(estimate.llm_stage_layers)
+            entry["stage_layers"] = list(planned.estimate.llm_stage_layers)
         elif p.pp > 1:
             samples = searcher.m * pars["language"].dp / p.dp
             entry["stage_layers"] = searcher.model.chain([(searcher.spec.module(name), p, samples)], p.pp).sizes
@@ -216,9 +205,17 @@ def _split_hint(searcher: LayoutSearch, pars: dict, homogeneous: bool) -> str:
             f"(peak {fitted.peak_memory / GB:.1f} GB, step {fitted.step_time:.3f} s)")
 
 
-def _short(p: Par) -> str:
+def _short(p: Par, split: tuple[int, ...] = ()) -> str:
     extra = (" sp" if p.sp else "") + (f" rc-{p.recompute}" if p.recompute != "none" else "")
-    return f"tp{p.tp} cp{p.cp} pp{p.pp} dp{p.dp}{extra}"
+    layers = f" [{','.join(map(str, split))}]" if split else ""
+    return f"tp{p.tp} cp{p.cp} pp{p.pp}{layers} dp{p.dp}{extra}"
+
+
+def _layout(c, order) -> str:
+    """One table cell: each module's ranks and layout (the LLM's split where
+    it was moved to fit memory)."""
+    return " | ".join(f"{n}[{c.pars[n].rank_offset}:{c.pars[n].rank_offset + c.pars[n].size}] "
+                      f"{_short(c.pars[n], c.llm_split if n == 'language' else ())}" for n in order)
 
 
 def main(argv=None) -> int:
@@ -240,6 +237,8 @@ def main(argv=None) -> int:
             raise ValueError("--top: must be >= 1")
         if args.homogeneous and not args.evaluate:
             raise ValueError("--homogeneous: only with --evaluate")
+        if args.out is not None and args.evaluate:
+            raise ValueError("--out: only with a search (--evaluate costs the config as it is)")
         if not args.evaluate and args.gpus is None:
             raise ValueError("--gpus: required unless --evaluate")
         if args.gpus is not None and args.gpus < 1:
@@ -263,8 +262,9 @@ def main(argv=None) -> int:
         if args.evaluate:
             pars = _read_pars(raw, spec, args.homogeneous)
             est = searcher.evaluate(pars, homogeneous=args.homogeneous)
-            if args.gpus is not None and est.gpus > args.gpus:
-                raise ValueError(f"parallelism: layout needs {est.gpus} GPUs, more than --gpus {args.gpus}")
+            if args.gpus is not None and est.gpus != args.gpus:
+                # The trainer refuses ranks that belong to no module, too.
+                raise ValueError(f"parallelism: the layout uses {est.gpus} GPUs, not --gpus {args.gpus}")
             out = {"placement": est.placement, "gpus": est.gpus, "step_time_s": round(est.step_time, 6),
                    "peak_memory_gb": round(est.peak_memory / GB, 3), "tokens_per_s": round(est.tokens_per_s, 1),
                    "modules": {n: {"peak_memory_gb": round(est.modules[n] / GB, 3)} for n in order}}
@@ -284,7 +284,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         found = searcher.search(args.gpus)
         search_time = time.perf_counter() - t0
-        cfg = _config(raw, searcher, found[0], order)
+        # Megatron's homogeneous baseline (encoders inside the LLM's first
+        # stage) is costed for comparison; a mimo config cannot express it.
+        chosen = next((i for i, c in enumerate(found) if c.estimate.placement != "homogeneous"), None)
+        if chosen is None:
+            raise ValueError(f"only Megatron's homogeneous layout fits on {args.gpus} x {args.gpu} "
+                             f"(best: {_layout(found[0], order)}); a mimo config cannot express it: "
+                             "more GPUs, a smaller batch or recompute may help")
+        cfg = _config(raw, searcher, found[chosen], order)
         # The emitted config must pass `mimo.config check`. Its data files and
         # tokenizer may live on the cluster only, so they are checked there.
         if cfg["data"]["kind"] not in DATA_KINDS:
@@ -323,12 +330,12 @@ def main(argv=None) -> int:
     print(f"# {'#':>2}  {'placement':<13}  {'step s':>8}  {'tokens/s':>11}  {'mem GB':>6}  layout")
     for i, c in enumerate(found[:args.top], 1):
         e = c.estimate
-        lay = " | ".join(f"{n}[{c.pars[n].rank_offset}:{c.pars[n].rank_offset + c.pars[n].size}] "
-                         f"{_short(c.pars[n])}" for n in order)
         print(f"  {i:>2}  {e.placement:<13}  {e.step_time:8.3f}  {e.tokens_per_s:11,.0f}  "
-              f"{e.peak_memory / GB:6.1f}  {lay}")
+              f"{e.peak_memory / GB:6.1f}  {_layout(c, order)}")
     print()
-    print("# best config" + (f" (written to {args.out})" if args.out else ""))
+    which = "" if chosen == 0 else (f": candidate #{chosen + 1}, the best a mimo config can express "
+                                    "(#1 is Megatron's homogeneous baseline)")
+    print(f"# best config{which}" + (f" (written to {args.out})" if args.out else ""))
     print(text, end="")
     return 0
 

@@ -27,7 +27,6 @@ from .context_parallel import (
     context_parallel_attention,
     context_parallel_attention_sbhd,
     enable_context_parallel_rope,
-    gather_sequence,
 )
 from .cp_permute import permute_to_local, plan_context_parallel, shard_microbatch, slots_from_assignment, unpermute
 from .reference import reference_attention, reference_attention_general
@@ -38,7 +37,7 @@ __all__ = [
     "bidirectional_mask", "document_ids_from_eod", "KernelConfig", "clear_block_cache", "cache_stats",
     "block_workloads", "assign_blocks", "assign_from_workloads", "rank_workloads", "imbalance",
     "ContextParallelMask", "as_context_parallel_mask", "context_parallel_attention",
-    "context_parallel_attention_sbhd", "gather_sequence", "GlobalPositionRotaryEmbedding",
+    "context_parallel_attention_sbhd", "GlobalPositionRotaryEmbedding",
     "enable_context_parallel_rope", "plan_context_parallel", "slots_from_assignment", "permute_to_local",
     "unpermute", "shard_microbatch",
 ]

@@ -15,8 +15,8 @@ padding slot. Attention then needs:
   bits 0, so they attend nothing and are seen by nothing (the contract's
   padding rule); no un-permutation of K/V is ever needed.
 
-Backward of the all-gather is a reduce-scatter of dK/dV (``reduce_scatter_tensor``;
-falls back to all-reduce + slice on a backend without it).
+Backward of the all-gather is a reduce-scatter of dK/dV (``reduce_scatter_tensor``,
+which NCCL and gloo both provide).
 
 ``ContextParallelMask`` carries bits, document ids and ``slots`` (per
 microbatch, shared by every layer and pipeline stage); ``to_tensor()`` packs it
@@ -217,14 +217,7 @@ def _reduce_scatter_dim0(grad: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     grad = grad.contiguous()
     out = torch.empty((grad.shape[0] // world, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    try:
-        dist.reduce_scatter_tensor(out, grad, group=group)
-    except (RuntimeError, NotImplementedError, ValueError):
-        # Backends without reduce-scatter: all-reduce, keep this rank's slice.
-        total = grad.clone()
-        dist.all_reduce(total, group=group)
-        rank = dist.get_rank(group)
-        out.copy_(total[rank * out.shape[0]:(rank + 1) * out.shape[0]])
+    dist.reduce_scatter_tensor(out, grad, group=group)
     return out
 
 
@@ -257,14 +250,6 @@ class _GatherWait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Differentiable all-gather of ``x`` along dim 0 over ``group`` (backward: reduce-scatter)."""
-    if group is None or dist.get_world_size(group) == 1:
-        return x
-    pending: list = []
-    return _GatherWait.apply(_GatherStart.apply(x, group, pending, False), pending)
 
 
 # ---------------------------------------------------------------------------------------------

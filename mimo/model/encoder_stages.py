@@ -35,8 +35,6 @@ class EncoderStage(torch.nn.Module):
         self.projector: Optional[torch.nn.Module] = whole.projector if self.last else None
         self.tokens = self.encoder.tokens
         self.hidden = self.encoder.config.hidden_size
-        self.out_hidden = whole.projector.config.hidden_size
-        self.out_dtype = whole.projector.config.params_dtype
         if not self.first:
             for attr in ("patch_embed", "frame_embed", "conv1", "conv2", "position_embeddings", "class_embedding",
                          "pre_norm"):

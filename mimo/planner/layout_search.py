@@ -33,12 +33,22 @@ class Planned:
     estimate: Estimate
     pars: dict[str, Par]
 
+    @property
+    def llm_split(self) -> tuple[int, ...]:
+        """The LLM's pipeline split where it was moved off the balanced one to
+        fit memory: a config must name it to be costed (and run) the same."""
+        e = self.estimate
+        return e.llm_stage_layers if e.llm_split_moved else ()
+
     def as_dict(self, order: Sequence[str]) -> dict[str, Any]:
         e = self.estimate
+        par = {n: self.pars[n].as_dict() for n in order}
+        if self.llm_split:
+            par["language"]["stage_layers"] = list(self.llm_split)
         return {"placement": e.placement, "step_time_s": round(e.step_time, 6),
                 "peak_memory_gb": round(e.peak_memory / GB, 3),
                 "tokens_per_s": round(e.tokens_per_s, 1),
-                "parallelism": {n: self.pars[n].as_dict() for n in order}}
+                "parallelism": par}
 
 
 def placement_of(spec: ModelSpec, pars: Mapping[str, Par]) -> str:
@@ -205,7 +215,8 @@ class LayoutSearch:
                     if "language" not in fitted:
                         fitted["language"] = Planned(self.model.heterogeneous({"language": lp}), {"language": lp})
                     continue
-                if "homogeneous" not in fitted:
+                if "homogeneous" not in fitted and all(tp_ok(e, tp) for e in encs):
+                    # Homogeneous: every encoder inherits the LLM's TP, so each must split at it.
                     enc_recs = {e.name: [Par(tp, cp, 1, dp, self._sp(e, tp, 1), r, 0) for r in ("none", "full")]
                                 for e in encs}
                     h = self._best(self._with_encoders(lp, enc_recs), "homogeneous")
@@ -222,6 +233,14 @@ class LayoutSearch:
         if encs and gpus > 1:
             found += self._search_non_colocated(gpus)
         if not found:
+            llm_sizes = [gpus] + ([gpus - k for k in self._islands(gpus)] if encs and gpus > 1 else [])
+            if not any(self.llm_layouts(n) for n in llm_sizes):
+                lang = spec.language
+                raise ValueError(
+                    f"no layout splits {gpus} GPUs for this model and batch: the LLM's TP x CP x PP x DP "
+                    f"must fill them (or all but an encoder island), with TP <= {self.gpu.gpus_per_node} "
+                    f"dividing its heads, PP <= its {lang.num_layers} layers and DP dividing "
+                    f"global_batch_size / micro_batch_size = {self.g // self.m}")
             raise ValueError(f"no layout fits on {gpus} x {self.gpu.name} "
                              f"({self.limit / GB:.0f} GB each)")
         found.sort(key=lambda p: (p.estimate.step_time, p.estimate.peak_memory))

@@ -71,6 +71,8 @@ Placements:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -185,6 +187,9 @@ class Estimate:
     gpus: int
     update_time: float = 0.0              # optimizer traffic + step, inside step_time
     llm_stage_layers: tuple[int, ...] = ()  # the LLM's transformer layers per pipeline stage
+    # Layers moved off the balanced split to fit memory: a config must name
+    # the split (``stage_layers``) to run and be costed as this estimate.
+    llm_split_moved: bool = False
 
 
 class StepModel:
@@ -534,9 +539,9 @@ class StepModel:
             return self.homogeneous(pars)
         return self.heterogeneous(pars, fit_memory)
 
-    def _estimate(self, placement, step, modules, gpus, update, llm_stages) -> Estimate:
+    def _estimate(self, placement, step, modules, gpus, update, llm_stages, moved=False) -> Estimate:
         return Estimate(placement, step, max(modules.values()), modules,
-                        self.g * self.work.seq_length / step, gpus, update, tuple(llm_stages))
+                        self.g * self.work.seq_length / step, gpus, update, tuple(llm_stages), moved)
 
     def homogeneous(self, pars: Mapping[str, Par]) -> Estimate:
         lp = pars["language"]
@@ -596,7 +601,18 @@ class StepModel:
         step = fill + (mb - 1) * max(stages) + 2 * (lp.pp - 1) * self._llm_hop(lp) + phases + update
         # Layouts leave no rank idle (``layout_rule_errors``): the last rank used is the GPU count.
         gpus = max(r.stop for r in (lp.ranks, *islands))
-        return self._estimate(placement, step, modules, gpus, update, llm.sizes)
+        moved = llm.sizes != self.llm_chain(lp, fit_memory=False).sizes
+        return self._estimate(placement, step, modules, gpus, update, llm.sizes, moved)
+
+    def _busiest(self, e: ModuleSpec, samples: float, dp: int, windows: float = 1.0) -> float:
+        """Samples' worth of items per window on an encoder's busiest DP rank,
+        when ``windows`` windows of ``samples`` samples each have their items
+        dealt over the ``dp`` ranks together: items go whole (an image is not
+        cut), so the busiest rank holds the ceiling of its share."""
+        per_sample = self.work.items(e.name)
+        if per_sample <= 0:
+            return samples / dp
+        return math.ceil(samples * windows * per_sample / dp - 1e-9) / (windows * per_sample)
 
     def _colocated_encoders(self, encs, pars, lp: Par, mb: int) -> tuple[float, float, float]:
         """Time the encoder phases of the three-phase schedule add to the
@@ -605,9 +621,10 @@ class StepModel:
         step = update = mem = 0.0
         for e in encs:
             ep = pars[e.name]
-            # The step's items, one window of LLM microbatches at a time,
-            # divided over the encoder's DP ranks.
-            samples = window * self.m * lp.dp / ep.dp
+            # The step's items, one window of LLM microbatches at a time, on
+            # the encoder's busiest DP rank (mimo deals the whole step's items
+            # over the encoder's ranks at once).
+            samples = self._busiest(e, window * self.m * lp.dp, ep.dp, mb / window)
             ch = self.encoder_chain(e, ep, samples)
             hop = self._p2p(samples * self._tokens(e, 1)[0] * e.hidden_size * self.bpe, 2 * ep.tp * ep.dp)
             # Each window: the encoder's forward, later its backward, through
@@ -623,10 +640,12 @@ class StepModel:
         deepest P, island stage i runs stage i * p_e // P of each), its peak
         memory and its slowest update."""
         depth = max(pars[e.name].pp for e in encs)
-        chains = [(e, self.encoder_chain(e, pars[e.name], self.m * lp.dp / pars[e.name].dp)) for e in encs]
+        # Each LLM microbatch's items, dealt over the encoder's DP ranks.
+        samples = {e.name: self._busiest(e, self.m * lp.dp, pars[e.name].dp) for e in encs}
+        chains = [(e, self.encoder_chain(e, pars[e.name], samples[e.name])) for e in encs]
         stages = [sum(c.total[i * pars[e.name].pp // depth] for e, c in chains) for i in range(depth)]
         size = len(pars[encs[0].name].ranks)
-        boundary = sum(self._p2p(self.m * lp.dp / pars[e.name].dp * self._tokens(e, 1)[0]
+        boundary = sum(self._p2p(samples[e.name] * self._tokens(e, 1)[0]
                                  * self.spec.language.hidden_size * self.bpe, 2 * size + lp.size)
                        for e in encs)
         mem = sum(self.chain_memory(c, lp.pp, mb, pars[e.name].dp * pars[e.name].cp)

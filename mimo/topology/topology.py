@@ -39,12 +39,6 @@ class Topology:
     def grid(self, module: str) -> ModuleGrid:
         return self.grids[module]
 
-    @property
-    def is_homogeneous(self) -> bool:
-        """Every module on the same ranks with the same layout."""
-        layouts = {g.layout for g in self.grids.values()}
-        return len(layouts) == 1
-
 
 def edges_of(cfg: MimoConfig) -> List[Edge]:
     pl = cfg.parallelism[LANGUAGE]

@@ -158,6 +158,10 @@ MALFORMED = {
                          "error: parallelism.language.stage_layers: must sum to num_layers"),
     "stage_layers_type": (lambda: _eval_tiny(pp=2, dp=1, stage_layers="x"), ["--evaluate"],
                           "error: parallelism.language.stage_layers: expected a list"),
+    # --evaluate costs the config as it is: no file to write, no other GPU count
+    "evaluate_out": (_eval_tiny, ["--evaluate", "--out", "never.yaml"], "error: --out: only with a search"),
+    "evaluate_gpus": (_eval_tiny, ["--evaluate", "--gpus", "8"],
+                      "error: parallelism: the layout uses 4 GPUs, not --gpus 8"),
 }
 
 
@@ -189,6 +193,12 @@ def test_samples_longer_than_the_sequence_warn(tmp_path, capsys):
     assert json.loads(out.out)["candidates"]
     assert out.err.startswith("warning: --samples: 1 of 2 samples (first: 0) hold more")
 
+    # On average too many items for the sequence: one error, no warning before it.
+    samples.write_text("[[100, 5, 0]]")
+    assert plan_cli.main(["--config", LLAVA, "--gpus", "8", "--samples", str(samples)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --samples: on average 5 items of images (576 tokens each) do not fit in data.seq_length 2048"]
+
 
 def test_out_must_name_a_file(capsys):
     assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--out", ""]) == 2
@@ -199,7 +209,14 @@ def test_huge_gpu_budget_ends_quickly(capsys):
     # divisors bounded by TP <= node, CP <= max_cp, PP <= layers: 10^12 GPUs is an answer
     # (no layout fits the batch), not a hang
     assert plan_cli.main(["--config", TINY, "--gpus", str(10 ** 12), "--gpu", "cpu"]) == 2
-    assert capsys.readouterr().err.startswith("error: no layout fits")
+    assert capsys.readouterr().err.startswith(f"error: no layout splits {10 ** 12} GPUs for this model and batch")
+
+
+def test_no_layout_fitting_memory_is_told_apart_from_no_layout_at_all(tmp_path, capsys):
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(_set("model.language.hidden_size", 65536)))
+    assert plan_cli.main(["--config", str(path), "--gpus", "2", "--gpu", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: no layout fits on 2 x cpu")
 
 
 def test_stage_layers_are_costed_as_given(tmp_path, capsys):
@@ -243,7 +260,7 @@ def test_table_says_when_the_batch_caps_llm_dp(capsys):
     assert plan_cli.main(["--config", TINY, "--gpus", "16", "--gpu", "cpu", "--top", "50"]) == 0
     out = capsys.readouterr().out
     assert "# the batch allows LLM DP <= 8: an LLM on all 16 GPUs has TP x CP x PP >= 2" in out
-    found = re.findall(r"language\[(\d+):(\d+)\] tp(\d+) cp(\d+) pp(\d+) dp(\d+)", out)
+    found = re.findall(r"language\[(\d+):(\d+)\] tp(\d+) cp(\d+) pp(\d+)(?: \[[\d,]+\])? dp(\d+)", out)
     rows = [(int(b) - int(a), *map(int, rest)) for a, b, *rest in found]
     assert len(rows) == 50 and all(d <= 8 for *_, d in rows)
     whole = [r for r in rows if r[0] == 16]
@@ -266,3 +283,65 @@ def test_table_says_how_many_layouts_tie_with_the_best(capsys):
     # 16 tiny CPU ranks: the best is more than 5% ahead of the next.
     assert plan_cli.main(["--config", TINY, "--gpus", "16", "--gpu", "cpu"]) == 0
     assert "within 5%" not in capsys.readouterr().out
+
+
+def _candidates(capsys, args):
+    assert plan_cli.main([*args, "--json", "--top", "100000"]) == 0
+    return json.loads(capsys.readouterr().out)["candidates"]
+
+
+def _evaluate(tmp_path, capsys, raw, cand):
+    path = tmp_path / "cand.yaml"
+    path.write_text(yaml.safe_dump({**raw, "parallelism": cand["parallelism"]}))
+    homogeneous = ["--homogeneous"] if cand["placement"] == "homogeneous" else []
+    assert plan_cli.main(["--config", str(path), "--evaluate", "--json", *homogeneous]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_candidate_costs_the_same_when_evaluated_as_written(tmp_path, capsys):
+    # A 12B frozen encoder + 70B LLM at 16K on 64 GPUs: many candidates only
+    # fit with layers moved to later pipeline stages, so a candidate must name
+    # its split (stage_layers) to be reproducible by --evaluate.
+    import paper_check
+    raw = {"model": paper_check.model_config("12B", "70B", frozen=True), "data": {"seq_length": 16384},
+           "training": {"global_batch_size": 256}}
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cands = _candidates(capsys, ["--config", str(path), "--gpus", "64"])
+    uneven = [c for c in cands if len(set(c["parallelism"]["language"].get("stage_layers", [0]))) > 1]
+    assert len(cands) > 50 and len(uneven) > 10
+    for cand in cands[::3] + uneven[:10]:
+        got = _evaluate(tmp_path, capsys, raw, cand)
+        assert (got["placement"], got["step_time_s"], got["peak_memory_gb"]) == \
+            (cand["placement"], cand["step_time_s"], cand["peak_memory_gb"]), cand
+
+
+def test_out_writes_the_best_layout_a_config_can_express(tmp_path, capsys):
+    # 256 GPUs: Megatron's homogeneous baseline ranks first; mimo cannot run
+    # it, so --out writes the next candidate, exactly as it was costed.
+    args = ["--config", LLAVA, "--gpus", "256"]
+    cands = _candidates(capsys, args)
+    assert cands[0]["placement"] == "homogeneous" and cands[1]["placement"] != "homogeneous"
+    out = tmp_path / "planned.yaml"
+    assert plan_cli.main([*args, "--out", str(out)]) == 0
+    assert "# best config: candidate #2, the best a mimo config can express" in capsys.readouterr().out
+    written = yaml.safe_load(out.read_text())
+    for name, entry in cands[1]["parallelism"].items():
+        assert {k: written["parallelism"][name][k] for k in entry} == entry
+    got = _evaluate(tmp_path, capsys, load_raw(LLAVA), {"placement": "colocated",
+                                                         "parallelism": written["parallelism"]})
+    assert (got["step_time_s"], got["peak_memory_gb"]) == (cands[1]["step_time_s"], cands[1]["peak_memory_gb"])
+
+
+@pytest.mark.parametrize("gpus", [256, 1024])
+def test_homogeneous_candidates_split_every_encoder_at_the_llm_tp(capsys, tmp_path, gpus):
+    # A 20-head ViT cannot run at TP 8: the homogeneous baseline (which gives
+    # the encoder the LLM's TP) must skip such layouts, not emit them.
+    raw = load_raw(LLAVA)
+    raw["model"]["encoders"]["images"].update(hidden_size=1280, num_attention_heads=20, ffn_hidden_size=5120)
+    path = tmp_path / "vit20.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cands = _candidates(capsys, ["--config", str(path), "--gpus", str(gpus)])
+    homogeneous = [c["parallelism"]["images"]["tp"] for c in cands if c["placement"] == "homogeneous"]
+    assert homogeneous and all(20 % tp == 0 for tp in homogeneous)
+    assert plan_cli.main(["--config", str(path), "--gpus", str(gpus), "--out", str(tmp_path / "o.yaml")]) == 0
