@@ -91,19 +91,10 @@ def test_labels_and_packing_token_by_token(sample_dir, tmp_path):
     # The next step starts where packing stopped: `hello` did not fit and opens step 1.
     assert ds.plan(1).record_ids[0][0] == "hello"
     # The attention mask keeps documents apart and padding out.
-    from mimo.model.multimodal import MultimodalModel
+    from mimo.model import attention_mask
 
-    mask = MultimodalModel.attention_mask(_mask_holder(load_config(raw)), b["input_ids"], b["document_ids"])
+    mask = attention_mask(load_config(raw), b["input_ids"], b["document_ids"])
     assert mask.document_ids[0].tolist() == docs and (mask.bits[0, 43:] == 0).all() and (mask.bits[0, :43] != 0).all()
-
-
-def _mask_holder(cfg):
-    """An object with MultimodalModel's mask fields, without building modules."""
-    holder = type("H", (), {})()
-    holder.bitfield = True
-    holder.modality_index = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
-    holder.text_sees = set(holder.modality_index.values())
-    return holder
 
 
 def test_chat_template_marks_only_the_answer(sample_dir, tmp_path):

@@ -94,6 +94,45 @@ def test_bitfield_pairs_match_dense_mask():
     assert attention_pairs(bits) == int(dense.sum())
 
 
+def _allowed_pairs(bits, docs):
+    """The attention contract's own dense mask (mimo.attention.inputs), counted."""
+    from mimo.attention.inputs import allowed_matrix, check_inputs
+    b, s = bits.shape
+    x = torch.zeros(b, s, 1, 1)
+    return int(allowed_matrix(check_inputs(x, x, x, bits, bits, None, None, docs, docs)).sum())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bitfield_pairs_keep_packed_documents_apart(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 4, (3, 29), generator=g)
+    text = CAUSAL | 1 | (1 << 1)
+    bits = torch.where(ids == 0, 0, torch.where(ids == 1, 1 << 1, torch.where(ids == 2, 1 << 2, text)))
+    # Packed documents: runs of random length, padding (-1) at the end; the
+    # last case reuses an id out of order, which the mask still treats as one document.
+    cuts = torch.sort(torch.randint(1, 29, (3, 4), generator=g), dim=1).values
+    docs = (torch.arange(29)[None, :, None] >= cuts[:, None, :]).sum(-1)
+    docs[:, 25:] = -1
+    docs[2, 3:6] = docs[2, 20]
+    bits = bits.masked_fill(docs < 0, 0)
+    assert attention_pairs(bits, docs) == _allowed_pairs(bits, docs)
+    assert attention_pairs(bits) == _allowed_pairs(bits, None) > attention_pairs(bits, docs)
+
+
+def test_step_work_counts_packed_documents_apart():
+    # Two documents of 4 tokens packed in one 8-token sample: 2 x 10 causal
+    # pairs, not the 36 of one 8-token sequence; padding (-1) counts nothing,
+    # and token id 0 inside a document is a real token.
+    raw = copy.deepcopy(TINY)
+    raw["model"]["language"]["attention"] = "bitfield"   # what data.packing needs
+    cfg = cfg_of(raw)
+    ids = torch.tensor([7, 0, 7, 7, 7, 7, 7, 7, 0, 0])
+    docs = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, -1, -1])
+    s = Sample(ids, {"images": torch.zeros(0, 3, 8, 8), "audio": torch.zeros(0)}, document_ids=docs)
+    w = step_work(cfg, [s])
+    assert (w.tokens, w.llm_attention_pairs) == (8, 2 * 4 * 5 // 2)
+
+
 def test_step_work_counts_tokens_items_and_causal_pairs():
     cfg = cfg_of(TINY)
     s = Sample(torch.tensor([5, 6, 0, 0] + [7] * 44), {"images": torch.zeros(2, 3, 8, 8), "audio": torch.zeros(0)})

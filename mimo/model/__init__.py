@@ -3,7 +3,7 @@
 from .assembly import assemble_embeddings
 from .multimodal import (
     EncoderWithProjector,
-    MultimodalModel,
+    attention_mask,
     build_encoder,
     build_llm,
     encode,
@@ -11,5 +11,5 @@ from .multimodal import (
     set_frozen,
 )
 
-__all__ = ["EncoderWithProjector", "MultimodalModel", "assemble_embeddings", "build_encoder", "build_llm",
+__all__ = ["EncoderWithProjector", "assemble_embeddings", "attention_mask", "build_encoder", "build_llm",
            "encode", "llm_loss", "set_frozen"]

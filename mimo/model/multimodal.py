@@ -79,46 +79,24 @@ def set_frozen(module: torch.nn.Module, frozen: bool) -> None:
         p.requires_grad_(not frozen)
 
 
-class MultimodalModel(torch.nn.Module):
-    """All modules on one rank (the colocated, same-layout case)."""
+def attention_mask(cfg: MimoConfig, input_ids: torch.Tensor,
+                   document_ids: Optional[torch.Tensor] = None) -> Optional[BitfieldMask]:
+    """The LLM's attention mask: a bitfield mask, or None (plain causal) for sdpa.
 
-    def __init__(self, cfg: MimoConfig, encoders: Dict[str, EncoderWithProjector], llm: GPTModel):
-        super().__init__()
-        self.encoders = torch.nn.ModuleDict(encoders)
-        self.llm = llm
-        self.placeholders = cfg.placeholder_ids
-        lang = cfg.model.language
-        self.bitfield = lang.attention == "bitfield"
-        # Modality index m (bit 1 << m) of each placeholder token, in config order.
-        self.modality_index = {self.placeholders[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
-        sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
-        self.text_sees = {self.modality_index[self.placeholders[n]] for n in sees}
-
-    def attention_mask(self, input_ids: torch.Tensor, document_ids: Optional[torch.Tensor] = None):
-        """The LLM's attention mask: a bitfield mask, or None (plain causal) for sdpa.
-
-        With `document_ids` (real data, possibly packed) padding is where the id is
-        negative, and tokens of different documents never see each other; mock data
-        marks padding with PAD_ID."""
-        if not self.bitfield:
-            return None
-        if document_ids is None:
-            return BitfieldMask(build_bitfield_mask(input_ids, self.modality_index, self.text_sees, pad_id=PAD_ID))
-        bits = build_bitfield_mask(input_ids, self.modality_index, self.text_sees)
-        return BitfieldMask(bits.masked_fill(document_ids < 0, 0), document_ids)
-
-    def forward(self, batch: Dict[str, torch.Tensor], modality_tokens: Optional[Dict[str, torch.Tensor]] = None):
-        """Per-token losses [b, s] (unmasked) for one microbatch.
-
-        `modality_tokens` may carry precomputed encoder outputs (a schedule
-        that ran the encoders elsewhere); otherwise the encoders run here.
-        """
-        if modality_tokens is None:
-            modality_tokens = {name: encode(self.encoders[name], batch.get(name)) for name in self.encoders}
-        if self.bitfield and "attention_mask" not in batch:
-            batch = {**batch, "attention_mask": self.attention_mask(batch["input_ids"],
-                                                                       batch.get("document_ids"))}
-        return llm_loss(self.llm, batch, {self.placeholders[n]: t for n, t in modality_tokens.items()})
+    Modality m (bit 1 << m) is the m-th encoder in config order. With
+    `document_ids` (real data, possibly packed) padding is where the id is
+    negative, and tokens of different documents never see each other; mock
+    data marks padding with PAD_ID."""
+    lang = cfg.model.language
+    if lang.attention != "bitfield":
+        return None
+    modality = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
+    sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
+    text_sees = {modality[cfg.placeholder_ids[n]] for n in sees}
+    if document_ids is None:
+        return BitfieldMask(build_bitfield_mask(input_ids, modality, text_sees, pad_id=PAD_ID))
+    bits = build_bitfield_mask(input_ids, modality, text_sees)
+    return BitfieldMask(bits.masked_fill(document_ids < 0, 0), document_ids)
 
 
 def encode(path: EncoderWithProjector, items: Optional[torch.Tensor]) -> torch.Tensor:

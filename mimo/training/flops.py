@@ -36,10 +36,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mimo.attention.mask import CAUSAL, LOW, build_bitfield_mask
+from mimo.attention.mask import CAUSAL, LOW
 from mimo.config import LANGUAGE, MimoConfig
-
-PAD_ID = 0
+from mimo.data import PAD_ID
+from mimo.model import attention_mask
 
 # Dense bf16 peak of one device, TFLOPS (datasheet, no sparsity), matched against the CUDA device name.
 PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
@@ -74,8 +74,18 @@ class StepWork:
     llm_attention_pairs: int      # (query, key) pairs the LLM's mask allows, summed over samples
 
 
-def attention_pairs(bits: torch.Tensor) -> int:
-    """Allowed (query, key) pairs of a bitfield mask [b, s] (positions = index order, no documents)."""
+def attention_pairs(bits: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> int:
+    """Allowed (query, key) pairs of a bitfield mask [b, s] (positions = index order); with
+    `document_ids` [b, s] only pairs within one document count, as the mask's documents allow."""
+    if document_ids is None:
+        document_ids = torch.zeros_like(bits)
+    # Stable sort by document: each document becomes one contiguous run that
+    # keeps its positions' order, so causal counts stay prefix sums.
+    order = torch.sort(document_ids, dim=1, stable=True).indices
+    bits, docs = bits.gather(1, order), document_ids.gather(1, order)
+    start = torch.ones_like(docs, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    run = torch.cumsum(start.to(torch.int64), dim=1) - 1            # document run of each position
     low = bits & LOW
     total = 0
     for value in torch.unique(bits).tolist():
@@ -84,11 +94,15 @@ def attention_pairs(bits: torch.Tensor) -> int:
         queries = bits == value
         v_low = value & LOW
         if value & CAUSAL:
-            visible = (low & v_low) != 0
-            total += int((torch.cumsum(visible.to(torch.int64), dim=1) * queries).sum())
+            visible = ((low & v_low) != 0).to(torch.int64)
+            seen = torch.cumsum(visible, dim=1)
+            # Keys seen before the run began (non-decreasing, so cummax carries the run's start).
+            before = torch.cummax(torch.where(start, seen - visible, 0), dim=1).values
+            total += int(((seen - before) * queries).sum())
         else:
-            visible = low == v_low
-            total += int((queries.sum(dim=1) * visible.sum(dim=1)).sum())
+            visible = (low == v_low).to(torch.int64)
+            per_run = torch.zeros_like(visible).scatter_add_(1, run, visible)
+            total += int((per_run.gather(1, run) * queries).sum())
     return total
 
 
@@ -98,15 +112,16 @@ def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
     items = {n: sum(s.count(n) for s in samples if n in s.items) for n in cfg.model.encoders}  # no decoding
     lang = cfg.model.language
     b, seq = ids.shape
+    docs = [s.document_ids for s in samples]
+    docs = None if any(d is None for d in docs) else torch.stack(docs)
+    # Real data marks padding by a negative document id (token id 0 may be a real token).
+    tokens = int((ids != PAD_ID).sum()) if docs is None else int((docs >= 0).sum())
     if lang.attention == "bitfield":
-        # The same mask as the model's (mimo.model.MultimodalModel.attention_mask).
-        modality = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
-        sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
-        text_sees = {i + 1 for i, n in enumerate(cfg.model.encoders) if n in sees}
-        pairs = attention_pairs(build_bitfield_mask(ids, modality, text_sees, pad_id=PAD_ID))
+        mask = attention_mask(cfg, ids, docs)     # the model's own mask, packed documents apart
+        pairs = attention_pairs(mask.bits, mask.document_ids)
     else:
         pairs = b * seq * (seq + 1) // 2
-    return StepWork(samples=b, positions=b * seq, tokens=int((ids != PAD_ID).sum()), items=items,
+    return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items,
                     llm_attention_pairs=pairs)
 
 

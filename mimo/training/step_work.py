@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mimo.attention import plan_context_parallel, shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.model import assemble_embeddings, encode, llm_loss
+from mimo.model import assemble_embeddings, attention_mask, encode, llm_loss
 from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len
 from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
@@ -78,7 +78,7 @@ class RankStep:
         (the same plan on every stage); `full` keeps the whole microbatch for the first stage."""
         if mb not in self.views:
             b = self.data.llm_batches[mb]
-            b = {**b, "attention_mask": self.trainer.masker.attention_mask(b["input_ids"], b.get("document_ids"))}
+            b = {**b, "attention_mask": attention_mask(self.trainer.cfg, b["input_ids"], b.get("document_ids"))}
             if self.trainer.topo.grid(LANGUAGE).layout.cp > 1:
                 b = {**self._cp_slice(b), "full": b}
             self.views[mb] = b

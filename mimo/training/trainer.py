@@ -24,7 +24,6 @@ from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import build_dataset, shard_indices
 from mimo.hf import check_hf_weights, hf_modules
-from mimo.model import MultimodalModel
 from mimo.model.transformer_config import dtype_of
 from mimo.runtime import ParameterOffload, Runtime, StepTimer, megatron_scope, synchronize
 from mimo.schedule.check import check_plan
@@ -99,11 +98,8 @@ class Trainer:
         with megatron_scope(runtime):
             self.parts, self.layer_offsets = build_parts(cfg, self.topo, self.hf_modules, self.hf_sources)
         llm = self.parts.get(LANGUAGE)
-        if llm is not None:
-            # The LLM's attention mask (bitfield or causal); RoPE at each token's global position under CP.
-            self.masker = MultimodalModel(cfg, {}, llm)
-            if lang_par.cp > 1:
-                enable_context_parallel_rope(llm)
+        if llm is not None and lang_par.cp > 1:
+            enable_context_parallel_rope(llm)  # RoPE at each token's global position under CP
         for m in self.parts.values():
             m.to(runtime.device)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
