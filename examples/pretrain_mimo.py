@@ -62,11 +62,14 @@ def main(argv=None) -> int:
         check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)
         if args.hf_export:
             from mimo.hf import hf_modules
-            from mimo.training.hf_export import export_problems
+            from mimo.training.hf_export import export_problems, out_dir_problem
 
             problem = export_problems(cfg, hf_modules(cfg))
             if problem:
                 raise ConfigError([tuple(problem.split(": ", 1))])
+            problem = out_dir_problem(cfg, args.hf_export)
+            if problem:
+                raise ConfigError([("--hf-export", problem)])
         from mimo.checkpoint import preflight
 
         preflight(cfg)  # training.load: the files, the manifest and the resume-relevant config fields

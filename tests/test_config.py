@@ -101,6 +101,13 @@ def test_rule_names_the_field(path, value, field):
     assert field in [p for p, _ in probs], probs
 
 
+def test_tp_must_divide_the_vocabulary():
+    # Megatron's vocab-parallel embedding asserts it deep in model building; the check says which field.
+    raw = with_(tiny(tp=2, dp=2), "model.language.vocab_size", 129)
+    assert errors(raw, world_size=4) == [("parallelism.language.tp", "must divide vocab_size (129)")]
+    assert errors(with_(raw, "model.language.vocab_size", 130), world_size=4) == []
+
+
 def test_bf16_gradient_reduction_needs_bf16():
     raw = with_(with_(tiny(), "training.precision", "bf16"), "training.grad_reduce_in_fp32", False)
     assert errors(raw) == []

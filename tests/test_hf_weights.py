@@ -436,3 +436,81 @@ def test_tokenizer_and_processor_are_located_in_model_hf(clip_llama, tmp_path):
     for f in ("tokenizer_config.json", "preprocessor_config.json"):
         (tmp_path / "with_tokenizer" / f).write_text("{}")
     assert tokenizer_dir(cfg) == d and processor_dir(cfg) == d
+
+
+def test_images_go_through_the_processor_saved_with_the_model(clip_llama, tmp_path):
+    # model.hf without preprocessor_config.json: the pipeline resizes and
+    # normalises itself; with one of the tower's size it is used; with one of
+    # another size the config check names the field before anything runs.
+    from PIL import Image
+    from transformers import CLIPImageProcessor
+
+    from mimo.data import build_dataset
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_sample_data
+
+    data = str(tmp_path / "data")
+    assert make_sample_data.main([data, "--records", "8", "--image-size", "24"]) == 0
+    d = str(tmp_path / "model")
+    shutil.copytree(clip_llama, d)
+    raw = llava_config(d)
+    raw["data"] = {"kind": "llava", "path": os.path.join(data, "train.json"),
+                   "tokenizer": os.path.join(data, "tokenizer"), "seq_length": 48}
+    picture = next(os.path.join(data, "images", f) for f in sorted(os.listdir(os.path.join(data, "images"))))
+
+    assert build_dataset(load_config(raw)).image_loader(picture).shape == (3, 16, 16)
+
+    mine = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    mine.save_pretrained(d)
+    got = build_dataset(load_config(raw)).image_loader(picture)
+    want = mine(images=Image.open(picture).convert("RGB"), return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(got, want)
+
+    CLIPImageProcessor().save_pretrained(d)    # 224 px crops for a 16 px tower
+    with pytest.raises(ConfigError) as exc:
+        load_config(raw)
+    assert exc.value.problems[0] == ("model.encoders.images.image_size",
+                                     f"16, but the image processor in {d} makes 224 x 224 images "
+                                     "(preprocessor_config.json)")
+
+
+def test_a_missing_tokenizer_names_the_directories_searched(clip_llama, tmp_path):
+    raw = llava_config(clip_llama)
+    (tmp_path / "train.json").write_text("[]")
+    raw["data"] = {"kind": "llava", "path": str(tmp_path / "train.json"), "seq_length": 48}
+    with pytest.raises(ConfigError) as exc:
+        load_config(raw)
+    assert ("data.tokenizer", f"required for data.kind llava (an HF tokenizer directory): model.hf ({clip_llama}) "
+            "holds no tokenizer files") in exc.value.problems
+
+
+def test_export_refuses_a_directory_it_would_mix_with(clip_llama, tmp_path, capsys):
+    """An export writes shards beside what the directory holds (transformers would then load a stale
+    model.safetensors): the source itself, a non-empty directory or a file is one `error:` line,
+    exit 2, before any rank starts, and nothing is written; likewise `--hf-export` of a training run."""
+    import yaml
+
+    from mimo.hf.__main__ import main
+
+    src = str(tmp_path / "src")
+    shutil.copytree(clip_llama, src)
+    before = sorted(os.listdir(src))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(src)))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "model.safetensors").write_text("old")
+    (tmp_path / "afile").write_text("x")
+    cases = {src: f"{src} is the source directory model.hf; export into a new directory",
+             str(tmp_path / "full"): f"{tmp_path / 'full'} is not empty; export into a new or empty directory",
+             str(tmp_path / "afile"): f"{tmp_path / 'afile'} exists and is not a directory"}
+    capsys.readouterr()
+    for out, reason in cases.items():
+        assert main(["export", "--config", str(cfg), "--out", out]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: --out: {reason}"]
+    assert sorted(os.listdir(src)) == before and os.listdir(tmp_path / "full") == ["model.safetensors"]
+
+    r = subprocess.run([sys.executable, "examples/pretrain_mimo.py", "--config", str(cfg), "--device", "cpu",
+                        "--hf-export", src], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and r.stderr.splitlines() == [f"error: --hf-export: {cases[src]}"], r.stderr

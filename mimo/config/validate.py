@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional
 
+from .hf_files import processor_dir, tokenizer_dir
 from .load import Problem
 from .schema import (
     ATTENTION_KINDS,
@@ -127,6 +128,28 @@ def _check_balance(cfg: MimoConfig, add) -> None:
                   "(parallelism.language.pp = 1 and no non-colocated encoder); use mmscale or none")
 
 
+def _check_image_processor(cfg: MimoConfig, name: str, add) -> None:
+    """The HF image processor the data pipeline will use for encoder `name` (if any) must make
+    images of the encoder's size: tried on one small picture, as the pipeline calls it."""
+    where = processor_dir(cfg, name)
+    if where is None:
+        return      # the pipeline resizes and normalises itself
+    size = cfg.model.encoders[name].image_size
+    try:
+        from PIL import Image
+        from transformers import AutoImageProcessor
+
+        pixels = AutoImageProcessor.from_pretrained(where)(images=Image.new("RGB", (40, 30)),
+                                                           return_tensors="pt")["pixel_values"]
+    except Exception as exc:  # any reason the processor does not load or run: one config error
+        add(f"model.encoders.{name}", f"cannot use the image processor in {where}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        return
+    if tuple(pixels.shape[-2:]) != (size, size):
+        add(f"model.encoders.{name}.image_size", f"{size}, but the image processor in {where} makes "
+            f"{pixels.shape[-2]} x {pixels.shape[-1]} images (preprocessor_config.json)")
+
+
 def _check_data(cfg: MimoConfig, add) -> None:
     """Real-data fields: files exist, the tokenizer fits the LLM's vocabulary, packing can be masked."""
     import os
@@ -163,10 +186,15 @@ def _check_data(cfg: MimoConfig, add) -> None:
     for n in vision:
         if cfg.model.encoders[n].num_channels != 3:
             add(f"model.encoders.{n}.num_channels", f"must be 3: data.kind {d.kind} decodes images as RGB")
-    tok = d.tokenizer or cfg.model.hf
+    for n in vision:
+        _check_image_processor(cfg, n, add)
+    tok = d.tokenizer or tokenizer_dir(cfg)
     path = "data.tokenizer"
     if tok is None:
-        add(path, f"required for data.kind {d.kind} (an HF tokenizer directory), or set model.hf")
+        hf = [f"{p} ({v})" for p, v in (("model.hf", cfg.model.hf), ("model.language.hf", cfg.model.language.hf)) if v]
+        add(path, f"required for data.kind {d.kind} (an HF tokenizer directory)"
+            + (f": {' and '.join(hf)} hold{'s' if len(hf) == 1 else ''} no tokenizer files" if hf else
+               ", or set model.hf to a directory with one"))
     elif not os.path.isdir(tok):
         add(path, f"no such directory: {tok}")
     else:
@@ -316,6 +344,9 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
                 ("ffn_hidden_size", mod.ffn_hidden_size)]
         if isinstance(mod, LanguageConfig):
             dims.insert(1, ("num_query_groups", mod.num_query_groups))
+            # The vocab-parallel embedding and output layer split the vocabulary over TP;
+            # mimo does not pad it (Megatron-LM's --make-vocab-size-divisible-by).
+            dims.append(("vocab_size", mod.vocab_size))
         for field, value in dims:
             if isinstance(value, int) and value % par.tp:
                 add(f"{path}.tp", f"must divide {field} ({value})")

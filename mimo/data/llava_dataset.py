@@ -20,6 +20,7 @@ from typing import Callable, Collection, Dict, List, Optional
 import torch
 
 from mimo.config import MimoConfig
+from mimo.config.hf_files import processor_dir, tokenizer_dir
 
 from .audio import AudioLoader
 from .images import ImageLoader
@@ -63,7 +64,7 @@ class StepPlan:
 def load_tokenizer(cfg: MimoConfig):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.model.hf)
+    return AutoTokenizer.from_pretrained(cfg.data.tokenizer or tokenizer_dir(cfg))
 
 
 class LlavaDataset:
@@ -80,7 +81,7 @@ class LlavaDataset:
         self.vision, self.audio = first("vision"), first("audio")
         enc = cfg.model.encoders[self.vision] if self.vision else None
         aud = cfg.model.encoders[self.audio] if self.audio else None
-        self.image_loader = ImageLoader(enc.image_size, cfg.model.hf) if enc else None
+        self.image_loader = ImageLoader(enc.image_size, processor_dir(cfg, self.vision)) if enc else None
         self.audio_loader = (AudioLoader(aud, f"model.encoders.{self.audio}")
                              if aud and source is None else None)
         self.encoder = ConversationEncoder(

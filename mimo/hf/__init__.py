@@ -1,6 +1,7 @@
 """Hugging Face weights: import at any layout, export back (see README, "Starting from Hugging Face weights")."""
 
-from .files import processor_dir, tokenizer_dir
+from mimo.config.hf_files import processor_dir, tokenizer_dir
+
 from .load import check_hf_weights, load_hf_part
 from .mapping import HFModule, hf_modules
 from .source import HFWeightsError, Source

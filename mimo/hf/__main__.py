@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     from . import HFWeightsError, check_hf_weights
 
     from mimo.checkpoint import CheckpointError
+    from mimo.runtime import RankFailed
 
     try:
         raw = apply_overrides(read_yaml(args.config), args.set)
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RankFailed, OSError) as exc:  # the export itself failed (a rank, the disk): not bad input
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}")
     return 0
 

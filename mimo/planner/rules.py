@@ -23,8 +23,9 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_ok(module: ModuleSpec, tp: int) -> bool:
+    # The LLM's vocabulary is split over TP too (vocab-parallel embedding and output layer).
     return all(x % tp == 0 for x in (module.num_attention_heads, module.num_query_groups,
-                                     module.hidden_size, module.ffn_hidden_size))
+                                     module.hidden_size, module.ffn_hidden_size, module.vocab_size))
 
 
 def sp_ok(module: ModuleSpec, tp: int, cp: int, seq_length: int) -> bool:

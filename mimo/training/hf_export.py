@@ -23,6 +23,22 @@ from mimo.runtime import run_on_ranks, select_runtime
 from .state import unshard
 
 
+def out_dir_problem(cfg: MimoConfig, out_dir: str) -> str:
+    """Why `out_dir` cannot receive an export ('' when it can): checked before any rank starts,
+    since an export writes shards beside whatever the directory holds, and transformers would
+    load a stale model.safetensors left there instead of the new index."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"{out_dir} exists and is not a directory"
+    sources = [(path, d) for path, d in [("model.hf", cfg.model.hf), ("model.language.hf", cfg.model.language.hf)]
+               + [(f"model.encoders.{n}.hf", e.hf) for n, e in cfg.model.encoders.items()] if d]
+    for path, d in sources:
+        if os.path.isdir(out_dir) and os.path.isdir(d) and os.path.samefile(out_dir, d):
+            return f"{out_dir} is the source directory {path}; export into a new directory"
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        return f"{out_dir} is not empty; export into a new or empty directory"
+    return ""
+
+
 def export_problems(cfg: MimoConfig, hf_modules: Dict) -> str:
     """Why the model cannot be written as one HF directory ('' when it can)."""
     dirs = {m.directory for m in hf_modules.values()}
@@ -116,6 +132,9 @@ def export_config(raw: Dict, out_dir: str, load: Optional[str] = None, timeout_s
     problem = export_problems(cfg, hf_modules(cfg))
     if problem:
         raise ValueError(problem)
+    problem = out_dir_problem(cfg, out_dir)
+    if problem:
+        raise ValueError(f"--out: {problem}")
     if load is not None:
         preflight(cfg)  # the manifest's files and sizes
     errors = [e for e in run_on_ranks(_rank_export, cfg.world_size, raw, out_dir, timeout_s=timeout_s,

@@ -345,3 +345,14 @@ def test_homogeneous_candidates_split_every_encoder_at_the_llm_tp(capsys, tmp_pa
     homogeneous = [c["parallelism"]["images"]["tp"] for c in cands if c["placement"] == "homogeneous"]
     assert homogeneous and all(20 % tp == 0 for tp in homogeneous)
     assert plan_cli.main(["--config", str(path), "--gpus", str(gpus), "--out", str(tmp_path / "o.yaml")]) == 0
+
+
+def test_the_llm_tp_divides_its_vocabulary(capsys, tmp_path):
+    # 32,002 words split over TP 1 or 2 only: the search must not offer TP 4 or 8
+    # (the emitted config would fail `mimo.config check`).
+    raw = load_raw(LLAVA)
+    raw["model"]["language"]["vocab_size"] = 32002
+    path = tmp_path / "vocab.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cands = _candidates(capsys, ["--config", str(path), "--gpus", "64"])
+    assert {c["parallelism"]["language"]["tp"] for c in cands} == {1, 2}

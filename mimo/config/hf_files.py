@@ -1,11 +1,12 @@
-"""Non-weight files of an HF directory: tokenizer and image processor (for the data pipeline)."""
+"""Where the data pipeline finds the non-weight files of HF directories: the tokenizer and the
+image processor (the config check loads them too, so this sits with the config)."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-from mimo.config import MimoConfig
+from .schema import MimoConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
