@@ -157,7 +157,9 @@ def describe(cfg, trainer, runtime) -> None:
     print(f"mimo: {trainer.topo.world_size} ranks on {runtime.device.type} ({runtime.backend})", flush=True)
     for edge in trainer.topo.edges:
         print(f"  edge {edge.src} -> {edge.dst}: {edge.placement}", flush=True)
-    island = getattr(trainer, "island", [])
+    from mimo.schedule.plan_build import island_encoders
+
+    island = island_encoders(cfg)
     if island:
         print(f"  note: {', '.join(island)} share ranks with different pp, so those ranks run all forwards of a "
               "step before all backwards (more activation memory; equal pp keeps them on 1F1B)", flush=True)

@@ -184,6 +184,12 @@ def as_context_parallel_mask(attention_mask) -> Optional[ContextParallelMask]:
     """The ContextParallelMask in ``attention_mask`` (object or packed tensor), else None."""
     if isinstance(attention_mask, ContextParallelMask):
         return attention_mask
+    if isinstance(attention_mask, torch.Tensor):
+        # Every layer after the first finds its packed mask here by identity: reading the
+        # header would copy it from the device (a host sync per layer under recompute).
+        cached = _unpack_cache_get(attention_mask)
+        if cached is not None:
+            return cached
     if ContextParallelMask.is_tensor_form(attention_mask):
         return ContextParallelMask.from_tensor(attention_mask)
     return None

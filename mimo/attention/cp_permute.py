@@ -79,14 +79,16 @@ def unpermute(local: Union[torch.Tensor, Sequence[torch.Tensor]], slots: torch.T
 def shard_microbatch(slots: torch.Tensor, cp_rank: int, *, bits: torch.Tensor,
                      document_ids: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
                      position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                     loss_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None
-                     ) -> Dict[str, Optional[torch.Tensor]]:
+                     loss_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
+                     validate: bool = True) -> Dict[str, Optional[torch.Tensor]]:
     """One CP rank's view of a microbatch.
 
     Full-sequence inputs: ``bits``/``document_ids``/``input_ids``/``position_ids``/
     ``labels``/``loss_mask`` [b, s]; ``decoder_input`` [s, b, h] (megatron layout).
     Returns the same keys cut to this rank's L slots, plus ``attention_mask`` (a
     ``ContextParallelMask`` over the full bits, for every layer and stage).
+    ``validate=False`` skips checking ``slots`` (a caller that checked them on the
+    host, before they went to the device, where checking would wait for it).
     """
     if bits.dim() != 2:
         raise ValueError(f"bits must be [b, s], got {tuple(bits.shape)}")
@@ -106,5 +108,5 @@ def shard_microbatch(slots: torch.Tensor, cp_rank: int, *, bits: torch.Tensor,
         out["decoder_input"] = permute_to_local(decoder_input, slots, cp_rank, dim=0, pad_value=0)
     else:
         out["decoder_input"] = None
-    out["attention_mask"] = ContextParallelMask(bits, slots, cp_rank, document_ids)
+    out["attention_mask"] = ContextParallelMask(bits, slots, cp_rank, document_ids, validate=validate)
     return out

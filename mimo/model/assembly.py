@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 
 def assemble_embeddings(text_embeddings: torch.Tensor, input_ids: torch.Tensor,
-                        modality_tokens: Dict[int, torch.Tensor]) -> torch.Tensor:
+                        modality_tokens: Dict[int, torch.Tensor],
+                        counts: Optional[Dict[int, int]] = None) -> torch.Tensor:
     """Write packed modality tokens into the text embeddings at their placeholder positions.
 
     text_embeddings: [b, s, h]; input_ids: [b, s]; modality_tokens maps a
     placeholder token id to packed [n, h] tokens in row-major order of the
     placeholders (sample by sample, left to right), so a sample may hold any
     number of items, zero included. Returns a new [b, s, h] tensor through
-    which gradients reach both inputs.
+    which gradients reach both inputs. `counts` (placeholder id -> its number
+    in `input_ids`, counted on the host) spares counting them on the device,
+    which would make the host wait for it.
     """
     if text_embeddings.shape[:2] != input_ids.shape:
         raise ValueError(f"text_embeddings {list(text_embeddings.shape)} and input_ids {list(input_ids.shape)} disagree")
     out = text_embeddings
     for token_id, tokens in modality_tokens.items():
         where = input_ids == token_id
-        n = int(where.sum())
+        n = counts[token_id] if counts is not None else int(where.sum())
         if tokens.shape[0] != n:
             raise ValueError(f"{n} placeholder tokens (id {token_id}) but {tokens.shape[0]} modality tokens")
         if n == 0:

@@ -115,7 +115,8 @@ def llm_loss(llm: GPTModel, batch: Dict[str, torch.Tensor], tokens_by_id: Dict[i
     input_ids = batch["input_ids"]
     text = embed_text(llm, input_ids, batch["position_ids"])  # [s, b, h], whole sequence
     fused = assemble_embeddings(text.transpose(0, 1), input_ids,
-                                {i: t.to(text.device) for i, t in tokens_by_id.items()})
+                                {i: t.to(text.device) for i, t in tokens_by_id.items()},
+                                batch.get("placeholder_counts"))
     return llm(input_ids=input_ids, position_ids=batch["position_ids"], attention_mask=batch.get("attention_mask"),
                decoder_input=llm_input_layout(llm, fused.transpose(0, 1).contiguous()), labels=batch["labels"])
 

@@ -19,8 +19,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from mimo.attention import BitfieldMask, plan_context_parallel
+from mimo.attention.context_parallel import check_slots
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID, collate, move, shard_indices
+from mimo.model import attention_mask
 
 from .windows import StepWindows
 
@@ -28,9 +31,26 @@ from .windows import StepWindows
 @dataclass
 class StepData:
     n_tokens: torch.Tensor                                 # loss-carrying positions (float64; see the family)
-    llm_batches: List[Dict[str, torch.Tensor]]             # this rank's LLM microbatches (empty off the LLM)
+    llm_batches: List[Dict]                                # this rank's LLM microbatches (`llm_microbatch`)
     step_batch: Dict[str, torch.Tensor] = field(default_factory=dict)  # whole step: encoder items held here
     windows: Optional[StepWindows] = None                  # whole step: boundary windows
+
+
+def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype) -> Dict:
+    """An LLM microbatch on the device, with what its forward needs derived on the host first, so
+    the step never waits for the device to learn it: the attention mask, under CP the balanced
+    slots (checked here), and the number of placeholder tokens of each modality."""
+    mask = attention_mask(cfg, host["input_ids"], host.get("document_ids"))
+    batch = move(host, device, dtype)
+    batch["placeholder_counts"] = {i: int((host["input_ids"] == i).sum()) for i in cfg.placeholder_ids.values()}
+    batch["attention_mask"] = None if mask is None else BitfieldMask(
+        mask.bits.to(device), None if mask.document_ids is None else mask.document_ids.to(device))
+    lang, cp = cfg.model.language, cfg.parallelism[LANGUAGE].cp
+    if cp > 1:
+        slots = plan_context_parallel(mask.bits, cp, lang.cp_block_size, lang.cp_policy, mask.document_ids)
+        check_slots(slots, mask.bits.shape[1])
+        batch["cp_slots"] = slots.to(device)
+    return batch
 
 
 def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, device, dtype) -> StepData:
@@ -44,7 +64,7 @@ def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, devi
     batches = []
     for idx in shard:
         samples = [dataset.sample(step * G + i) for i in idx]
-        batches.append(move(collate(samples, cfg.placeholder_ids), device, dtype))
+        batches.append(llm_microbatch(cfg, collate(samples, cfg.placeholder_ids), device, dtype))
     local = torch.stack([b["loss_mask"].sum() for b in batches]).sum().to(torch.float64)
     return StepData(local, batches)
 
@@ -65,5 +85,6 @@ def whole_step(cfg: MimoConfig, dataset, balancer, step: int, comms: Dict, coloc
     llm_batches = []
     if llm_dp_rank is not None:
         for idx in windows.llm_indices(llm_dp_rank):
-            llm_batches.append(move(collate([samples[i] for i in idx], cfg.placeholder_ids, False), device, dtype))
+            llm_batches.append(llm_microbatch(cfg, collate([samples[i] for i in idx], cfg.placeholder_ids, False),
+                                              device, dtype))
     return StepData(n_tokens.to(device), llm_batches, move(host, device, dtype), windows)

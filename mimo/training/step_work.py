@@ -31,9 +31,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mimo.attention import plan_context_parallel, shard_microbatch
+from mimo.attention import shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.model import assemble_embeddings, attention_mask, encode, llm_loss
+from mimo.model import assemble_embeddings, encode, llm_loss
 from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len
 from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
@@ -78,20 +78,19 @@ class RankStep:
         (the same plan on every stage); `full` keeps the whole microbatch for the first stage."""
         if mb not in self.views:
             b = self.data.llm_batches[mb]
-            b = {**b, "attention_mask": attention_mask(self.trainer.cfg, b["input_ids"], b.get("document_ids"))}
             if self.trainer.topo.grid(LANGUAGE).layout.cp > 1:
                 b = {**self._cp_slice(b), "full": b}
             self.views[mb] = b
         return self.views[mb]
 
     def _cp_slice(self, b, decoder_input=None):
-        """This CP rank's balanced slots of a microbatch (context parallelism needs bitfield attention)."""
-        lang, g = self.cfg.model.language, self.trainer.topo.grid(LANGUAGE)
+        """This CP rank's balanced slots of a microbatch (planned and checked on the host,
+        `llm_microbatch`; context parallelism needs bitfield attention)."""
         mask = b["attention_mask"]
-        slots = plan_context_parallel(mask.bits, g.layout.cp, lang.cp_block_size, lang.cp_policy)
-        return shard_microbatch(slots, g.coords["cp"], bits=mask.bits, document_ids=mask.document_ids,
-                                input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                                loss_mask=b["loss_mask"], decoder_input=decoder_input)
+        return shard_microbatch(b["cp_slots"], self.trainer.topo.grid(LANGUAGE).coords["cp"], bits=mask.bits,
+                                document_ids=mask.document_ids, input_ids=b["input_ids"],
+                                position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"],
+                                decoder_input=decoder_input, validate=False)
 
     def _items(self, name: str, mb: Optional[int], part: str = KEPT) -> Optional[torch.Tensor]:
         """Raw inputs (pixels, features) of this rank's items of encoder `name` for unit mb."""
@@ -197,7 +196,8 @@ class RankStep:
                 # then keep this rank's slots of it.
                 full = b["full"]
                 text = embed_text(llm, full["input_ids"], full["position_ids"])
-                fused = assemble_embeddings(text.transpose(0, 1), full["input_ids"], by_id)
+                fused = assemble_embeddings(text.transpose(0, 1), full["input_ids"], by_id,
+                                            full["placeholder_counts"])
                 local = self._cp_slice(full, fused.transpose(0, 1).contiguous())
                 out = llm(input_ids=local["input_ids"], position_ids=local["position_ids"],
                           attention_mask=local["attention_mask"],

@@ -108,7 +108,7 @@ class Trainer:
         self.dataset = build_dataset(cfg)
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
-        self.dataset.prefetch(self._prefetched, pin_memory=runtime.device.type == "cuda", encoders=self.held)
+        self.dataset.prefetch(self._prefetched, pin_memory=runtime.is_cuda, encoders=self.held)
         self.offload = None
         if cfg.training.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts

@@ -1,0 +1,59 @@
+"""What an LLM microbatch carries to the device, derived on the host (mimo.training.step_data)."""
+
+import copy
+
+import pytest
+import torch
+
+from mimo.attention import plan_context_parallel
+from mimo.attention.context_parallel import check_slots
+from mimo.config import load_config
+from mimo.data import MockMultimodalDataset, collate
+from mimo.model import assemble_embeddings, attention_mask
+from mimo.training.step_data import llm_microbatch
+
+from tiny import TINY
+
+
+def _packed(cfg):
+    """Two mock samples, the second made of two packed documents and padding."""
+    ds = MockMultimodalDataset(cfg)
+    a, b = ds.sample(0), ds.sample(1)
+    s = a.input_ids.shape[0]
+    a.document_ids = torch.zeros(s, dtype=torch.long)
+    b.document_ids = torch.tensor([0] * (s // 2) + [1] * (s // 2 - 4) + [-1] * 4)
+    for x in (a, b):
+        x.targets = x.document_ids >= 0
+        x.position_ids = torch.arange(s)
+    return [a, b]
+
+
+def test_an_llm_microbatch_carries_its_mask_slots_and_placeholder_counts():
+    raw = copy.deepcopy(TINY)
+    raw["model"]["language"]["attention"] = "bitfield"
+    raw["parallelism"] = {"language": {"cp": 2}, "images": {"dp": 2}, "audio": {"dp": 2}}
+    cfg = load_config(raw, world_size=2)
+    host = collate(_packed(cfg), cfg.placeholder_ids)
+    got = llm_microbatch(cfg, host, torch.device("cpu"), torch.float32)
+
+    want = attention_mask(cfg, host["input_ids"], host["document_ids"])
+    assert torch.equal(got["attention_mask"].bits, want.bits)
+    assert torch.equal(got["attention_mask"].document_ids, want.document_ids)
+    # The CP plan balances the packed documents' work (document ids included), and is valid.
+    slots = plan_context_parallel(want.bits, 2, cfg.model.language.cp_block_size, cfg.model.language.cp_policy,
+                                  want.document_ids)
+    assert torch.equal(got["cp_slots"], slots)
+    check_slots(got["cp_slots"], host["input_ids"].shape[1])
+    counts = {i: int((host["input_ids"] == i).sum()) for i in cfg.placeholder_ids.values()}
+    assert got["placeholder_counts"] == counts and sum(counts.values()) > 0
+    for key in ("input_ids", "labels", "loss_mask"):
+        assert torch.equal(got[key], host[key])
+
+
+def test_assembly_trusts_host_counts_and_still_checks_them():
+    ids = torch.tensor([[1, 9, 9, 2], [9, 3, 4, 5]])
+    text = torch.zeros(2, 4, 3)
+    tokens = {9: torch.ones(3, 3)}
+    assert torch.equal(assemble_embeddings(text, ids, tokens, {9: 3}), assemble_embeddings(text, ids, tokens))
+    with pytest.raises(ValueError, match="2 placeholder tokens"):
+        assemble_embeddings(text, ids, tokens, {9: 2})
