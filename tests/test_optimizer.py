@@ -72,7 +72,7 @@ def _run(raw, steps, sabotage=None):
         masters[name] = sorted({str(p.dtype) for p in opt.get_parameters()})
     params = {f"{n}.{k}": str(p.dtype) for n, m in trainer.parts.items() for k, p in m.named_parameters()}
     buffers = {f"{n}.{k}" for n, m in trainer.parts.items() for k, p in m.named_parameters() if hasattr(p, "main_grad")}
-    # gradient buffer dtype of the bf16 weights (the LLM's fp32 norms keep fp32 gradients)
+    # gradient buffer dtype of the bf16 weights
     grad_dtypes = sorted({str(p.main_grad.dtype) for m in trainer.parts.values() for p in m.parameters()
                           if hasattr(p, "main_grad") and p.dtype != torch.float32})
     return dict(run, modules=sorted(trainer.optimizers), ddp=sorted(trainer.optim.ddp), masters=masters,
@@ -120,10 +120,10 @@ def test_bf16_keeps_fp32_masters_tracks_fp32_and_learns(adam_reference):
     for a, b in zip(got["losses"], ref):
         assert abs(a - b) <= 0.02 * abs(b), (got["losses"], ref)
     assert got["losses"][-1] < got["losses"][0]
-    # Model weights are bf16 (the LLM keeps its norms in fp32); what the optimizer steps is fp32.
-    fp32 = {k for k, v in got["param_dtypes"].items() if v != "torch.bfloat16"}
-    assert all("layernorm" in k for k in fp32), fp32
-    assert any("linear" in k for k in got["param_dtypes"]) and not any("linear" in k for k in fp32)
+    # Every model weight is bf16, norms included (CUDA's layer norm refuses bf16 activations with
+    # fp32 weights, though the CPU kernel runs the mix); what the optimizer steps is fp32.
+    assert any("layernorm" in k for k in got["param_dtypes"]) and any("linear" in k for k in got["param_dtypes"])
+    assert set(got["param_dtypes"].values()) == {"torch.bfloat16"}, got["param_dtypes"]
     assert got["masters"] == {m: ["torch.float32"] for m in ("audio", "images", "language")}
     assert got["grad_dtypes"] == ["torch.float32"]  # grad_reduce_in_fp32 defaults to true
     # Negative control for the tolerance: bf16 differs from fp32 at all.

@@ -22,7 +22,9 @@ class TorchNorm:
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in kinds:
             raise ValueError(f"normalization must be one of {', '.join(kinds)}, got {config.normalization!r}")
-        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        # In the model's parameter dtype like every megatron layer beside it: CUDA's layer norm
+        # refuses bf16 activations with fp32 weights (the CPU kernel accepts the mix).
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         for p in norm.parameters():
             setattr(p, "sequence_parallel", config.sequence_parallel)
         return norm
