@@ -31,8 +31,12 @@ def _mask_args(inp: AttentionInputs):
     return (inp.q_mask, inp.q_positions, qd, inp.k_mask, inp.k_positions, kd), has_doc
 
 
-def _launch_opts(cfg: KernelConfig, interpret: bool) -> dict:
-    return {} if interpret else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+def _launch_opts(cfg: KernelConfig, interpret: bool, backward: bool = False) -> dict:
+    if interpret:
+        return {}
+    if backward:
+        return {"num_warps": cfg.bwd_num_warps, "num_stages": cfg.bwd_num_stages}
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cfg: KernelConfig):
@@ -71,7 +75,7 @@ def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plan: BlockP
     s_k, hkv = k.shape[1], k.shape[2]
     bm, bn, bd = plan.block_m, plan.block_n, _pow2(d)
     masks, has_doc = _mask_args(inp)
-    opts = _launch_opts(cfg, interpret)
+    opts = _launch_opts(cfg, interpret, backward=True)
     common = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **opts)
     scalars = (inp.softmax_scale, inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv, d)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])

@@ -1,0 +1,60 @@
+"""tools/tune_attention.py in its CPU smoke mode, and the launch settings it tunes (KernelConfig)."""
+
+import importlib.util
+import os
+
+import torch
+
+from mimo.attention import KernelConfig
+from mimo.attention.function import _launch_opts
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "tune_attention.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("tune_attention", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
+    tool = _load()
+    assert tool.main(["--device", "cpu", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| (")]
+    assert len(rows) == len(tool.TINY_FORWARD) + len(tool.TINY_BACKWARD)
+    for row in rows:
+        cell = row.split("|")[2]
+        assert "diff" in cell and "WRONG" not in cell and float(cell.split()[0]) > 0, row
+    assert out.count("fastest ") == 2 and "\nKernelConfig(block_m=" in out
+
+
+def test_a_candidate_outside_the_tolerance_is_never_picked(capsys):
+    tool = _load()
+    tool.TOLERANCE = -1.0  # every candidate, the reference included, now "differs"
+    assert tool.main(["--device", "cpu", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("WRONG") == len(tool.TINY_FORWARD) + len(tool.TINY_BACKWARD)
+    assert "fastest" not in out and "KernelConfig(" not in out
+
+
+def test_cuda_request_without_gpu_exits_clearly(capsys):
+    if torch.cuda.is_available():
+        return  # the CUDA run itself is the tuning, not a unit test
+    assert _load().main([]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_backward_kernels_take_their_own_launch_settings():
+    tuned = KernelConfig().resolve(128)
+    assert (tuned.num_warps, tuned.num_stages, tuned.bwd_num_warps, tuned.bwd_num_stages) == (8, 3, 4, 2)
+    assert _launch_opts(tuned, False) == {"num_warps": 8, "num_stages": 3}
+    assert _launch_opts(tuned, False, backward=True) == {"num_warps": 4, "num_stages": 2}
+    assert _launch_opts(tuned, True, backward=True) == {}  # the interpreter takes none
+    # Untuned widths keep their settings; the backward follows the forward's there.
+    small, big = KernelConfig().resolve(64), KernelConfig().resolve(256)
+    assert (small.num_warps, small.num_stages, small.bwd_num_warps, small.bwd_num_stages) == (4, 2, 4, 2)
+    assert (big.num_warps, big.num_stages, big.bwd_num_warps, big.bwd_num_stages) == (8, 1, 8, 1)
+    mine = KernelConfig(num_warps=2, num_stages=4, bwd_num_warps=16, bwd_num_stages=5).resolve(128)
+    assert (mine.num_warps, mine.num_stages, mine.bwd_num_warps, mine.bwd_num_stages) == (2, 4, 16, 5)

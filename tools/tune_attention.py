@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Tune bitfield attention's launch settings (tile sizes, warps, pipeline stages) on one GPU.
+
+    python tools/tune_attention.py                                # CUDA: 16k and 64k tokens, head_dim 128
+    python tools/tune_attention.py --seqlens 8192 --head-dim 64
+    python tools/tune_attention.py --device cpu --tiny            # smoke run (Triton interpreter)
+
+The forward and the backward are tuned apart (they take separate `KernelConfig` fields): each
+candidate forward is timed alone, each candidate backward alone (repeated `autograd.grad` over one
+retained forward). Every candidate's output and gradients are compared with the default
+configuration's, so a setting that computes something else is reported, never picked. The mask is
+`bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
+markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths.
+Exits with status 2 and a message when CUDA is asked for but unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# (block_m, block_n, num_warps, num_stages); the first of each list is the head_dim <= 128 default.
+FORWARD = [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+           (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)]
+BACKWARD = [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 2), (64, 32, 4, 2),
+            (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2), (32, 128, 4, 2), (128, 64, 4, 2)]
+TINY_FORWARD = [(16, 16, 4, 2), (32, 16, 4, 2)]
+TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
+TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
+
+
+def forward_config(c) -> "KernelConfig":
+    from mimo.attention import KernelConfig
+
+    return KernelConfig(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
+
+
+def backward_config(c) -> "KernelConfig":
+    from mimo.attention import KernelConfig
+
+    return KernelConfig(bwd_block_m=c[0], bwd_block_n=c[1], bwd_num_warps=c[2], bwd_num_stages=c[3])
+
+
+def _short(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:90].replace("|", "/")
+
+
+def _max_err(got, want) -> float:
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+
+
+def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict:
+    from bench_attention import mixed_layout
+
+    from mimo.attention import bitfield_attention
+
+    torch.manual_seed(s)
+    q, k, v = (torch.randn(1, s, h, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+               for h in (args.heads, args.kv_heads, args.kv_heads))
+    mask, docs = mixed_layout(1, s, device)
+    go = torch.randn_like(q)
+    out = {"forward": {}, "backward": {}}
+    want_out = want_grads = None
+    for c in forward:
+        try:
+            with torch.no_grad():
+                got = bitfield_attention(q, k, v, mask, docs, kernel_config=forward_config(c))
+                want_out = got if want_out is None else want_out
+                err = _max_err([got], [want_out])
+
+                def fwd(cfg=forward_config(c)):
+                    bitfield_attention(q, k, v, mask, docs, kernel_config=cfg)
+
+                out["forward"][c] = (time_fn(fwd), err)
+        except Exception as exc:  # a setting the GPU cannot launch (shared memory) is reported, not fatal
+            out["forward"][c] = (None, _short(exc))
+    for c in backward:
+        try:
+            o = bitfield_attention(q, k, v, mask, docs, kernel_config=backward_config(c))
+            got = torch.autograd.grad(o, (q, k, v), go, retain_graph=True)
+            want_grads = got if want_grads is None else want_grads
+            err = _max_err(got, want_grads)
+            scale = max(1.0, max(float(g.float().abs().max()) for g in want_grads))
+
+            def bwd(o=o):
+                torch.autograd.grad(o, (q, k, v), go, retain_graph=True)
+
+            out["backward"][c] = (time_fn(bwd), err / scale)
+            del o
+        except Exception as exc:
+            out["backward"][c] = (None, _short(exc))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke run (Triton interpreter)")
+    p.add_argument("--seqlens", default="16384,65536")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("tune_attention: no CUDA GPU available; nothing measured. Use --device cpu --tiny for a smoke run.",
+              file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        if not args.tiny:
+            print("tune_attention: --device cpu is only a smoke test; add --tiny", file=sys.stderr)
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench_attention import _time
+
+    device = torch.device(args.device)
+    if args.tiny:
+        seqlens, dtype, forward, backward = [48], torch.float32, TINY_FORWARD, TINY_BACKWARD
+        args.heads, args.kv_heads, args.head_dim, args.iters = 2, 1, 16, 1
+    else:
+        seqlens, dtype, forward, backward = [int(x) for x in args.seqlens.split(",")], torch.bfloat16, FORWARD, BACKWARD
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
+    print(f"device: {name}; dtype {str(dtype).replace('torch.', '')}; heads {args.heads}/{args.kv_heads}; "
+          f"head_dim {args.head_dim}; iters {args.iters}")
+    results = {s: tune_length(s, args, dtype, device, forward, backward,
+                              lambda fn: _time(fn, args.iters, device)) for s in seqlens}
+    best = {}
+    for phase, cands, fields in (("forward", forward, "block_m, block_n, num_warps, num_stages"),
+                                 ("backward", backward, "bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages")):
+        print(f"\n{phase} ({fields}); ms, and max difference from the first row")
+        print("| config | " + " | ".join(f"{s} tokens" for s in seqlens) + " | total ms |")
+        print("|---|" + "---|" * (len(seqlens) + 1))
+        totals = {}
+        for c in cands:
+            cells, total = [], 0.0
+            for s in seqlens:
+                t, err = results[s][phase][c]
+                if t is None:
+                    cells.append(f"fails ({err})")
+                    total = None
+                    continue
+                ok = err <= TOLERANCE
+                cells.append(f"{t * 1e3:.2f} (diff {err:.1e}{'' if ok else ', WRONG'})")
+                if total is not None:
+                    total = total + t if ok else None
+            if total is not None:
+                totals[c] = total
+            print(f"| {c} | " + " | ".join(cells) + f" | {'-' if total is None else f'{total * 1e3:.2f}'} |")
+        if totals:
+            best[phase] = min(totals, key=totals.get)
+            gain = totals[cands[0]] / totals[best[phase]] if cands[0] in totals else float("nan")
+            print(f"fastest {phase}: {best[phase]} ({gain:.2f}x the default)")
+    if len(best) == 2:
+        f, b = best["forward"], best["backward"]
+        print(f"\nKernelConfig(block_m={f[0]}, block_n={f[1]}, num_warps={f[2]}, num_stages={f[3]}, "
+              f"bwd_block_m={b[0]}, bwd_block_n={b[1]}, bwd_num_warps={b[2]}, bwd_num_stages={b[3]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
