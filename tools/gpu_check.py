@@ -6,7 +6,7 @@
 
 Checks, each reported with its figures and `ok`:
 
-* `kernels`: the bitfield-attention Triton kernels compiled natively (bf16) at 4k-32k tokens on a
+* `kernels`: the bitfield-attention Triton kernels compiled natively (bf16) at 4k-64k tokens on a
   multimodal mask (text, images, audio, two packed documents). The forward output is compared with
   the fp32 reference on sampled query rows at every length; the backward (dq, dk, dv) against the
   whole fp32 reference where its score matrix fits (up to 16k). Forward+backward time is measured
@@ -148,7 +148,7 @@ def check_offload(numel: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller sizes: 4k and 8k tokens, 2 training steps")
-    p.add_argument("--seqlens", default="4096,8192,16384,32768")
+    p.add_argument("--seqlens", default="4096,8192,16384,32768,65536")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
