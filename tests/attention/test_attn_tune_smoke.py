@@ -58,3 +58,9 @@ def test_backward_kernels_take_their_own_launch_settings():
     assert (big.num_warps, big.num_stages, big.bwd_num_warps, big.bwd_num_stages) == (8, 1, 8, 1)
     mine = KernelConfig(num_warps=2, num_stages=4, bwd_num_warps=16, bwd_num_stages=5).resolve(128)
     assert (mine.num_warps, mine.num_stages, mine.bwd_num_warps, mine.bwd_num_stages) == (2, 4, 16, 5)
+
+
+def test_the_reference_rows_are_the_defaults_for_head_dim_128():
+    tool, d = _load(), KernelConfig().resolve(128)
+    assert tool.FORWARD[0] == (d.block_m, d.block_n, d.num_warps, d.num_stages)
+    assert tool.BACKWARD[0] == (d.bwd_block_m, d.bwd_block_n, d.bwd_num_warps, d.bwd_num_stages)
