@@ -45,6 +45,34 @@ def test_megatron_rng_tracker_on_cpu():
     assert str(device) == "cpu"
 
 
+def _cross_entropy_compiled_frames():
+    """megatron-core's fused cross entropy on a CPU rank, then again with torch.compile's default
+    stance restored: the loss both ways and how many frames dynamo compiled for each."""
+    import torch.distributed as dist
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(5, 2, 11), torch.randint(0, 11, (5, 2))
+    group = dist.new_group([0])
+    out = []
+    for stance in ("as set up", "default"):
+        if stance == "default":
+            torch.compiler.set_stance("default")  # negative control: megatron's jit_fuser compiles again
+        before = counters["frames"]["total"]
+        loss = fused_vocab_parallel_cross_entropy(logits.clone(), target, group)
+        out.append((loss, counters["frames"]["total"] - before))
+    return out
+
+
+def test_cpu_ranks_run_megatron_fusions_eagerly():
+    """Adaptation 7 of megatron_cpu: no dynamo compile per rank process; the same loss as compiled."""
+    (eager, eager_frames), (compiled, compiled_frames) = run_on_ranks(_cross_entropy_compiled_frames, 1)[0]
+    assert eager_frames == 0
+    assert compiled_frames > 0  # the counter sees a compile when there is one
+    torch.testing.assert_close(eager, compiled, rtol=1e-6, atol=1e-6)
+
+
 def _fail_on_rank_one():
     import torch.distributed as dist
 

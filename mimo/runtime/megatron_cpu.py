@@ -28,6 +28,14 @@ optimizer stack in `optimizer_on_cpu`):
    host RNG and our CPU tracker (2) already hold every state dropout reads, so
    those two functions become no-ops here.
 
+7. megatron-core's fused functions (``megatron.core.jit.jit_fuser``, which is
+   ``torch.compile``; mimo reaches it through the vocab-parallel cross entropy)
+   are traced by dynamo and compiled by inductor's C++ backend in every rank
+   process, again for each new input shape: seconds per rank before the first
+   loss on a small CPU, for a few elementwise operations. A CPU rank runs them
+   eagerly (``torch.compiler.set_stance("force_eager")``), the same arithmetic
+   without the compile; CUDA ranks keep the compiled kernels.
+
 Everything is idempotent and undone by :func:`restore` (used by tests).
 
 5. megatron-core's DDP grad buffers and optimizers (``optimizer_on_cpu``, a
@@ -124,7 +132,8 @@ def checkpoint_on_cpu():
 
 
 def adapt_for_cpu(seed: int = 0) -> None:
-    """Install the CPU adaptations 2-4 (see module docstring). Call once per process."""
+    """Install the CPU adaptations 2-4 and 7 (see module docstring). Call once per process."""
+    torch.compiler.set_stance("force_eager")
     if "get_cuda_rng_state" not in _saved:
         _saved["get_cuda_rng_state"] = mcore_random._get_cuda_rng_state
         _saved["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
@@ -141,6 +150,7 @@ def adapt_for_cpu(seed: int = 0) -> None:
 
 def restore() -> None:
     """Undo :func:`adapt_for_cpu` (tests run several configurations per process)."""
+    torch.compiler.set_stance("default")
     if "get_cuda_rng_state" in _saved:
         mcore_random._get_cuda_rng_state = _saved.pop("get_cuda_rng_state")
         mcore_random._set_cuda_rng_state = _saved.pop("set_cuda_rng_state")
