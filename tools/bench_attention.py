@@ -97,27 +97,39 @@ def _short(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:100].replace("|", "/")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(p: argparse.ArgumentParser, seqlens: str) -> None:
+    """The device and attention-shape flags this tool and tune_attention.py share."""
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke run (Triton interpreter)")
-    p.add_argument("--seqlens", default="8192,16384,32768,65536")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlens", default=seqlens)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
-    args = p.parse_args(argv)
 
+
+def device_refused(tool: str, args) -> bool:
+    """Say why and return True when `args.device` cannot run; a CPU smoke run turns on the Triton
+    interpreter (before mimo.attention is imported)."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_attention: no CUDA GPU available; nothing measured. "
-              "Use --device cpu --tiny for a smoke run.", file=sys.stderr)
-        return 2
+        print(f"{tool}: no CUDA GPU available; nothing measured. Use --device cpu --tiny for a smoke run.",
+              file=sys.stderr)
+        return True
     if args.device == "cpu":
         if not args.tiny:
-            print("bench_attention: --device cpu is only a smoke test; add --tiny", file=sys.stderr)
-            return 2
+            print(f"{tool}: --device cpu is only a smoke test; add --tiny", file=sys.stderr)
+            return True
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p, "8192,16384,32768,65536")
+    p.add_argument("--batch", type=int, default=1)
+    args = p.parse_args(argv)
+    if device_refused("bench_attention", args):
+        return 2
 
     from mimo.attention import KernelConfig
     from mimo.attention.block_plan import get_plan

@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_attention import _short, _time, add_shape_args, device_refused, mixed_layout  # noqa: E402
+
 # (block_m, block_n, num_warps, num_stages). The first of each list is KernelConfig's default for
 # head_dim 65-128 and the reference every other row is checked against; the second is the
 # untuned setting it replaced (docs/benchmarks.md).
@@ -49,17 +51,11 @@ def backward_config(c) -> "KernelConfig":
     return KernelConfig(bwd_block_m=c[0], bwd_block_n=c[1], bwd_num_warps=c[2], bwd_num_stages=c[3])
 
 
-def _short(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:90].replace("|", "/")
-
-
 def _max_err(got, want) -> float:
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
 
 
 def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict:
-    from bench_attention import mixed_layout
-
     from mimo.attention import bitfield_attention
 
     torch.manual_seed(s)
@@ -104,24 +100,10 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke run (Triton interpreter)")
-    p.add_argument("--seqlens", default="16384,65536")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=5)
+    add_shape_args(p, "16384,65536")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("tune_attention: no CUDA GPU available; nothing measured. Use --device cpu --tiny for a smoke run.",
-              file=sys.stderr)
+    if device_refused("tune_attention", args):
         return 2
-    if args.device == "cpu":
-        if not args.tiny:
-            print("tune_attention: --device cpu is only a smoke test; add --tiny", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from bench_attention import _time
 
     device = torch.device(args.device)
     if args.tiny:

@@ -1,25 +1,20 @@
 """tools/tune_attention.py in its CPU smoke mode, and the launch settings it tunes (KernelConfig)."""
 
-import importlib.util
 import os
+import sys
 
+import pytest
 import torch
 
 from mimo.attention import KernelConfig
 from mimo.attention.function import _launch_opts
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "tune_attention.py")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("tune_attention", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import tune_attention  # noqa: E402
 
 
 def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
-    tool = _load()
+    tool = tune_attention
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| (")]
@@ -30,19 +25,18 @@ def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
     assert out.count("fastest ") == 2 and "\nKernelConfig(block_m=" in out
 
 
-def test_a_candidate_outside_the_tolerance_is_never_picked(capsys):
-    tool = _load()
-    tool.TOLERANCE = -1.0  # every candidate, the reference included, now "differs"
+def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
+    tool = tune_attention
+    monkeypatch.setattr(tool, "TOLERANCE", -1.0)  # every candidate, the reference included, now "differs"
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
     assert out.count("WRONG") == len(tool.TINY_FORWARD) + len(tool.TINY_BACKWARD)
     assert "fastest" not in out and "KernelConfig(" not in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA run is the tuning itself, not a unit test")
 def test_cuda_request_without_gpu_exits_clearly(capsys):
-    if torch.cuda.is_available():
-        return  # the CUDA run itself is the tuning, not a unit test
-    assert _load().main([]) == 2
+    assert tune_attention.main([]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
@@ -61,6 +55,6 @@ def test_backward_kernels_take_their_own_launch_settings():
 
 
 def test_the_reference_rows_are_the_defaults_for_head_dim_128():
-    tool, d = _load(), KernelConfig().resolve(128)
+    tool, d = tune_attention, KernelConfig().resolve(128)
     assert tool.FORWARD[0] == (d.block_m, d.block_n, d.num_warps, d.num_stages)
     assert tool.BACKWARD[0] == (d.bwd_block_m, d.bwd_block_n, d.bwd_num_warps, d.bwd_num_stages)
