@@ -51,3 +51,39 @@ def train(raw, stop=None, timeout_s=240):
         assert r["losses"] == out["losses"]
         out["params"].update(r["params"])
     return out
+
+
+def _resume_error(raw):
+    """This rank's CheckpointError from resuming (None: the resume went through)."""
+    from mimo.checkpoint import CheckpointError, checkpointer
+    from mimo.training import Trainer
+
+    cfg = load_config(raw)
+    try:
+        checkpointer(cfg, Trainer(cfg, select_runtime("cpu")), None).resume()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def resume_errors(raw, timeout_s=240):
+    """Each rank's error from resuming `training.load`, rank order."""
+    return run_on_ranks(_resume_error, load_config(raw).world_size, raw, timeout_s=timeout_s, daemon=False)
+
+
+def _gather_checksums_reads(ckpt):
+    """The manifest entries from `gather_checksums` and the files this rank read for it."""
+    import os
+
+    from mimo.checkpoint import manifest
+
+    read, crc32 = [], manifest.crc32
+    manifest.crc32 = lambda path: read.append(os.path.relpath(path, ckpt)) or crc32(path)
+    try:
+        return manifest.gather_checksums(ckpt), read
+    finally:
+        manifest.crc32 = crc32
+
+
+def gather_checksums_reads(ckpt, world_size):
+    return run_on_ranks(_gather_checksums_reads, world_size, ckpt, timeout_s=120)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from checkpoint_harness import layout, train, with_ckpt
+from checkpoint_harness import layout, resume_errors, train, with_ckpt
 from mimo.checkpoint import paths
 from mimo.config import load_config
 from mimo.training.parity import max_rel_diff
@@ -135,3 +135,30 @@ def test_distributed_optimizer_state_resumes_on_one_rank(tmp_path):
     assert got["start"] == 2
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=1e-4, atol=0)
     assert max_rel_diff(got["params"], ref["params"]) <= 1e-4
+
+
+def test_the_manifest_lists_every_file_with_its_checksum(reference):
+    """Written from the ranks' shares: the same as one process reading every file."""
+    from mimo.checkpoint import manifest
+
+    for step in (2, 4):
+        ckpt = paths.iter_dir(reference["dir"], step)
+        assert manifest.read_manifest(ckpt) == manifest.checksum_files(ckpt, list(manifest.listing(ckpt)))
+
+
+def test_every_rank_stops_on_a_corrupt_file_in_another_ranks_share(reference, tmp_path):
+    """Rank 1 checksums the file on load; both ranks stop before the load with the same line."""
+    import shutil
+
+    from mimo.checkpoint import manifest
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(reference["dir"], d)
+    ckpt = paths.iter_dir(d, 4)
+    raw = with_ckpt(layout(**NONCOLOCATED), load=ckpt)
+    world = load_config(raw).world_size
+    victim = os.path.join(ckpt, manifest.shares(manifest.listing(ckpt), world)[1][0])  # rank 1's largest
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    assert resume_errors(raw) == [f"{victim}: corrupt (CRC32 differs from the manifest)"] * world

@@ -1,9 +1,10 @@
 """Save and resume a trainer: the two hooks a training loop calls (`resume` after build, `after_step`).
 
 A save is collective (every rank writes its own shards through megatron-core
-`dist_checkpointing`, replicas written once); rank 0 then writes the manifest and
-publishes the checkpoint (see mimo.checkpoint.paths). A resume checks the files
-and the architecture on every rank and agrees on the outcome with one small
+`dist_checkpointing`, replicas written once); every rank checksums a share of the
+files, then rank 0 writes the manifest and publishes the checkpoint (see
+mimo.checkpoint.paths). A resume checks the files (each rank the checksums of its
+share) and the architecture on every rank and agrees on the outcome with one small
 gather before the collective load, so a bad checkpoint stops every rank with the
 same `error:` line instead of leaving some of them waiting.
 """
@@ -22,7 +23,7 @@ from megatron.core import dist_checkpointing
 from mimo.runtime import checkpoint_scope, cuda_available
 
 from .checks import META, preflight, read_meta, shape_problems
-from .manifest import verify, write_manifest
+from .manifest import gather_checksums, verify, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, partial_dir, prune, publish
 from .rng import capture, restore_rng, save_rng
@@ -62,11 +63,10 @@ class Checkpointer:
             return 0
         saved = dist_checkpointing.load_tensors_metadata(ckpt)
         problems = shape_problems(self.shards, saved, self.cfg.modules)
-        if self.rank == 0:
-            try:
-                verify(ckpt, checksums=True)  # CRC32 of every file, once (rank 0)
-            except CheckpointError as exc:  # names the file, the checkpoint's directory included
-                problems.insert(0, (FILE_PROBLEM, str(exc)))
+        try:  # sizes of every file; CRC32 of this rank's share of them
+            verify(ckpt, checksums=True, rank=self.rank, world=dist.get_world_size())
+        except CheckpointError as exc:  # names the file, the checkpoint's directory included
+            problems.insert(0, (FILE_PROBLEM, str(exc)))
         held = {s.key for s in self.shards}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (problems, sorted(held)))
@@ -151,10 +151,12 @@ class Checkpointer:
     def _publish(self, steps_done: int, rng: dict) -> None:
         """After every rank's shards are on disk (dist_checkpointing ends with a barrier)."""
         tr = self.cfg.training
-        save_rng(partial_dir(tr.save, steps_done), self.rank, rng)
+        tmp = partial_dir(tr.save, steps_done)
+        save_rng(tmp, self.rank, rng)
         dist.barrier()
+        files = gather_checksums(tmp)
         if self.rank == 0:
-            write_manifest(partial_dir(tr.save, steps_done))
+            write_manifest(tmp, files)
             publish(tr.save, steps_done)
             if tr.keep_last:
                 prune(tr.save, tr.keep_last)
