@@ -87,3 +87,35 @@ def _gather_checksums_reads(ckpt):
 
 def gather_checksums_reads(ckpt, world_size):
     return run_on_ranks(_gather_checksums_reads, world_size, ckpt, timeout_s=120)
+
+
+def _optimizer_request_sizes(raw, ckpt):
+    """Elements this rank would load of the optimizer's tensor states: (requested, owned, slack, all)."""
+    import math
+
+    from megatron.core import dist_checkpointing
+
+    from mimo.checkpoint.optimizer_state import optimizer_request
+    from mimo.checkpoint.shards import param_shards
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    shards = param_shards(trainer)
+    saved = dist_checkpointing.load_tensors_metadata(ckpt)
+    request = optimizer_request(trainer, shards, saved)
+    requested = sum(t.data.numel() for entry in request.values() for t in entry if t.data.numel() > 1)
+    states = {k.rsplit(".", 1)[1] for k in saved if k.startswith("optimizer.")} - {"step"}
+    owned = slack = everything = 0
+    for module in trainer.optimizers:
+        ranges = trainer.optim.owned_ranges(module)
+        for p in trainer.params[module]:
+            everything += p.numel() * len(states)
+            if id(p) in ranges:
+                a, b = ranges[id(p)] or (0, p.numel())
+                owned += (b - a) * len(states)
+                slack += 2 * math.prod(p.shape[1:]) * len(states)  # a partial row at each end
+    return requested, owned, slack, everything
+
+
+def optimizer_request_sizes(raw, ckpt):
+    return run_on_ranks(_optimizer_request_sizes, load_config(raw).world_size, raw, ckpt, timeout_s=240)

@@ -11,6 +11,7 @@ stored once per parameter. The learning-rate schedule's state goes in the metada
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 import torch
@@ -65,40 +66,66 @@ def optimizer_state(trainer, shards: List[ParamShard]) -> Dict[str, List[Sharded
     return out
 
 
+def _rows(p: torch.Tensor, rng) -> tuple:
+    """The local rows (axis 0) holding flat range `rng` of `p`, and where `rng` starts in them."""
+    row = math.prod(p.shape[1:])
+    r0, r1 = rng[0] // row, -(-rng[1] // row)
+    return r0, r1, rng[0] - r0 * row
+
+
 def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[str, List[ShardedTensor]]:
     """What to load for this rank's trainable parameters: the state entries the checkpoint has
-    (`saved`: its tensors' metadata). A parameter without saved state (frozen when saved) starts fresh."""
+    (`saved`: its tensors' metadata). A parameter without saved state (frozen when saved) starts fresh.
+    With the distributed optimizer a rank loads only the rows holding the piece it owns (about 1/DP of
+    the module part's state, not all of it) and nothing of parameters it owns no piece of."""
     of = _by_param(shards)
     out = {}
     for module in trainer.optimizers:
+        ranges = trainer.optim.owned_ranges(module)
         for p in trainer.params[module]:
-            s = of[id(p)]
+            if id(p) not in ranges:
+                continue
+            s, rng = of[id(p)], ranges[id(p)]
             head = f"{PREFIX}{s.key}."
             for key, meta in saved.items():
                 if not key.startswith(head) or "." in key[len(head):]:
                     continue
                 name = key[len(head):]
-                if tuple(meta.global_shape) == s.full_shape:
-                    out[_entry(s, name)] = s.sharded(key, torch.empty_like(p.detach(), dtype=meta.dtype))
-                else:
+                if tuple(meta.global_shape) != s.full_shape:
                     out[_entry(s, name)] = [ShardedTensor.from_rank_offsets(
                         key, torch.empty(1, dtype=meta.dtype), replica_id=_scalar_replica(s))]
+                elif rng is None:
+                    out[_entry(s, name)] = s.sharded(key, torch.empty_like(p.detach(), dtype=meta.dtype))
+                else:
+                    r0, r1, _ = _rows(p, rng)
+                    out[_entry(s, name)] = s.sharded_rows(key, r0, r1, meta.dtype)
     return out
 
 
-def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict) -> None:
-    """Install the loaded state tensors into the module optimizers (replacing any state they had)."""
+def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict, saved: Dict) -> None:
+    """Install the loaded state tensors (`optimizer_request`'s, `saved` as there) into the module
+    optimizers, replacing any state they had."""
     of = _by_param(shards)
     for module in trainer.optimizers:
+        ranges = trainer.optim.owned_ranges(module)
         states = {}
         for p in trainer.params[module]:
-            s = of[id(p)]
+            if id(p) not in ranges:
+                continue
+            s, rng = of[id(p)], ranges[id(p)]
             head = _entry(s, "")
             state = {}
             for entry, pieces in loaded.items():
-                if entry.startswith(head) and "." not in entry[len(head):]:
-                    t = s.join(pieces)
-                    state[entry[len(head):]] = t if t.shape == p.shape else t.reshape(())
+                if not entry.startswith(head) or "." in entry[len(head):]:
+                    continue
+                name = entry[len(head):]
+                t = s.join(pieces)
+                if tuple(saved[f"{PREFIX}{s.key}.{name}"].global_shape) != s.full_shape:
+                    t = t.reshape(())  # a scalar (Adam's step)
+                elif rng is not None:  # the loaded rows: keep the owned range
+                    _, _, start = _rows(p, rng)
+                    t = t.reshape(-1)[start:start + rng[1] - rng[0]]
+                state[name] = t
             if state:
                 states[id(p)] = state
         trainer.optim.load_param_state(module, states)

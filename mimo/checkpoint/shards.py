@@ -55,6 +55,35 @@ class ParamShard:
     def join(self, pieces: List[torch.Tensor]) -> torch.Tensor:
         return torch.cat(pieces, dim=self.dim) if len(pieces) > 1 else pieces[0]
 
+    def row_boxes(self, r0: int, r1: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        """(global offset, shape) of the boxes of the full tensor that hold rows `r0:r1` (axis 0) of
+        this rank's local tensor, in the order `join` puts them back together."""
+        local = tuple(self.param.shape)
+        if self.tp_size == 1 and self.stride == 1:
+            return [((r0,) + (0,) * (len(local) - 1), (r1 - r0,) + local[1:])]
+        size = local[self.dim] // self.stride
+        out = []
+        for j in range(self.stride):
+            start = (j * self.tp_size + self.tp_rank) * size  # piece j's place along `dim` in the full tensor
+            offset, shape = [0] * len(local), list(local)
+            if self.dim == 0:  # the pieces are consecutive runs of rows
+                lo, hi = max(r0, j * size), min(r1, (j + 1) * size)
+                if lo >= hi:
+                    continue
+                offset[0], shape[0] = start + lo - j * size, hi - lo
+            else:  # every piece holds all the rows
+                offset[0], shape[0] = r0, r1 - r0
+                offset[self.dim], shape[self.dim] = start, size
+            out.append((tuple(offset), tuple(shape)))
+        return out
+
+    def sharded_rows(self, key: str, r0: int, r1: int, dtype: torch.dtype) -> List[ShardedTensor]:
+        """Fresh ShardedTensors to load rows `r0:r1` of this rank's local tensor from `key` (an
+        uneven box of the full tensor: megatron-core loads those through torch DCP)."""
+        return [ShardedTensor(key, torch.empty(shape, dtype=dtype, device=self.param.device), dtype, shape,
+                              self.full_shape, offset, None, replica_id=self.replica)
+                for offset, shape in self.row_boxes(r0, r1)]
+
 
 def param_shards(trainer) -> List[ParamShard]:
     """This rank's parameters, modules in config order (encoders, then the LLM)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -226,6 +226,11 @@ class ModelOptimizer:
             out.update({id(p): (p, None) for g in opt.optimizer.param_groups for p in g["params"]})
         return out
 
+    def owned_ranges(self, name: str) -> Dict[int, Optional[tuple]]:
+        """id(model param) -> the flat range (start, end) of it this rank's optimizer steps, None for
+        all of it; with the distributed optimizer params this rank owns no piece of are absent."""
+        return {pid: rng for pid, (_, rng) in self._owned(name).items()}
+
     def param_state(self, name: str) -> Dict[int, Dict[str, torch.Tensor]]:
         """id(model param) -> {"exp_avg", "exp_avg_sq" (Adam, once stepped), "master" (bf16): fp32 tensors
         shaped like the model param; "step": scalar} for module `name`'s trainable params. Collective over
@@ -274,19 +279,19 @@ class ModelOptimizer:
         return out
 
     def load_param_state(self, name: str, states: Dict[int, Dict[str, torch.Tensor]]) -> None:
-        """Install `param_state`-shaped entries (full tensors of this rank's params) into module `name`'s
-        optimizer; with the distributed optimizer each rank keeps its own piece."""
+        """Install this rank's part of `param_state`-named entries into module `name`'s optimizer: whole
+        tensors shaped like each param, or with the distributed optimizer the flat piece of its
+        `owned_ranges` range (the checkpoint loads only that)."""
         opt, owned = self.optimizers[name], self._owned(name)
         for p in trainable(self.ddp[name].module.parameters()):
             if id(p) not in states or id(p) not in owned:
                 continue
-            key, rng = owned[id(p)]
-            piece = (lambda t: t.reshape(-1)[rng[0]:rng[1]].clone()) if rng else (lambda t: t.clone())
+            key, _ = owned[id(p)]
             full = states[id(p)]
-            state = {s: piece(t.to(key.device, torch.float32)).view_as(key) for s, t in full.items()
-                     if s not in ("step", "master")}
-            if "master" in full:
-                key.data.copy_(piece(full["master"].to(key.device, torch.float32)).view_as(key))
+            state = {s: t.to(key.device, torch.float32).reshape(key.shape).clone() for s, t in full.items()
+                     if s != "step"}
+            if "master" in state:
+                key.data.copy_(state.pop("master"))
             if "step" in full:
                 state["step"] = full["step"].reshape(()).to(torch.float32)
             if state:
