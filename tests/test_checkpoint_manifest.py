@@ -43,7 +43,7 @@ def test_gather_checksums_reads_each_file_once_over_the_ranks(tmp_path):
     assert all(reads)
 
 
-def test_verify_checks_only_its_share_and_the_shares_cover_every_file(tmp_path):
+def test_verify_share_checks_only_its_share_and_the_shares_cover_every_file(tmp_path):
     for i in range(5):
         (tmp_path / f"f{i}").write_bytes(bytes([i]) * (100 * (i + 1)))
     ckpt = str(tmp_path)
@@ -57,10 +57,10 @@ def test_verify_checks_only_its_share_and_the_shares_cover_every_file(tmp_path):
     for rank in range(3):
         if rank == owner[0]:
             with pytest.raises(manifest.CheckpointError) as err:
-                manifest.verify(ckpt, rank=rank, world=3)
+                manifest.verify_share(ckpt, rank, 3)
             assert str(err.value) == f"{os.path.join(ckpt, victim)}: corrupt (CRC32 differs from the manifest)"
         else:
-            manifest.verify(ckpt, rank=rank, world=3)  # not its file: only sizes, which match
+            manifest.verify_share(ckpt, rank, 3)  # not its file
 
 
 def test_bench_manifest_tool_prints_one_line_per_rank_count(tmp_path, capsys):

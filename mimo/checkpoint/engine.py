@@ -23,7 +23,7 @@ from megatron.core import dist_checkpointing
 from mimo.runtime import checkpoint_scope, cuda_available
 
 from .checks import META, preflight, read_meta, shape_problems
-from .manifest import gather_checksums, verify, write_manifest
+from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, partial_dir, prune, publish
 from .rng import capture, restore_rng, save_rng
@@ -63,8 +63,8 @@ class Checkpointer:
             return 0
         saved = dist_checkpointing.load_tensors_metadata(ckpt)
         problems = shape_problems(self.shards, saved, self.cfg.modules)
-        try:  # sizes of every file; CRC32 of this rank's share of them
-            verify(ckpt, checksums=True, rank=self.rank, world=dist.get_world_size())
+        try:  # sizes were checked by `preflight`; here the CRC32 of this rank's share of the files
+            verify_share(ckpt, self.rank, dist.get_world_size())
         except CheckpointError as exc:  # names the file, the checkpoint's directory included
             problems.insert(0, (FILE_PROBLEM, str(exc)))
         held = {s.key for s in self.shards}

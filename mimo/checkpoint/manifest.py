@@ -98,19 +98,23 @@ def read_manifest(ckpt: str) -> Dict[str, Dict[str, int]]:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
 
 
-def verify(ckpt: str, checksums: bool = True, rank: int = 0, world: int = 1) -> None:
-    """Every listed file exists with its size; with `checksums`, the CRC32 of the files in
-    share `rank` of `world` (all of them for one process)."""
-    files = read_manifest(ckpt)
-    for rel, want in files.items():
+def verify(ckpt: str, checksums: bool = True) -> None:
+    """Every listed file exists with its size (and, with `checksums`, its CRC32)."""
+    for rel, want in read_manifest(ckpt).items():
         path = os.path.join(ckpt, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: missing")
         size = os.path.getsize(path)
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: truncated or modified ({size} bytes, the manifest says {want['bytes']})")
-    if not checksums:
-        return
+    if checksums:
+        verify_share(ckpt, 0, 1)
+
+
+def verify_share(ckpt: str, rank: int, world: int) -> None:
+    """The CRC32 of the files in share `rank` of `world` (sizes: `verify`, which every rank runs
+    before the model is built)."""
+    files = read_manifest(ckpt)
     for rel in shares({rel: want["bytes"] for rel, want in files.items()}, world)[rank]:
         if crc32(os.path.join(ckpt, rel)) != files[rel]["crc32"]:
             raise CheckpointError(f"{os.path.join(ckpt, rel)}: corrupt (CRC32 differs from the manifest)")
