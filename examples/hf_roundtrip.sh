@@ -35,12 +35,12 @@ $PY - "$WORK" <<'PYEOF'
 import sys, torch
 from transformers import LlavaForConditionalGeneration
 w = sys.argv[1]
-inputs = torch.load(f"{w}/inputs.pt")
+inputs = torch.load(f"{w}/inputs.pt", weights_only=True)
 def ref(d):
     with torch.no_grad():
         return LlavaForConditionalGeneration.from_pretrained(d).eval()(**inputs).logits
 for name, d, mine in (("imported", "tiny_llava", "mimo_logits.pt"), ("trained+exported", "trained_hf", "trained_logits.pt")):
-    r, m = ref(f"{w}/{d}"), torch.load(f"{w}/{mine}")["logits"]
+    r, m = ref(f"{w}/{d}"), torch.load(f"{w}/{mine}", weights_only=True)["logits"]
     diff = float((m - r).abs().max() / r.abs().max())
     print(f"{name}: max rel logits diff mimo vs transformers {diff:.2e}", "ok" if diff < 1e-4 else "MISMATCH")
     assert diff < 1e-4

@@ -119,3 +119,37 @@ def _optimizer_request_sizes(raw, ckpt):
 
 def optimizer_request_sizes(raw, ckpt):
     return run_on_ranks(_optimizer_request_sizes, load_config(raw).world_size, raw, ckpt, timeout_s=240)
+
+
+class Payload:
+    """Unpickled without restriction, this creates directory `marker` (a harmless stand-in for a
+    shell command): what a checkpoint file that runs code looks like."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def poison(ckpt, rel, marker, plain_pickle=False):
+    """Replace file `rel` of checkpoint directory `ckpt` by a Payload pickle and reseal the manifest,
+    as anyone who can write the files can do; the file's path."""
+    import os
+    import pickle
+
+    import torch
+
+    from mimo.checkpoint.manifest import write_manifest
+
+    path = os.path.join(ckpt, rel)
+    if plain_pickle:  # like torch's own `.metadata`
+        with open(path, "wb") as f:
+            pickle.dump(Payload(marker), f)
+    else:
+        torch.save({"mimo": Payload(marker)}, path)
+    write_manifest(ckpt)
+    return path
+

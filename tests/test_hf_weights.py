@@ -278,6 +278,29 @@ def _export_load(cfg_path, out_dir, ckpt_dir):
     return main(["export", "--config", str(cfg_path), "--load", str(ckpt_dir), "--out", str(out_dir)])
 
 
+def test_export_refuses_a_checkpoint_that_runs_code(clip_llama, llama_ckpt, tmp_path, capsys):
+    """`export --load` of a checkpoint whose common state is a pickle that runs code (manifest
+    resealed): one `error:` line naming the file, exit 2, and the code never runs."""
+    import shutil
+
+    import yaml
+
+    from checkpoint_harness import poison
+    from mimo.checkpoint import paths
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(llama_ckpt["dir"], d)
+    marker = str(tmp_path / "ran")
+    path = poison(paths.iter_dir(d, 2), "common.pt", marker)
+    cfg = tmp_path / "export.yaml"
+    cfg.write_text(yaml.safe_dump(llava_config(clip_llama)))
+    capsys.readouterr()
+    assert _export_load(cfg, tmp_path / "out", d) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}: holds objects a checkpoint may not hold"), errors
+    assert not os.path.exists(marker)
+
+
 def test_export_of_a_checkpoint_gives_its_trained_weights(clip_llama, llama_ckpt, tmp_path, capsys):
     """`export --load` of the 1-rank checkpoint at another layout (colocated TP2): transformers loads
     the export, and every tensor equals the trainer's weight after the 2 steps mapped to HF names;

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         raw = apply_overrides(read_yaml(args.config), args.set)
         check_hf_weights(load_config(raw))
         try:
-            inputs = torch.load(args.inputs, map_location="cpu")
+            inputs = torch.load(args.inputs, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError) as exc:
             print(f"error: {args.inputs}: cannot read ({exc})", file=sys.stderr)
             return 2

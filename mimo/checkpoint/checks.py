@@ -13,10 +13,9 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 from .manifest import verify
 from .paths import CheckpointError, read_latest, resolve
+from .safe_load import check_dcp_metadata, load_torch_file
 
 COMMON = "common.pt"
 META = "mimo"  # the common-state entry holding step, config, layout, data position
@@ -25,13 +24,18 @@ META = "mimo"  # the common-state entry holding step, config, layout, data posit
 def read_meta(ckpt: str) -> dict:
     """The checkpoint's own record (step, config, layout, data position), from its common state."""
     path = os.path.join(ckpt, COMMON)
-    try:
-        common = torch.load(path, map_location="cpu", weights_only=False)
-        return common[META]
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except Exception as exc:  # any unpickling failure means the same thing: the file is damaged
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__})") from None
+    common = load_torch_file(path)  # plain data only: never runs code from the file
+    if not isinstance(common, dict) or not isinstance(common.get(META), dict):
+        raise CheckpointError(f"{path}: not a mimo checkpoint's common state (no {META!r} record)")
+    return common[META]
+
+
+def read_checked(ckpt: str) -> dict:
+    """`read_meta`, after refusing a distributed-checkpoint index that would run code when
+    megatron-core reads it: what every reader of a checkpoint calls first."""
+    meta = read_meta(ckpt)
+    check_dcp_metadata(ckpt)
+    return meta
 
 
 def _get(d: dict, path: str):
@@ -72,7 +76,7 @@ def preflight(cfg) -> Optional[str]:
         raise CheckpointError(f"training.load: {root} holds no checkpoint (no {os.path.join(root, 'latest')})")
     ckpt = resolve(root)
     verify(ckpt, checksums=False)
-    meta = read_meta(ckpt)
+    meta = read_checked(ckpt)
     problems = config_problems(meta["config"], cfg, tr.load_optimizer)
     if problems:
         raise CheckpointError(problems[0])

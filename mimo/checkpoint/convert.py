@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-from .checks import read_meta
+from .checks import read_checked
 from .manifest import read_manifest, verify
 from .optimizer_state import PREFIX
 from .paths import resolve
@@ -29,6 +29,7 @@ def full_weights(path: str) -> Dict[str, Dict[str, torch.Tensor]]:
 
     ckpt = resolve(path)
     verify(ckpt)
+    read_checked(ckpt)  # refuses files that would run code when megatron-core reads them
     _one_process_group()
     plain = dist_checkpointing.load_plain_tensors(ckpt)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -52,7 +53,7 @@ def summary(path: str) -> str:
     from megatron.core import dist_checkpointing
 
     ckpt = resolve(path)
-    meta = read_meta(ckpt)
+    meta = read_checked(ckpt)
     files = read_manifest(ckpt)
     saved = dist_checkpointing.load_tensors_metadata(ckpt)
     lines = [f"checkpoint {ckpt}", f"step {meta['step']}",

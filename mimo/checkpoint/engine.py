@@ -26,7 +26,7 @@ from .checks import META, preflight, read_meta, shape_problems
 from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, partial_dir, prune, publish
-from .rng import capture, restore_rng, save_rng
+from .rng import capture, read_rng, restore_rng, save_rng
 from .shards import assign_weights, param_shards, weights_request, weights_state
 
 FORMAT = 1
@@ -61,10 +61,15 @@ class Checkpointer:
         ckpt = preflight(self.cfg)
         if ckpt is None:
             return 0
-        saved = dist_checkpointing.load_tensors_metadata(ckpt)
+        saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `preflight` refused an unsafe index
         problems = shape_problems(self.shards, saved, self.cfg.modules)
+        meta = read_meta(ckpt)
+        rng = None
         try:  # sizes were checked by `preflight`; here the CRC32 of this rank's share of the files
             verify_share(ckpt, self.rank, dist.get_world_size())
+            same_layout = meta["world_size"] == dist.get_world_size() and meta["layout"] == layout_of(self.cfg)
+            if tr.load_optimizer and same_layout:
+                rng = read_rng(ckpt, self.rank)  # plain data only, read before anything is loaded
         except CheckpointError as exc:  # names the file, the checkpoint's directory included
             problems.insert(0, (FILE_PROBLEM, str(exc)))
         held = {s.key for s in self.shards}
@@ -94,14 +99,13 @@ class Checkpointer:
         if not tr.load_optimizer:
             return 0
         assign_optimizer(self.trainer, self.shards, loaded["optimizer"], saved)
-        meta = read_meta(ckpt)
         if meta.get("lr_scheduler") is not None:
             self.trainer.optim.scheduler.load_state_dict(meta["lr_scheduler"])
         data_state = meta.get("data")
         if data_state is not None and hasattr(self.trainer.dataset, "load_state_dict"):
             self.trainer.dataset.load_state_dict(data_state)
-        if meta["world_size"] == dist.get_world_size() and meta["layout"] == layout_of(self.cfg):
-            restore_rng(ckpt, self.rank)
+        if rng is not None:
+            restore_rng(rng)
         return int(meta["step"])
 
     # -- save -----------------------------------------------------------------------------------

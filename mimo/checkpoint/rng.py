@@ -3,6 +3,11 @@
 Each rank writes its own file `rng/rank_NNNNN.pt` inside the checkpoint. They are
 restored only on the layout they were saved with (same ranks, same roles); on
 another layout a rank's generators keep the seed the run started with.
+
+The file holds plain data only (tuples, numbers, strings, tensors: numpy's state
+is stored with its key as a tensor), so it loads with torch's `weights_only`
+loader. Files written before that hold numpy's key as an array; they still load
+(`safe_load` accepts numpy arrays, which are data).
 """
 
 from __future__ import annotations
@@ -15,13 +20,18 @@ import torch
 
 from mimo.runtime import gpu_rng_state, set_gpu_rng_state
 
+from .safe_load import load_torch_file
+
 
 def rng_path(ckpt: str, rank: int) -> str:
     return os.path.join(ckpt, "rng", f"rank_{rank:05d}.pt")
 
 
 def capture() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    algorithm, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (algorithm, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+             "torch": torch.get_rng_state()}
     gpu = gpu_rng_state()
     if gpu is not None:
         state["cuda"] = gpu
@@ -34,9 +44,15 @@ def save_rng(ckpt: str, rank: int, state: dict) -> None:
     torch.save(state, path)
 
 
-def restore_rng(ckpt: str, rank: int) -> None:
-    state = torch.load(rng_path(ckpt, rank), weights_only=False)
+def read_rng(ckpt: str, rank: int) -> dict:
+    """This rank's saved states (CheckpointError for a missing, damaged or refused file)."""
+    return load_torch_file(rng_path(ckpt, rank))
+
+
+def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    algorithm, key, pos, has_gauss, gauss = state["numpy"]
+    key = key.numpy() if torch.is_tensor(key) else key  # an array in files written before tensors
+    np.random.set_state((algorithm, key.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     set_gpu_rng_state(state.get("cuda"))

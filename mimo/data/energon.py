@@ -7,11 +7,15 @@ here (the task encoder's decoder is off): images stay bytes until a rank whose e
 them decodes them. Captioning and VQA samples become one-turn LLaVA records.
 
 The position is energon's own loader state at a point where no sample was read ahead, plus the
-number of records consumed since (replayed on restore, without decoding anything).
+number of records consumed since (replayed on restore, without decoding anything). Energon's state
+is a tree of its dataclasses; a checkpoint stores it as plain containers (`plain_state`), which
+load without unpickling any class, and rebuilds only energon's own dataclasses from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 from typing import Dict
 
@@ -43,6 +47,46 @@ def to_record(sample) -> dict:
         raise DataError(f"error: data.path: energon sample type {kind} is not supported (CaptioningSample, VQASample)")
     return {"id": str(key), "image": sample.image,
             "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}]}
+
+
+_DATACLASS, _FLEX = "__energon_dataclass__", "__energon_flex_state__"
+
+
+def plain_state(obj):
+    """Energon's state as dicts, lists, tuples and scalars: each dataclass as {_DATACLASS: its
+    import path, "fields": ...}, energon's dict subclass `FlexState` as {_FLEX: its items}."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        cls = type(obj)
+        return {_DATACLASS: f"{cls.__module__}.{cls.__qualname__}",
+                "fields": {f.name: plain_state(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, dict):
+        items = {k: plain_state(v) for k, v in obj.items()}
+        return {_FLEX: items} if type(obj) is not dict else items
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain_state(v) for v in obj)
+    return obj
+
+
+def energon_state(plain):
+    """The inverse of `plain_state`; only dataclasses defined in megatron.energon are rebuilt."""
+    if isinstance(plain, dict) and _DATACLASS in plain:
+        module, _, name = plain[_DATACLASS].rpartition(".")
+        cls = getattr(importlib.import_module(module), name, None) if module.startswith("megatron.energon.") else None
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise DataError(f"error: data position: {plain[_DATACLASS]!r} is not an energon state class")
+        obj = cls.__new__(cls)
+        for k, v in plain["fields"].items():
+            object.__setattr__(obj, k, energon_state(v))
+        return obj
+    if isinstance(plain, dict) and _FLEX in plain:
+        from megatron.energon.state import FlexState
+
+        return FlexState({k: energon_state(v) for k, v in plain[_FLEX].items()})
+    if isinstance(plain, dict):
+        return {k: energon_state(v) for k, v in plain.items()}
+    if isinstance(plain, (list, tuple)):
+        return type(plain)(energon_state(v) for v in plain)
+    return plain
 
 
 class EnergonSource:
@@ -93,12 +137,13 @@ class EnergonSource:
         self._since += 1
 
     def state_dict(self) -> Dict:
-        return {"energon": self._base, "since": self._since, "count": self._count}
+        return {"energon": plain_state(self._base), "since": self._since, "count": self._count}
 
     def load_state_dict(self, state: Dict) -> None:
         self._open()
-        if state["energon"] is not None:
-            self._loader.restore_state_rank(state["energon"])
-        self._base, self._since, self._count = state["energon"], 0, int(state["count"]) - int(state["since"])
+        base = energon_state(state["energon"])
+        if base is not None:
+            self._loader.restore_state_rank(base)
+        self._base, self._since, self._count = base, 0, int(state["count"]) - int(state["since"])
         for _ in range(int(state["since"])):
             self.advance()
