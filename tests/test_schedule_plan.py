@@ -182,7 +182,7 @@ def test_offload_between_phases():
 # -- the executor runs the plan ------------------------------------------------------------------
 
 class RecordingWork:
-    """A `StepWork` without models: records the calls; microbatch `empty` moves empty tensors."""
+    """An `ActionRunner` without models: records the calls; microbatch `empty` moves empty tensors."""
 
     def __init__(self, empty=None):
         self.log, self.empty = [], empty
@@ -265,10 +265,10 @@ def _plan(*ranks):
 
 def test_checker_catches_swapped_recv():
     a, b = RankActions(0), RankActions(1)
-    a.exchange("language", 0, [("send", "activation", 0, 1)])
-    a.exchange("language", 0, [("send", "activation", 1, 1)])
-    b.exchange("language", 1, [("recv", "activation", 1, 0)])
-    b.exchange("language", 1, [("recv", "activation", 0, 0)])
+    a.p2p_group("language", 0, [("send", "activation", 0, 1)])
+    a.p2p_group("language", 0, [("send", "activation", 1, 1)])
+    b.p2p_group("language", 1, [("recv", "activation", 1, 0)])
+    b.p2p_group("language", 1, [("recv", "activation", 0, 0)])
     with pytest.raises(PlanError, match=r"from rank 0 to rank 1 does not match.*mb 0.*mb 1"):
         check_plan(_plan(a, b))
 
@@ -276,8 +276,8 @@ def test_checker_catches_swapped_recv():
 def test_checker_catches_missing_recv():
     a, b = RankActions(0), RankActions(1)
     for mb in range(2):
-        a.exchange("language", 0, [("send", "activation", mb, 1)])
-    b.exchange("language", 1, [("recv", "activation", 0, 0)])
+        a.p2p_group("language", 0, [("send", "activation", mb, 1)])
+    b.p2p_group("language", 1, [("recv", "activation", 0, 0)])
     with pytest.raises(PlanError, match=r"rank 0's `send activation mb 1 -> rank 1.*no matching recv on rank 1"):
         check_plan(_plan(a, b))
 
@@ -289,10 +289,10 @@ def _send_send(batched):
         mine, theirs = ("activation", "gradient")[::1 - 2 * me]
         ops = [("send", mine, 0, 1 - me), ("recv", theirs, 0, 1 - me)]
         if batched:
-            out.exchange("language", me, ops)
+            out.p2p_group("language", me, ops)
         else:
             for op in ops:
-                out.exchange("language", me, [op])
+                out.p2p_group("language", me, [op])
     return _plan(*ranks)
 
 
@@ -308,9 +308,9 @@ def test_checker_catches_messages_crossed_between_modules():
     def plan(recv_order):
         a, b = RankActions(0), RankActions(1)
         for module in ("images", "audio"):
-            a.exchange(module, 0, [("send", "activation", 0, 1)])
+            a.p2p_group(module, 0, [("send", "activation", 0, 1)])
         for module in recv_order:
-            b.exchange(module, 1, [("recv", "activation", 0, 0)])
+            b.p2p_group(module, 1, [("recv", "activation", 0, 0)])
         return _plan(a, b)
 
     check_plan(plan(("images", "audio")))  # control: same order on both ranks

@@ -4,10 +4,16 @@ The model is the strictest one a backend may apply (NCCL, gloo on large
 messages): a send completes only once its matching receive is posted, and
 the other way round; a group of point-to-point actions (one
 `batch_isend_irecv`) completes when all of its actions have; a collective
-completes when every rank it lists has reached it; local work always
-completes. Messages between two ranks match in posting order only (the
-backends ignore tags), so the k-th send from A to B must be the k-th
-receive on B from A, with the same tensor kind and microbatch.
+completes when every rank it spans has reached it. Collectives are the
+plan's `collective` actions and those inside forward, backward and
+optimizer actions (tensor/context-parallel calls, the distributed
+optimizer's all-gather; `collectives.meets` derives them from the plan's
+layouts), so TP peers that skip a forward or run two microbatches in
+different orders are caught like a collective one member never reaches.
+Work that holds no collective always completes. Messages between two ranks
+match in posting order only (the backends ignore tags), so the k-th send
+from A to B must be the k-th receive on B from A, with the same tensor kind
+and microbatch.
 
 Any mismatch or deadlock raises `PlanError` naming the ranks and actions.
 """
@@ -15,38 +21,79 @@ Any mismatch or deadlock raises `PlanError` naming the ranks and actions.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
-from .plan import ACTIVATION, COLLECTIVE, RECV, SEND, Action, PlanError, StepPlan
+from .collectives import Meet, meets
+from .plan_types import ACTIVATION, P2P, SEND, Action, PlanError, StepPlan
 
-Where = Tuple[int, int]  # (rank, index of the group in that rank's list)
+# One step of a rank that may wait for other ranks: a group of sends and receives, or one meet.
+Step = Union[List[Action], Meet]
+Where = Tuple[int, int]  # (rank, index of the step in that rank's list)
 
 
-def _match(plan: StepPlan, groups: List[List[List[Action]]]) -> Dict[Tuple[int, int, int], Where]:
-    """For each p2p action (rank, group index, position), where its counterpart is posted."""
+def check_plan(plan: StepPlan) -> None:
+    """Raise `PlanError` unless every rank of `plan` reaches the end of its actions."""
+    steps = [rank_steps(plan, r) for r in range(plan.world_size)]
+    sim = _Rendezvous(steps, _match_messages(plan, steps))
+    stuck = sim.run()
+    if stuck:
+        raise _deadlock(plan, sim, stuck)
+
+
+def rank_steps(plan: StepPlan, rank: int) -> List[Step]:
+    """Rank `rank`'s steps in order: each group of sends and receives, and every meet its other actions
+    make. Work without a collective is left out: it always completes, so it cannot hold anyone up."""
+    out: List[Step] = []
+    for group in plan.groups(rank):
+        if group[0].op in P2P:
+            _check_p2p_group(rank, group)
+            out.append(group)
+            continue
+        if len(group) > 1:
+            raise PlanError(f"rank {rank}: `{group[0].describe()}` is posted in a group with other actions")
+        for meet in meets(plan, group[0]):
+            _check_members(plan, rank, meet)
+            out.append(meet)
+    return out
+
+
+def _check_p2p_group(rank: int, group: List[Action]) -> None:
+    """Only sends and receives may share a group (one `batch_isend_irecv`)."""
+    for a in group:
+        if a.op not in P2P:
+            raise PlanError(f"rank {rank}: `{a.describe()}` is posted in a group with other actions")
+
+
+def _check_members(plan: StepPlan, rank: int, meet: Meet) -> None:
+    """A meet spans its own rank and ranks of the plan only."""
+    world = plan.world_size
+    if rank not in meet.ranks or any(not 0 <= m < world for m in meet.ranks):
+        raise PlanError(f"rank {rank}: {meet.describe()} spans ranks {list(meet.ranks)}, "
+                        f"which must include rank {rank} and lie in [0, {world})")
+
+
+def _match_messages(plan: StepPlan, steps: List[List[Step]]) -> Dict[Tuple[int, int, int], Where]:
+    """For each send or receive (rank, step index, position in its group), the step of its counterpart.
+
+    Between two ranks the k-th send is the k-th receive (no tags), so pairing them in posting order is
+    what the backends do; a pair that differs in kind, microbatch or module is a crossed message."""
     out: Dict[Tuple[int, int, int], Where] = {}
     sends, recvs = defaultdict(list), defaultdict(list)
     world = plan.world_size
-    for r, gs in enumerate(groups):
-        for gi, g in enumerate(gs):
-            for k, a in enumerate(g):
-                if a.op == COLLECTIVE:
-                    if len(g) > 1:
-                        raise PlanError(f"rank {r}: collective {a.name!r} is posted in a group with other actions")
-                    if r not in a.ranks or any(not 0 <= m < world for m in a.ranks):
-                        raise PlanError(f"rank {r}: collective {a.name!r} lists ranks {list(a.ranks)}, "
-                                        f"which must include rank {r} and lie in [0, {world})")
-                if a.op not in (SEND, RECV):
-                    continue
+    for r, ss in enumerate(steps):
+        for si, step in enumerate(ss):
+            if isinstance(step, Meet):
+                continue
+            for k, a in enumerate(step):
                 if a.peer is None or not 0 <= a.peer < world or a.peer == r:
                     raise PlanError(f"rank {r}: `{a.describe()}` names no valid peer rank (world of {world})")
                 pair = (r, a.peer) if a.op == SEND else (a.peer, r)
-                (sends if a.op == SEND else recvs)[pair].append((r, gi, k))
+                (sends if a.op == SEND else recvs)[pair].append((r, si, k))
     for pair in set(sends) | set(recvs):
         src, dst = pair
         s, v = sends[pair], recvs[pair]
         for n, (ws, wr) in enumerate(zip(s, v)):
-            a, b = groups[ws[0]][ws[1]][ws[2]], groups[wr[0]][wr[1]][wr[2]]
+            a, b = steps[ws[0]][ws[1]][ws[2]], steps[wr[0]][wr[1]][wr[2]]
             # Same kind, microbatch and module (encoders sharing ranks must not cross their
             # messages), and the receiver is the sender's neighbouring stage in the flow's direction.
             step = 1 if a.tensor == ACTIVATION else -1
@@ -58,7 +105,7 @@ def _match(plan: StepPlan, groups: List[List[List[Action]]]) -> Dict[Tuple[int, 
             out[ws], out[wr] = wr[:2], ws[:2]
         if len(s) != len(v):
             extra = s[len(v)] if len(s) > len(v) else v[len(s)]
-            a = groups[extra[0]][extra[1]][extra[2]]
+            a = steps[extra[0]][extra[1]][extra[2]]
             other = dst if a.op == SEND else src
             raise PlanError(f"rank {src} posts {len(s)} sends to rank {dst}, rank {dst} posts {len(v)} receives "
                             f"from rank {src}: rank {extra[0]}'s `{a.describe()}` has no matching "
@@ -66,63 +113,90 @@ def _match(plan: StepPlan, groups: List[List[List[Action]]]) -> Dict[Tuple[int, 
     return out
 
 
-def check_plan(plan: StepPlan) -> None:
-    groups = [plan.groups(r) for r in range(plan.world_size)]
-    partner = _match(plan, groups)
-    pos = [0] * plan.world_size
+class _Rendezvous:
+    """Runs the steps: a worklist of ranks, each advancing while its current step can complete.
 
-    def current(r):
-        return groups[r][pos[r]] if pos[r] < len(groups[r]) else None
+    A rank is looked at again only when a rank it waits for moved, so the run is linear in the
+    plan's size."""
 
-    def waits(r) -> List[str]:
-        """Why rank r's current group cannot complete (empty: it can)."""
-        g, why = current(r), []
-        if g[0].op == COLLECTIVE:
-            a = g[0]
-            for m in a.ranks:
-                c = current(m)
-                if c is None or c[0].op != COLLECTIVE or (c[0].name, c[0].ranks) != (a.name, a.ranks):
-                    why.append(f"rank {m} is at {_at(c)}")
+    def __init__(self, steps: List[List[Step]], partner: Dict[Tuple[int, int, int], Where]):
+        self.steps, self.partner = steps, partner
+        self.pos = [0] * len(steps)
+
+    def current(self, r: int) -> Optional[Step]:
+        return self.steps[r][self.pos[r]] if self.pos[r] < len(self.steps[r]) else None
+
+    def can_complete(self, r: int) -> bool:
+        """Whether rank r's current step completes now: every member at this meet, or every message's
+        counterpart posted (its peer at or past the counterpart's step)."""
+        step = self.current(r)
+        if isinstance(step, Meet):
+            return all(_same_meet(self.current(m), step) for m in step.ranks)
+        return all(self.pos[pr] >= ps for pr, ps in (self.partner[(r, self.pos[r], k)] for k in range(len(step))))
+
+    def waits(self, r: int) -> List[str]:
+        """Why rank r's current step cannot complete yet, for the error (empty: it can)."""
+        step = self.current(r)
+        why = []
+        if isinstance(step, Meet):
+            for m in step.ranks:
+                if not _same_meet(self.current(m), step):
+                    why.append(f"rank {m} is at {_at(self.current(m))}")
             return why
-        for k, a in enumerate(g):
-            if a.op in (SEND, RECV):
-                pr, pg = partner[(r, pos[r], k)]
-                if pos[pr] < pg:
-                    why.append(f"`{a.describe()}` waits for rank {pr}, which is at {_at(current(pr))}")
+        for k, a in enumerate(step):
+            pr, ps = self.partner[(r, self.pos[r], k)]
+            if self.pos[pr] < ps:
+                why.append(f"`{a.describe()}` waits for rank {pr}, which is at {_at(self.current(pr))}")
         return why
 
-    def neighbours(g) -> List[int]:
-        if g is None:
-            return []
-        return list(g[0].ranks) if g[0].op == COLLECTIVE else [a.peer for a in g if a.op in (SEND, RECV)]
+    def run(self) -> List[int]:
+        """Advance every rank as far as it goes; the ranks that never reach their plan's end."""
+        world = len(self.steps)
+        todo, queued = deque(range(world)), set(range(world))
 
-    todo, queued = deque(range(plan.world_size)), set(range(plan.world_size))
+        def wake(rs):
+            for x in rs:
+                if x not in queued:
+                    queued.add(x)
+                    todo.append(x)
 
-    def wake(rs):
-        for x in rs:
-            if x not in queued:
-                queued.add(x)
-                todo.append(x)
-
-    while todo:
-        r = todo.popleft()
-        queued.discard(r)
-        while current(r) is not None and not waits(r):
-            g = current(r)
-            movers = list(g[0].ranks) if g[0].op == COLLECTIVE else [r]
-            for m in movers:
-                old = current(m)
-                pos[m] += 1
-                wake(neighbours(old) + neighbours(current(m)) + ([m] if m != r else []))
-    stuck = [r for r in range(plan.world_size) if current(r) is not None]
-    if stuck:
-        lines = [f"rank {r} blocks at {_at(current(r))}: " + "; ".join(waits(r)) for r in stuck[:8]]
-        more = f"\n  ... and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
-        raise PlanError(f"the step plan deadlocks ({plan.family}; ranks {stuck} never finish):\n  "
-                        + "\n  ".join(lines) + more)
+        while todo:
+            r = todo.popleft()
+            queued.discard(r)
+            while self.current(r) is not None and self.can_complete(r):
+                step = self.current(r)
+                # A meet completes for all of its ranks at once; a p2p group for this rank (its peers'
+                # halves complete when they are looked at).
+                movers = list(step.ranks) if isinstance(step, Meet) else [r]
+                for m in movers:
+                    old = self.current(m)
+                    self.pos[m] += 1
+                    wake(_neighbours(old) + _neighbours(self.current(m)) + ([m] if m != r else []))
+        return [r for r in range(world) if self.current(r) is not None]
 
 
-def _at(g) -> str:
-    if g is None:
+def _same_meet(step: Optional[Step], meet: Meet) -> bool:
+    return isinstance(step, Meet) and (step.key, step.ranks) == (meet.key, meet.ranks)
+
+
+def _neighbours(step: Optional[Step]) -> List[int]:
+    """The ranks a step waits for (to look at again once it moved)."""
+    if step is None:
+        return []
+    return list(step.ranks) if isinstance(step, Meet) else [a.peer for a in step]
+
+
+def _deadlock(plan: StepPlan, sim: _Rendezvous, stuck: List[int]) -> PlanError:
+    """The error naming where each stuck rank stopped and what it waits for (the first 8 ranks)."""
+    lines = [f"rank {r} blocks at {_at(sim.current(r))}: " + "; ".join(sim.waits(r)) for r in stuck[:8]]
+    more = f"\n  ... and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
+    return PlanError(f"the step plan deadlocks ({plan.family}; ranks {stuck} never finish):\n  "
+                    + "\n  ".join(lines) + more)
+
+
+def _at(step: Optional[Step]) -> str:
+    if step is None:
         return "the end of its plan"
-    return f"group {g[0].group} [" + ", ".join(f"`{a.describe()}`" for a in g) + "]"
+    if isinstance(step, Meet):
+        return f"group {step.action.group} [{step.describe()}]"
+    return f"group {step[0].group} [" + ", ".join(f"`{a.describe()}`" for a in step) + "]"

@@ -1,10 +1,10 @@
 """The executor: runs one rank's step plan, action by action.
 
 The plan (`mimo.schedule.plan`) says *what* a rank does and in which order;
-the executor walks it and asks a `StepWork` (the trainer's side, which knows
-models and data) for the tensors. Point-to-point actions of one group are
-posted together with one `torch.distributed.batch_isend_irecv` and waited for
-together, with no message tags: `check_plan` proved before the first step
+the executor walks it and hands each action to an `ActionRunner` (the
+trainer's `RankStep`, which knows models and data). Point-to-point actions
+of one group are posted together with one `torch.distributed.batch_isend_irecv`
+and waited for together, with no message tags: `check_plan` proved before the first step
 that every peer posts the matching messages in the same order.
 
 An empty tensor (a microbatch without images on an encoder stage) is not
@@ -18,10 +18,10 @@ from typing import List, Protocol
 import torch
 import torch.distributed as dist
 
-from .plan import BACKWARD, COLLECTIVE, FORWARD, RECV, SEND, Action, StepPlan
+from .plan_types import BACKWARD, COLLECTIVE, FORWARD, RECV, SEND, Action, StepPlan
 
 
-class StepWork(Protocol):
+class ActionRunner(Protocol):
     """What a plan's actions do on one rank (implemented by the trainer)."""
 
     def forward(self, a: Action) -> None: ...
@@ -43,32 +43,32 @@ class StepWork(Protocol):
         """Any other action (optimizer, offload, reload)."""
 
 
-def run_plan(plan: StepPlan, rank: int, work: StepWork) -> None:
+def run_plan(plan: StepPlan, rank: int, runner: ActionRunner) -> None:
     """Run rank `rank`'s actions of `plan` in order."""
     for group in plan.groups(rank):
         op = group[0].op
         if op in (SEND, RECV):
-            exchange(group, work)
+            run_p2p_group(group, runner)
         elif op == FORWARD:
-            work.forward(group[0])
+            runner.forward(group[0])
         elif op == BACKWARD:
-            work.backward(group[0])
+            runner.backward(group[0])
         elif op == COLLECTIVE:
-            work.collective(group[0])
+            runner.collective(group[0])
         else:
-            work.local(group[0])
+            runner.local(group[0])
 
 
-def exchange(group: List[Action], work: StepWork) -> None:
+def run_p2p_group(group: List[Action], runner: ActionRunner) -> None:
     """One group of sends and receives: posted as one batch, completed together."""
     ops, arrivals = [], []
     for a in group:
         if a.op == SEND:
-            t = work.outgoing(a)
+            t = runner.outgoing(a)
             if t.numel():
                 ops.append(dist.P2POp(dist.isend, t, a.peer))
         else:
-            buf = work.incoming(a)
+            buf = runner.incoming(a)
             if buf.numel():
                 ops.append(dist.P2POp(dist.irecv, buf, a.peer))
             arrivals.append((a, buf))
@@ -76,4 +76,4 @@ def exchange(group: List[Action], work: StepWork) -> None:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
     for a, buf in arrivals:
-        work.arrived(a, buf)
+        runner.arrived(a, buf)

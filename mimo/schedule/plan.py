@@ -1,140 +1,25 @@
 """The step plan: for every rank, the ordered list of actions of one training step.
 
-A plan is plain data, built from the config alone (no process group, no
-tensor). Each action is one thing a rank does: run a forward or backward of
-one microbatch of one module stage, send or receive an activation or a
-gradient to or from a peer rank, take part in a collective, sync gradients,
-step its optimizers. Actions of one rank that share a `group` number are
-posted together (one `batch_isend_irecv`) and complete together; every other
-action is a group of its own.
+`build_plan(cfg)` makes it from the config alone (no process group, no
+tensor); `mimo.schedule.check.check_plan` proves, before a step runs, that
+the plan completes when every send waits for its matching receive (no message
+tags) and every collective for all of its members.
 
-`build_plan(cfg)` makes it (the builders are in `plan_build` and
-`plan_nodes`); `mimo.schedule.check.check_plan` proves, before a step runs, that the plan
-completes when every send waits for its matching receive (no message tags).
+This is the public face of the plan. The data types (`Action`, `StepPlan`,
+the action kinds and collective names) live in `plan_types` and are
+re-exported here; the builders are `plan_build` (per rank: which schedule,
+then the step's reductions) and `plan_nodes` (the stage-node graph). Imports
+point one way: plan -> plan_build -> plan_nodes -> plan_types.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from .plan_build import build_plan
+from .plan_types import (ACTIVATION, BACKWARD, BOUNDARY, COLLECTIVE, FORWARD, GRAD_NORM, GRAD_SYNC, GRADIENT, LOSS,
+                         LOSS_TOKENS, OFFLOAD, OPTIMIZER, P2P, RECV, RELOAD, SEND, Action, PlanError, RankActions,
+                         StepPlan)
 
-FORWARD, BACKWARD, SEND, RECV, COLLECTIVE, OPTIMIZER = "forward", "backward", "send", "recv", "collective", "optimizer"
-ACTIVATION, GRADIENT = "activation", "gradient"
-P2P = (SEND, RECV)
-OFFLOAD, RELOAD = "offload", "reload"
-# Collective names: the executor's work tells them apart by these prefixes.
-LOSS_TOKENS, LOSS, GRAD_SYNC, GRAD_NORM, BOUNDARY = "loss tokens", "loss", "grad_sync", "grad norm", "boundary"
+__all__ = ["ACTIVATION", "BACKWARD", "BOUNDARY", "COLLECTIVE", "FORWARD", "GRAD_NORM", "GRAD_SYNC", "GRADIENT", "LOSS",
+           "LOSS_TOKENS", "OFFLOAD", "OPTIMIZER", "P2P", "RECV", "RELOAD", "SEND", "Action", "PlanError",
+           "RankActions", "StepPlan", "build_plan"]
 
-
-class PlanError(ValueError):
-    """A plan that cannot run: unmatched or misordered messages, or a deadlock."""
-
-
-@dataclass(frozen=True)
-class Action:
-    rank: int
-    op: str
-    module: Optional[str] = None
-    stage: Optional[int] = None
-    mb: Optional[int] = None
-    peer: Optional[int] = None
-    tensor: Optional[str] = None
-    group: int = 0
-    ranks: Optional[Tuple[int, ...]] = None  # collectives: every rank taking part
-    name: Optional[str] = None               # collectives: the same on all of them
-
-    def to_dict(self) -> Dict:
-        d = asdict(self)
-        if self.op != COLLECTIVE:
-            del d["ranks"], d["name"]
-        else:
-            d["ranks"] = list(self.ranks)
-        return d
-
-    def describe(self) -> str:
-        """One line a person can read, e.g. `send activation mb 3 -> rank 2 (language stage 0)`."""
-        where = "" if self.module is None else self.module + ("" if self.stage is None else f" stage {self.stage}")
-        mb = "" if self.mb is None else f" mb {self.mb}"
-        if self.op in P2P:
-            arrow = "->" if self.op == SEND else "<-"
-            return f"{self.op} {self.tensor}{mb} {arrow} rank {self.peer} ({where})"
-        if self.op == COLLECTIVE:
-            return f"collective {self.name!r} over ranks {list(self.ranks)}"
-        return f"{self.op} {where}{mb}".rstrip()
-
-
-@dataclass
-class StepPlan:
-    """Per-rank action lists, ranks 0 .. world_size - 1; `family` names the schedule that made it."""
-    family: str
-    actions: List[List[Action]] = field(default_factory=list)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.actions)
-
-    def groups(self, rank: int) -> List[List[Action]]:
-        """The rank's actions as posted: consecutive actions with one group number."""
-        out: List[List[Action]] = []
-        for a in self.actions[rank]:
-            if out and out[-1][0].group == a.group:
-                out[-1].append(a)
-            else:
-                out.append([a])
-        return out
-
-    def through(self, name: str) -> "StepPlan":
-        """Every rank's actions up to and including collective `name` (on every rank, e.g. the loss:
-        a forward and backward without the step's reductions and update)."""
-        cut = []
-        for acts in self.actions:
-            at = next(i for i, a in enumerate(acts) if a.op == COLLECTIVE and a.name == name)
-            cut.append(acts[:at + 1])
-        return StepPlan(self.family, cut)
-
-    def lines(self, rank: Optional[int] = None) -> Iterator[str]:
-        for r in range(self.world_size) if rank is None else [rank]:
-            for a in self.actions[r]:
-                yield f"rank {r:>3}  [{a.group:>4}]  {a.describe()}"
-
-    def json_lines(self, rank: Optional[int] = None) -> Iterator[str]:
-        for r in range(self.world_size) if rank is None else [rank]:
-            for a in self.actions[r]:
-                yield json.dumps(a.to_dict())
-
-
-class RankActions:
-    """Appends one rank's actions, numbering the groups as they are posted."""
-
-    def __init__(self, rank: int):
-        self.rank, self.actions, self._group = rank, [], 0
-
-    def _post(self, specs: Sequence[Dict]) -> None:
-        if not specs:
-            return
-        for s in specs:
-            self.actions.append(Action(rank=self.rank, group=self._group, **s))
-        self._group += 1
-
-    def local(self, op: str, module: Optional[str] = None, stage: Optional[int] = None,
-              mb: Optional[int] = None) -> None:
-        self._post([dict(op=op, module=module, stage=stage, mb=mb)])
-
-    def exchange(self, module: str, stage: int, ops: Sequence[Tuple[str, str, int, Optional[int]]]) -> None:
-        """One batched exchange: ops are (send|recv, tensor kind, mb, peer) in posting order;
-        a None peer (no neighbour on that side) drops the op."""
-        self._post([dict(op=op, module=module, stage=stage, mb=mb, peer=peer, tensor=tensor)
-                    for op, tensor, mb, peer in ops if peer is not None])
-
-    def collective(self, name: str, ranks: Sequence[int], module: Optional[str] = None, mb: Optional[int] = None,
-                   tensor: Optional[str] = None) -> None:
-        self._post([dict(op=COLLECTIVE, module=module, mb=mb, tensor=tensor, ranks=tuple(sorted(ranks)), name=name)])
-
-
-def build_plan(cfg, num_microbatches: Optional[int] = None) -> StepPlan:
-    """The plan of one step of `cfg` (a `MimoConfig`); `num_microbatches` overrides the step's
-    LLM microbatch count (default: global batch / (micro batch x LLM dp))."""
-    from .plan_build import build_step_plan  # imported here: the builders use this module's types
-
-    return build_step_plan(cfg, num_microbatches)

@@ -1,4 +1,4 @@
-"""The step plan of a config, from layouts alone (no process group): `plan.build_plan`'s builders.
+"""The step plan of a config, from layouts alone (no process group): `build_plan` and its per-rank builders.
 
 Two families (the trainer loads a step's data differently for each, `mimo.training.step_data`):
 
@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Tuple
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.topology.layout import Layout
 
-from .plan import (BACKWARD, FORWARD, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER, RELOAD, PlanError,
-                   RankActions, StepPlan)
 from .plan_nodes import (Edge, Join, Link, Member, Node, Source, fused_node, island_actions, node_actions,
                          stage_nodes, work)
+from .plan_types import (BACKWARD, FORWARD, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER, RELOAD,
+                         PlanError, RankActions, StepPlan)
 
 HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
 
@@ -59,14 +59,18 @@ def num_microbatches(cfg: MimoConfig) -> int:
     return tr.global_batch_size // (tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp)
 
 
-def build_step_plan(cfg: MimoConfig, microbatches: Optional[int] = None) -> StepPlan:
-    if microbatches is not None:  # the same config with a global batch of that many LLM microbatches
+def build_plan(cfg: MimoConfig, num_microbatches: Optional[int] = None) -> StepPlan:
+    """The plan of one step of `cfg`; `num_microbatches` overrides the step's LLM microbatch count
+    (default: global batch / (micro batch x LLM dp)). Public as `mimo.schedule.plan.build_plan`."""
+    if num_microbatches is not None:  # the same config with a global batch of that many LLM microbatches
         tr = cfg.training
-        size = microbatches * tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp
+        size = num_microbatches * tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp
         cfg = replace(cfg, training=replace(tr, global_batch_size=size))
     layouts = {n: Layout.from_config(p) for n, p in cfg.parallelism.items()}
     family = HOMOGENEOUS if is_homogeneous(cfg) else HETEROGENEOUS
-    plan = StepPlan(family)
+    # The layouts travel with the plan: the checker derives from them the collectives that run
+    # inside forward, backward and optimizer actions.
+    plan = StepPlan(family, layouts=layouts, distributed_optimizer=cfg.training.use_distributed_optimizer)
     for rank in range(cfg.world_size):
         out = RankActions(rank)
         held = [n for n in list(cfg.model.encoders) + [LANGUAGE] if layouts[n].contains(rank)]

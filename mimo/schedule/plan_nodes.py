@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mimo.config import LANGUAGE
 
-from .plan import ACTIVATION, BACKWARD, BOUNDARY, FORWARD, GRADIENT, RECV, SEND, RankActions
+from .plan_types import ACTIVATION, BACKWARD, BOUNDARY, FORWARD, GRADIENT, RECV, SEND, RankActions
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ between two ranks match in the order both post them."""
         self.out, self.module, self.stage, self.prev, self.next = out, module, stage, prev, next_
 
     def _x(self, *ops) -> None:
-        self.out.exchange(self.module, self.stage, ops)
+        self.out.p2p_group(self.module, self.stage, ops)
 
     def recv_forward(self, mb):
         self._x((RECV, ACTIVATION, mb, self.prev))
