@@ -13,8 +13,6 @@ from safetensors.torch import save_file
 from .mapping import Entry
 from .source import Source
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
 
 def split_entry(entry: Entry, full: torch.Tensor, src: Source) -> Dict[str, torch.Tensor]:
     """HF name (with the source's prefix) -> tensor, in the source file's dtype."""

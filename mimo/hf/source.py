@@ -11,6 +11,9 @@ from safetensors import safe_open
 
 from .mapping import PREFIXES, PROBES, Entry
 
+# safetensors header dtype -> torch dtype (what `Source.dtype` answers; export writes tensors back in it).
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
 
 class HFWeightsError(ValueError):
     """A problem with an HF directory's weights; str() is the one `error:` line."""
@@ -79,8 +82,6 @@ class Source:
         return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
-        from .convert import _DTYPES
-
         return _DTYPES[self._handle(self.files[key]).get_slice(key).get_dtype()]
 
     def read(self, key: str, rows: Optional[Tuple[int, int]] = None, dim: int = 0) -> torch.Tensor:

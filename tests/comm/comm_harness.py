@@ -13,6 +13,11 @@ exactly as the communicator rounds them, so comparisons are exact.
 
 Errors are collected (not raised) so one run reports every mismatch and a
 deliberately broken routing can be shown to be caught by the same checker.
+
+Every case also logs what crosses the wire during comm.forward / comm.backward, as
+torch.distributed sees it (`WireLog`: each tensor handed to batch_isend_irecv, broadcast, reduce
+and all_reduce, with its bytes), so traffic tests compare observed bytes, not the communicator's
+own `Traffic` counters, with what the shapes say.
 """
 
 from __future__ import annotations
@@ -72,6 +77,90 @@ class SwappedSrcPlan(EdgePlan):
 BROKEN = {"swap_dst": SwappedDstPlan, "swap_src": SwappedSrcPlan}
 
 
+def pad_one_row(comm):
+    """Deliberately wasteful: every activation / gradient message carries one extra row, which the
+    receiver drops. Outputs and gradients stay exact and the communicator's own `Traffic`
+    counters (taken from the unpadded tensors) do not change: only the wire shows it."""
+    inner = comm.exchange
+
+    def exchange(sends, recvs):
+        def bigger(t):
+            return t.dim() == 2 and t.numel() > 0
+
+        sends = [(torch.cat([t, t[-1:]]) if bigger(t) else t, peer) for t, peer in sends]
+        bufs = [(t.new_empty(t.shape[0] + 1, t.shape[1]) if bigger(t) else t, peer) for t, peer in recvs]
+        inner(sends, bufs)
+        for (t, _), (b, _) in zip(recvs, bufs):
+            if b is not t:
+                t.copy_(b[:-1])
+
+    comm.exchange = exchange
+
+
+class WireLog:
+    """What this rank hands torch.distributed while a communicator's forward or backward runs:
+    one record per tensor (`op` send / recv / broadcast / reduce / all_reduce, `peer` for P2P,
+    `root` and `ranks` for collectives, `nbytes`, `dtype`). Installed per rank process by
+    `run_cases`; nothing is recorded outside `comm.forward` / `comm.backward` (so the harness's
+    own collectives, e.g. megatron's TP all-reduce, stay out)."""
+
+    def __init__(self):
+        self.phase = None
+        self.records = []
+        self._saved = {}
+
+    def _add(self, op, t, **kw):
+        if self.phase is not None:
+            self.records.append(dict(phase=self.phase, op=op, nbytes=t.numel() * t.element_size(),
+                                     dtype=str(t.dtype).replace("torch.", ""), **kw))
+
+    def install(self):
+        orig = {n: getattr(dist, n) for n in ("batch_isend_irecv", "broadcast", "reduce", "all_reduce")}
+        self._saved = orig
+
+        def ranks_of(group):
+            return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+        def batch_isend_irecv(p2p_op_list):
+            for op in p2p_op_list:
+                name = getattr(op.op, "__name__", str(op.op))
+                self._add("send" if name == "isend" else "recv", op.tensor, peer=op.peer)
+            return orig["batch_isend_irecv"](p2p_op_list)
+
+        def collective(name, root_arg):
+            def call(tensor, *args, **kwargs):
+                root = kwargs.get(root_arg, args[0] if args and root_arg else None)
+                self._add(name, tensor, root=root, ranks=ranks_of(kwargs.get("group")))
+                return orig[name](tensor, *args, **kwargs)
+            return call
+
+        dist.batch_isend_irecv = batch_isend_irecv
+        dist.broadcast = collective("broadcast", "src")
+        dist.reduce = collective("reduce", "dst")
+        dist.all_reduce = collective("all_reduce", None)
+
+    def uninstall(self):
+        for n, f in self._saved.items():
+            setattr(dist, n, f)
+        self._saved = {}
+
+    def watch(self, comm):
+        """Record while comm.forward / comm.backward run (on this instance only)."""
+        for method, phase in (("forward", "fwd"), ("backward", "bwd")):
+            inner = getattr(comm, method)
+
+            def call(*args, _inner=inner, _phase=phase, **kwargs):
+                before, self.phase = self.phase, _phase
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    self.phase = before
+            setattr(comm, method, call)
+
+
+_WIRE = WireLog()
+
+
 def _rounded(t, wire):
     return t.to(WIRE[wire]).to(torch.float32)
 
@@ -80,8 +169,12 @@ def run_case(c):
     rank = dist.get_rank()
     src, dst = Layout(**c["src"]), Layout(**c["dst"])
     truth = make_plan(src, dst, c["B"])
-    plan = BROKEN[c["broken"]](src, dst, c["B"]) if c["broken"] else truth
+    plan = BROKEN[c["broken"]](src, dst, c["B"]) if c["broken"] in BROKEN else truth
     comm = build_communicator(src, dst, c["B"], HIDDEN, torch.float32, WIRE[c["wire"]], plan=plan)
+    if c["broken"] == "extra_row":
+        pad_one_row(comm)
+    _WIRE.records = []
+    _WIRE.watch(comm)
     role = truth.role(rank)
     tp_groups = {}
     if c["mode"] == "megatron_tp":  # collective: every rank creates the destination's first-stage TP groups
@@ -175,7 +268,7 @@ def run_case(c):
         check_grad(0, x.grad)
     elif c["mode"] == "megatron_tp":
         errors += _megatron_tp_case(c, comm, truth, role, data[0], src_part, dst_part, tp_groups)
-    return dict(name=c["name"], rank=rank, errors=errors, traffic=_snapshot(comm.traffic))
+    return dict(name=c["name"], rank=rank, errors=errors, traffic=_snapshot(comm.traffic), wire=_WIRE.records)
 
 
 def _snapshot(traffic):
@@ -265,7 +358,11 @@ def _validation_errors(comm, role, src_part):
 
 
 def run_cases(cases):
-    return [run_case(c) for c in cases]
+    _WIRE.install()
+    try:
+        return [run_case(c) for c in cases]
+    finally:
+        _WIRE.uninstall()
 
 
 # --- the default sweep: every required feature, at most 8 ranks ----------------------------------
@@ -315,6 +412,9 @@ BROKEN_CASES = [
     case("broken c swap dst", lay(dp=4), lay(tp=2, dp=2), B=8, broken="swap_dst"),
     case("broken nc swap src", lay(dp=2), lay(dp=2, off=2), B=4, broken="swap_src"),
 ]
+
+# Deliberately wasteful: one extra row per activation / gradient message (see `pad_one_row`).
+EXTRA_ROW_CASE = case("wasteful nc extra row fan-in tp2", lay(dp=4), lay(tp=2, dp=2, off=4), B=8, broken="extra_row")
 
 
 def slow_cases(world=8):

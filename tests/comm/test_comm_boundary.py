@@ -2,7 +2,14 @@
 
 One 8-rank launch runs every case (spawning ranks dominates CI time); each
 test below then reads its part of the results.
+
+Traffic is checked at the wire: each rank logs the tensors it hands torch.distributed
+(comm_harness.WireLog), and the tests compare those bytes with what the case's shapes say,
+worked out here from the batch intervals and the window data, not from mimo's planner or its
+`Traffic` counters (which are then only checked against the wire).
 """
+
+from collections import Counter
 
 import pytest
 import torch
@@ -11,7 +18,8 @@ from mimo.comm import COLOCATED, FAN_IN, FAN_OUT, NON_COLOCATED, make_plan
 from mimo.runtime import run_on_ranks
 from mimo.topology import Layout
 
-from comm_harness import BROKEN_CASES, DEFAULT_CASES, HIDDEN, WIRE, run_cases, shard_slice, slow_cases, window_data
+from comm_harness import (BROKEN_CASES, DEFAULT_CASES, EXTRA_ROW_CASE, HIDDEN, WIRE, run_cases, shard_slice, slow_cases,
+                          window_data)
 
 WORLD = 8
 
@@ -30,7 +38,7 @@ def _by_case(results):
 
 @pytest.fixture(scope="module")
 def sweep():
-    return _by_case(run_on_ranks(run_cases, WORLD, DEFAULT_CASES + BROKEN_CASES, timeout_s=600))
+    return _by_case(run_on_ranks(run_cases, WORLD, DEFAULT_CASES + BROKEN_CASES + [EXTRA_ROW_CASE], timeout_s=600))
 
 
 def test_sweep_covers_required_features():
@@ -79,8 +87,63 @@ def _total(results, key):
     return sum(r["traffic"]["bytes"].get(key, 0) for r in results)
 
 
-def _messages(results, key):
-    return sum(r["traffic"]["messages"].get(key, 0) for r in results)
+def _ranks(layout):
+    n = layout["tp"] * layout["cp"] * layout["dp"] * layout["pp"]
+    return set(range(layout["rank_offset"], layout["rank_offset"] + n))
+
+
+def _intervals(B, dp):
+    return [(k * B // dp, (k + 1) * B // dp) for k in range(dp)]
+
+
+def _expected_nc(c):
+    """Wire traffic of a non-colocated "halves" case, from its shapes alone: between the two rank
+    ranges, one copy of the boundary tensor each way, one message per overlap of a source and a
+    destination batch interval (its counts, int64, forward only; its rows, if any, both ways);
+    in the destination range, each shard's rows broadcast to its other TP x CP ranks."""
+    src, dst = c["src"], c["dst"]
+    elem = torch.tensor([], dtype=WIRE[c["wire"]]).element_size()
+    overlaps = [(max(a, x), min(b, y)) for a, b in _intervals(c["B"], src["dp"]) for x, y in _intervals(c["B"], dst["dp"])
+                if max(a, x) < min(b, y)]
+    exp = Counter()
+    for w in range(c["windows"]):
+        counts, _, _ = window_data(c, w)
+        for a, b in overlaps:
+            exp["fwd meta bytes"] += (b - a) * 8
+            exp["fwd meta messages"] += 1
+            t0, t1 = shard_slice(counts, a, b)
+            if t1 > t0:
+                for d in ("fwd", "bwd"):
+                    exp[f"{d} payload bytes"] += (t1 - t0) * HIDDEN * elem
+                    exp[f"{d} payload messages"] += 1
+        for a, b in _intervals(c["B"], dst["dp"]):
+            t0, t1 = shard_slice(counts, a, b)
+            exp["fwd intra payload bytes"] += (t1 - t0) * HIDDEN * elem * (dst["tp"] * dst["cp"] - 1)
+    return +exp
+
+
+def _observed_nc(c, results):
+    """The same quantities, from what the ranks handed torch.distributed."""
+    src, dst = _ranks(c["src"]), _ranks(c["dst"])
+    obs = Counter()
+    sent, received = Counter(), Counter()
+    for r in results:
+        me = r["rank"]
+        for rec in r["wire"]:
+            kind = "meta" if rec["dtype"] == "int64" else "payload"
+            if rec["op"] in ("send", "recv"):
+                peer = rec["peer"]
+                if (me in src) == (peer in src) and (me in dst) == (peer in dst):
+                    continue  # not between the ranges
+                pair = (me, peer) if rec["op"] == "send" else (peer, me)
+                (sent if rec["op"] == "send" else received)[(rec["phase"], kind, pair)] += rec["nbytes"]
+                if rec["op"] == "send":
+                    obs[f"{rec['phase']} {kind} bytes"] += rec["nbytes"]
+                    obs[f"{rec['phase']} {kind} messages"] += 1
+            elif rec["op"] == "broadcast" and rec["root"] == me and rec["phase"] == "fwd" and kind == "payload":
+                obs["fwd intra payload bytes"] += rec["nbytes"] * (len(rec["ranks"]) - 1)
+    assert sent == received  # every byte sent across is received by the peer it names
+    return +obs
 
 
 NC_HALVES = [c for c in DEFAULT_CASES if _plan(c).placement == NON_COLOCATED and c["mode"] == "halves"]
@@ -88,29 +151,33 @@ NC_HALVES = [c for c in DEFAULT_CASES if _plan(c).placement == NON_COLOCATED and
 
 @pytest.mark.parametrize("c", NC_HALVES, ids=[c["name"] for c in NC_HALVES])
 def test_noncolocated_cross_traffic_is_one_copy(sweep, c):
-    """Cross-range bytes = one copy of the boundary tensor (each way) + its counts (forward only)."""
-    results, plan = sweep[c["name"]], _plan(c)
-    elem = torch.tensor([], dtype=WIRE[c["wire"]]).element_size()
-    payload = meta = payload_msgs = intra = 0
-    for w in range(c["windows"]):
-        counts, X, _ = window_data(c, w)
-        payload += X.numel() * elem
-        meta += counts.numel() * 8
-        for p in plan.pieces:
-            t0, t1 = shard_slice(counts, p.start, p.stop)
-            payload_msgs += t1 > t0
-        for j in range(plan.dst.dp):  # the leader's broadcast reaches the other TP x CP ranks
-            t0, t1 = shard_slice(counts, *plan.dst_interval(j))
-            intra += (t1 - t0) * HIDDEN * elem * (plan.dst.tp * plan.dst.cp - 1)
-    assert _total(results, "fwd/cross/payload") == payload
-    assert _total(results, "fwd/cross/meta") == meta
-    assert _total(results, "bwd/cross/payload") == payload
-    assert _total(results, "bwd/cross/meta") == 0
-    # Cross-range messages follow the batch-shard relation (one per piece), not the TP widths.
-    assert _messages(results, "fwd/cross/meta") == len(plan.pieces) * c["windows"]
-    assert _messages(results, "fwd/cross/payload") == payload_msgs
-    assert _messages(results, "bwd/cross/payload") == payload_msgs
-    assert _total(results, "fwd/intra/payload") == intra
+    """Cross-range bytes on the wire = one copy of the boundary tensor (each way) + its counts
+    (forward only), one message per batch-interval overlap, not per TP rank; mimo's own counters
+    report what the wire carried."""
+    results = sweep[c["name"]]
+    observed, expected = _observed_nc(c, results), _expected_nc(c)
+    assert observed == expected
+    assert _total(results, "fwd/cross/payload") == observed["fwd payload bytes"]
+    assert _total(results, "fwd/cross/meta") == observed["fwd meta bytes"]
+    assert _total(results, "bwd/cross/payload") == observed["bwd payload bytes"]
+    assert _total(results, "bwd/cross/meta") == observed["bwd meta bytes"] == 0
+    assert _total(results, "fwd/intra/payload") == observed["fwd intra payload bytes"]
+
+
+def test_wire_check_catches_one_extra_row(sweep):
+    """Negative control: a communicator that sends one row too many per message (and drops it on
+    receipt) still hands over exact outputs and gradients, and its own counters still report the
+    expected bytes, so only the wire check catches it, off by exactly one row per message."""
+    c = EXTRA_ROW_CASE
+    results = sweep[c["name"]]
+    assert not [e for r in results for e in r["errors"]]
+    observed, expected = _observed_nc(c, results), _expected_nc(c)
+    assert observed != expected
+    row = HIDDEN * torch.tensor([], dtype=WIRE[c["wire"]]).element_size()
+    for d in ("fwd", "bwd"):
+        assert observed[f"{d} payload bytes"] - expected[f"{d} payload bytes"] == row * expected[f"{d} payload messages"]
+    assert _total(results, "fwd/cross/payload") == expected["fwd payload bytes"]  # the counters are blind to it
+    assert _total(results, "bwd/cross/payload") == expected["bwd payload bytes"]
 
 
 KNOWN = [c for c in DEFAULT_CASES if c["mode"] == "known"]
@@ -119,22 +186,32 @@ KNOWN = [c for c in DEFAULT_CASES if c["mode"] == "known"]
 @pytest.mark.parametrize("c", KNOWN, ids=[c["name"] for c in KNOWN])
 def test_known_unit_sizes_send_no_counts(sweep, c):
     """Windows whose unit sizes every rank knows (the trainer's) move the same rows with no
-    metadata message; the run itself checked outputs, counts and gradients against the truth."""
+    metadata message (no int64 tensor on the wire); the run itself checked outputs, counts and
+    gradients against the truth."""
     results = sweep[c["name"]]
     assert not [e for r in results for e in r["errors"]]
-    assert not [k for r in results for k in r["traffic"]["messages"] if k.endswith("/meta")]
-    assert _total(results, "fwd/cross/payload") + _total(results, "fwd/intra/payload") > 0
+    wire = [rec for r in results for rec in r["wire"]]
+    assert not [rec for rec in wire if rec["dtype"] == "int64"]
+    assert any(rec["op"] == "send" and rec["nbytes"] > 0 for rec in wire)
 
 
 def test_colocated_traffic_stays_in_range(sweep):
+    """A colocated edge's messages never leave its ranks (the wire's peers and groups)."""
     for c in DEFAULT_CASES:
         if _plan(c).placement == COLOCATED:
-            results = sweep[c["name"]]
-            assert _total(results, "fwd/cross/payload") == _total(results, "bwd/cross/payload") == 0, c["name"]
+            ranks = _ranks(c["src"])
+            for r in sweep[c["name"]]:
+                for rec in r["wire"]:
+                    assert r["rank"] in ranks and rec.get("peer", r["rank"]) in ranks, (c["name"], rec)
+                    assert set(rec.get("ranks", ())) <= ranks, (c["name"], rec)
+            assert _total(sweep[c["name"]], "fwd/cross/payload") == _total(sweep[c["name"]], "bwd/cross/payload") == 0
 
 
 def test_colocated_equal_dp_is_rank_local(sweep):
-    assert sum(sum(r["traffic"]["bytes"].values()) for r in sweep["c equal dp2"]) == 0
+    """Equal DP sizes on the same ranks: nothing reaches torch.distributed at all."""
+    results = sweep["c equal dp2"]
+    assert [rec for r in results for rec in r["wire"]] == []
+    assert sum(sum(r["traffic"]["bytes"].values()) for r in results) == 0
 
 
 @pytest.mark.slow
