@@ -12,10 +12,12 @@ import copy
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 
 from mimo.config import ConfigError, MimoConfig, load_config
 from mimo.runtime import run_on_ranks, select_runtime
 
+from .optimizer import trainable
 from .trainer import Trainer
 
 SAME_SECTIONS = ("model", "data", "training")
@@ -48,9 +50,52 @@ def record_run(trainer, steps: int) -> Dict:
     for s in range(steps):
         losses.append(trainer.train_step(s).loss)
         if s == 0:
-            grads = full_state(trainer.parts, tp_groups, grads=True, layer_offsets=trainer.layer_offsets)
+            grads = step_grads(trainer)
     params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def step_grads(trainer) -> Dict[str, torch.Tensor]:
+    """`module.param` -> the full gradient the step just taken reduced over DP (x CP) and stepped with,
+    on every rank holding the parameter. Collective over each module's DP x CP and TP groups, modules
+    in the same (config) order on every rank."""
+    from mimo.model.reference_init import global_name
+
+    from .state import unshard
+
+    optim, out = trainer.optim, {}
+    for module, part in trainer.parts.items():
+        sharded = optim.cfg.training.use_distributed_optimizer and module in optim.ddp
+        reduced = gather_owned_grads(optim, module) if sharded else {}
+        tp_group = trainer.topo.grid(module).groups["tp"]
+        for name, p in part.named_parameters():
+            # megatron-core's DDP accumulates (and reduces) gradients in `main_grad`.
+            g = reduced.get(id(p), getattr(p, "main_grad", p.grad))
+            if g is not None:
+                key = global_name(name, trainer.layer_offsets.get(module, 0))
+                out[f"{module}.{key}"] = unshard(g, p, tp_group).cpu()
+    return out
+
+
+def gather_owned_grads(optim, module: str) -> Dict[int, torch.Tensor]:
+    """id(param) -> the full DP (x CP) reduced gradient, with the distributed optimizer.
+
+    Its DDP reduce-scatters the gradient buffer: a rank's `main_grad` then holds the reduced sum only
+    in the flat ranges its optimizer steps (`ModelOptimizer.owned_ranges`) and its own unreduced
+    gradient elsewhere. The owners' ranges are disjoint and cover every parameter, so summing them,
+    zero elsewhere, over the module's DP x CP group gives what an all-reduce would have. One
+    all-reduce of the module part's concatenated gradients; the buffer itself is left as it is."""
+    params = trainable(optim.ddp[module].module.parameters())
+    ranges = optim.owned_ranges(module)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=optim.runtime.device)
+    offset = 0
+    for p in params:
+        if id(p) in ranges:
+            start, end = ranges[id(p)] or (0, p.numel())  # None: all of it
+            flat[offset + start:offset + end] = p.main_grad.detach().view(-1)[start:end]
+        offset += p.numel()
+    dist.all_reduce(flat, group=optim.topo.grid(module).groups["dp_cp"])
+    return {id(p): g.view_as(p) for p, g in zip(params, flat.split([p.numel() for p in params]))}
 
 
 def _run_rank(raw: Dict, steps: int):
