@@ -88,6 +88,7 @@ def main(argv=None) -> int:
 
     from mimo.checkpoint import checkpointer
     from mimo.data.llava import DataError
+    from mimo.data.llava_dataset import MediaError
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
     from mimo.training import Trainer
     from mimo.training.metrics import StepReporter
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
         return 0
     except CheckpointError as exc:  # found identically on every rank (checked before the collective load)
         _stop(rank, f"error: {exc}", 2)
+        os._exit(2)
+    except MediaError as exc:  # found by the rank that decoded the item: it reports; torchrun stops the others
+        print(str(exc), file=sys.stderr, flush=True)
         os._exit(2)
     except DataError as exc:  # found identically on every rank (e.g. a bad record with on_bad_record: error)
         if rank == 0:

@@ -51,7 +51,8 @@ def _one_error_line(r, torchrun=False):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, r.stderr[-3000:]
     # torchrun reports a failed worker with a traceback of its own launcher; none from mimo's code
-    assert (f'File "{ROOT}/mimo' not in r.stderr and 'pretrain_mimo.py", line' not in r.stderr) if torchrun else ("Traceback" not in r.stderr), r.stderr[-3000:]
+    ours = f'File "{ROOT}/mimo' not in r.stderr and 'pretrain_mimo.py", line' not in r.stderr
+    assert ours if torchrun else "Traceback" not in r.stderr, r.stderr[-3000:]
     return errors[0]
 
 

@@ -213,7 +213,10 @@ def test_prefetch_decodes_only_the_held_encoders_items(sample_dir):
     raw = audio_raw(sample_dir, num_workers=2)
     raw["training"].update(global_batch_size=4, micro_batch_size=1)
     ahead, inline = dataset(raw), dataset({**raw, "data": {**raw["data"], "num_workers": 0}})
-    ahead.prefetch(lambda step: [0, 1, 2, 3], encoders=["audio"])  # a rank holding the audio encoder only
+    from mimo.data.llava_dataset import sample_items
+
+    # a rank holding the audio encoder only
+    ahead.prefetch(lambda step: sample_items(ahead, step, [0, 1, 2, 3], ["audio"]))
     seen = 0
     for step in range(3):
         for j in range(4):

@@ -283,10 +283,13 @@ def test_layouts_match_one_rank_on_packed_llava(sample_dir, packed_reference, pa
 
 
 def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
+    from mimo.data.llava_dataset import sample_items
+
     raw = llava_raw(sample_dir, num_workers=2)
     raw["training"].update(global_batch_size=4, micro_batch_size=1)
     ahead, inline = dataset(raw), dataset({**raw, "data": {**raw["data"], "num_workers": 0}})
-    ahead.prefetch(lambda step: [1, 3])  # this rank's encoders consume samples 1 and 3 of each step
+    # this rank's encoders consume samples 1 and 3 of each step
+    ahead.prefetch(lambda step: sample_items(ahead, step, [1, 3], ["images"]))
     for step in range(3):
         for j in range(4):
             a, b = ahead.sample(step * 4 + j), inline.sample(step * 4 + j)
@@ -363,7 +366,7 @@ def _train_with_data_restart(raw, steps, restart_at):
     losses = []
     for s in range(steps):
         if s == restart_at:
-            state = json.loads(json.dumps(trainer.dataset.state_dict()))
+            state = json.loads(json.dumps(trainer.dataset.state_dict(s)))  # where step s starts
             trainer.dataset = build_dataset(cfg)
             trainer.dataset.load_state_dict(state)
         losses.append(trainer.train_step(s).loss)

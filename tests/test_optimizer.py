@@ -165,11 +165,7 @@ def _norms(raw, steps, sabotage=False):
     if sabotage:  # TP-replicated weights (norms, biases) counted on every TP rank instead of once
         from mimo.training import optimizer as optimizer_module
 
-        def every_tp_rank(self, name, opt):
-            grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
-            return torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
-
-        optimizer_module.ModelOptimizer._local_sq_norm = every_tp_rank
+        optimizer_module.counted = lambda param, tp_rank: True
     trainer = Trainer(load_config(raw), select_runtime("cpu"))
     norms = [trainer.train_step(s).grad_norm for s in range(steps)]
     return dict(record_run(trainer, 0), norms=norms)

@@ -116,3 +116,31 @@ def test_ranks_see_the_callers_environment_of_each_call(monkeypatch):
     assert run_on_ranks(_env_value, 1) == ["first"]
     monkeypatch.setenv("MIMO_TEST_ENV", "second")
     assert run_on_ranks(_env_value, 1) == ["second"]
+
+
+def test_next_step_loads_in_the_background_and_raises_at_its_step():
+    """`NextStep`: the started step is loaded on another thread and handed over by `take`; a load that
+    failed raises at the step it belongs to; a `take` of another step loads that step now."""
+    import threading
+
+    from mimo.runtime import NextStep, select_runtime
+
+    threads = {}
+
+    def load(step):
+        threads[step] = threading.current_thread().name
+        if step == 3:
+            raise ValueError("bad data in step 3")
+        return step * 10
+
+    ahead = NextStep(select_runtime("cpu"), load)
+    assert ahead.take(0) == 0 and threads[0] == threading.current_thread().name  # nothing pending: here
+    ahead.start(1)
+    ahead.settle()
+    assert ahead.take(1) == 10 and threads[1].startswith("mimo-next-step")
+    ahead.start(2)
+    assert ahead.take(5) == 50  # not the step loaded ahead: waited for, discarded, loaded here
+    ahead.start(3)
+    ahead.settle()  # the error stays with its step
+    with pytest.raises(ValueError, match="bad data in step 3"):
+        ahead.take(3)

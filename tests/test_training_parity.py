@@ -114,6 +114,7 @@ def _train_without_loss_tokens(raw, steps):
         return batch
 
     step_data.collate = masked  # this rank process only
+    step_data.loss_tokens = lambda samples, placeholder_ids: 0  # the whole step's count, from its tokens
     return _train(raw, steps)
 
 

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     import make_sample_data
     from mimo.config import load_config
     from mimo.data import build_dataset, collate
+    from mimo.data.llava_dataset import sample_items
 
     with tempfile.TemporaryDirectory() as tmp:
         make_sample_data.main([tmp, "--records", str(args.records), "--image-size", str(args.image_size),
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
             cfg = load_config(raw)
             ds = build_dataset(cfg)
             G = cfg.training.global_batch_size
-            ds.prefetch(lambda step: list(range(G)))
+            ds.prefetch(lambda step: sample_items(ds, step, range(G), ds.loaders))
             start, images, clips, tokens = time.perf_counter(), 0, 0, 0
             for step in range(args.steps):
                 b = collate([ds.sample(step * G + j) for j in range(G)], cfg.placeholder_ids)

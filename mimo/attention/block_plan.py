@@ -7,11 +7,15 @@ blocks (forward and dQ), per key block the list of non-empty query blocks
 (dK/dV), and the forward work items: rows longer than ``split_tiles`` are cut
 into several items whose partial results are merged (intra-GPU balancing).
 
-Plans are cached, keyed on the identity of the caller's mask tensors (data
-pointer, shape, strides, dtype, device and autograd version counter) plus
-sizes and tile settings. The cache holds strong references to those tensors,
-so their memory cannot be recycled for a different mask while an entry lives;
-an in-place update bumps the version counter and misses. Writes that bypass
+Plans are cached, keyed on the identity of the caller's mask tensors (storage,
+offset, shape, strides, dtype, device) plus sizes and tile settings; the
+tensors' autograd version counters are checked on a hit, so an in-place update
+rebuilds (and replaces) the plan. An entry lives exactly as long as the
+storages of its mask tensors: a finalizer on each storage removes it, and the
+cache holds no reference to them. So a microbatch's plan stays for as long as
+its mask can still be used (its forward, and its recomputed forward in the
+backward, however many microbatches are in flight), and goes with it: no size
+limit to thrash against, no stale entry for recycled memory. Writes that bypass
 the version counter (``t.data[...] = ...``) are not detected: call
 ``clear_block_cache()`` after them.
 """
@@ -19,7 +23,7 @@ the version counter (``t.data[...] = ...``) are not detected: call
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,7 +32,6 @@ import torch
 from .inputs import AttentionInputs
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
-CACHE_SIZE = 16
 
 
 @dataclass
@@ -70,14 +73,25 @@ class BlockPlan:
                 (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
 
 
-_cache: "OrderedDict[tuple, tuple[BlockPlan, tuple]]" = OrderedDict()
-_cache_lock = threading.Lock()
+@dataclass
+class _Entry:
+    plan: BlockPlan
+    versions: tuple                 # the key tensors' version counters when the plan was built
+    storages: tuple                 # weak references to their storages (a hit checks they are the same)
+    finalizers: list                # one per storage: removes the entry when the storage is freed
+
+
+_cache: "dict[tuple, _Entry]" = {}
+_cache_lock = threading.RLock()  # re-entrant: a storage's finalizer may run while this thread holds it
 _stats = {"hits": 0, "misses": 0}
 
 
 def clear_block_cache() -> None:
     """Drop every cached plan (call after mutating a mask behind autograd's back)."""
     with _cache_lock:
+        for entry in _cache.values():
+            for f in entry.finalizers:
+                f.detach()
         _cache.clear()
 
 
@@ -88,7 +102,16 @@ def cache_stats() -> dict:
 def _tensor_key(t: Optional[torch.Tensor]):
     if t is None:
         return None
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t._version)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            str(t.device))
+
+
+def _drop(key) -> None:
+    with _cache_lock:
+        entry = _cache.pop(key, None)
+    if entry is not None:
+        for f in entry.finalizers:
+            f.detach()
 
 
 def get_plan(inp: AttentionInputs, key_tensors: tuple, block_m: int, block_n: int,
@@ -98,18 +121,26 @@ def get_plan(inp: AttentionInputs, key_tensors: tuple, block_m: int, block_n: in
     s_k = inp.k_mask.shape[1]
     key = (tuple(_tensor_key(t) for t in key_tensors), b, s_q, s_k, block_m, block_n, split_tiles,
            str(inp.q_mask.device))
+    tensors = [t for t in key_tensors if t is not None]
+    versions = tuple(t._version for t in tensors)
+    storages = tuple(t.untyped_storage() for t in tensors)
     with _cache_lock:
         hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
+        if (hit is not None and hit.versions == versions
+                and all(ref() is st for ref, st in zip(hit.storages, storages))):
             _stats["hits"] += 1
-            return hit[0]
+            return hit.plan
     plan = build_plan(inp, block_m, block_n, split_tiles, kernels)
+    unique = list({id(st): st for st in storages}.values())
+    entry = _Entry(plan, versions, tuple(weakref.ref(st) for st in storages),
+                   [weakref.finalize(st, _drop, key) for st in unique])
     with _cache_lock:
         _stats["misses"] += 1
-        _cache[key] = (plan, key_tensors)  # the strong refs pin the keyed memory
-        while len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
+        old = _cache.pop(key, None)  # an in-place update of a mask: its old plan is replaced
+        _cache[key] = entry
+    if old is not None:
+        for f in old.finalizers:
+            f.detach()
     return plan
 
 

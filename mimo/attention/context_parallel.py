@@ -23,6 +23,18 @@ microbatch, shared by every layer and pipeline stage); ``to_tensor()`` packs it
 into one 1-D int64 tensor so it can go wherever megatron expects tensors
 (activation recomputation, pipeline hand-off).
 
+No device read in the step: a mask's header (b, s, cp, L, rank) is known on the
+host, where the microbatch was made. ``to_tensor()`` registers the packed tensor
+with the mask it came from, keyed by the tensor's storage, so layers handed the
+packed form (recomputed layers in forward and again in backward, whose
+checkpoint saved it and hands back a detached alias) find the same mask object
+(its derived tensors, hence the attention plans) without reading the header
+back. An entry lives exactly as long as its packed tensor's storage, i.e. while
+its microbatch is in flight (autograd keeps the saved tensor until the
+backward), so nothing is evicted however many microbatches are in flight, and
+nothing outlives them. Only a packed tensor made elsewhere (another process)
+is decoded from its header (``from_tensor``), which reads it from the device.
+
 Overlap: with ``head_chunks > 1`` the K/V all-gathers of all head chunks are
 started asynchronously up front and attention runs chunk by chunk as each
 gather completes, so transfers of later chunks overlap the attention of
@@ -32,6 +44,7 @@ earlier ones (forward only; the backward reduce-scatters are synchronous).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -117,30 +130,36 @@ class ContextParallelMask:
 
     # -- tensor form ------------------------------------------------------------------------
     def to_tensor(self) -> torch.Tensor:
-        """One 1-D int64 tensor: header, bits, [document ids], slots (see ``from_tensor``)."""
+        """One 1-D int64 tensor: header, bits, [document ids], slots (see ``from_tensor``), registered
+        with this mask (``as_context_parallel_mask`` finds the mask again without reading it)."""
         b, s = self.bits.shape
         has_doc = self.document_ids is not None
-        header = torch.tensor([_MAGIC, b, s, self.cp_size,
-                               self.local_len, self.cp_rank, int(has_doc)], dtype=torch.int64,
-                              device=self.bits.device)
+        header = _to_device([_MAGIC, b, s, self.cp_size, self.local_len, self.cp_rank, int(has_doc)],
+                            self.bits.device)
         parts = [header, self.bits.reshape(-1)]
         if has_doc:
             parts.append(self.document_ids.reshape(-1))
         parts.append(self.slots.reshape(-1))
-        return torch.cat(parts)
+        packed = torch.cat(parts)
+        _register(packed, self)
+        return packed
 
     @staticmethod
     def is_tensor_form(t) -> bool:
+        """Whether ``t`` is a packed mask: shape and dtype, then the magic number, READ FROM THE DEVICE
+        (``as_context_parallel_mask`` asks the registry first)."""
         return (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 1
                 and t.numel() >= _HEADER and int(t[0]) == _MAGIC)
 
     @staticmethod
     def from_tensor(t: torch.Tensor) -> "ContextParallelMask":
+        """The mask of a packed tensor: the registered one, else decoded from the header (a device read;
+        only for packed tensors made in another process)."""
+        mask = registered_mask(t)
+        if mask is not None:
+            return mask
         if not ContextParallelMask.is_tensor_form(t):
             raise ValueError("not a packed ContextParallelMask tensor")
-        cached = _unpack_cache_get(t)
-        if cached is not None:
-            return cached
         _, b, s, cp, L, rank, has_doc = (int(x) for x in t[:_HEADER].tolist())
         o = _HEADER
         bits = t[o:o + b * s].reshape(b, s)
@@ -152,47 +171,87 @@ class ContextParallelMask:
         slots = t[o:o + cp * L].reshape(cp, L)
         if o + cp * L != t.numel():
             raise ValueError("packed ContextParallelMask tensor has the wrong length")
-        mask = ContextParallelMask(bits, slots, rank, docs, validate=False)
-        _unpack_cache_put(t, mask)
-        return mask
+        return ContextParallelMask(bits, slots, rank, docs, validate=False)
 
 
-# Unpacked masks are cached by the packed tensor's identity, so that layers fed the
-# tensor form (activation recomputation) still share derived tensors and block plans.
-_unpacked: dict = {}
-_unpacked_lock = threading.Lock()
+def _to_device(values, device) -> torch.Tensor:
+    """A small int64 host list on `device` without waiting for it: a blocking host-to-device copy
+    synchronises the CUDA stream; from pinned memory the copy is queued."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
-def _key(t: torch.Tensor):
-    return (t.data_ptr(), t.numel(), str(t.device), t._version)
+# Packed tensor -> the mask it packs, for as long as the tensor's storage lives (see the module
+# docstring). Keyed by the storage (a detached alias, as megatron's recompute hands its saved inputs
+# back, shares it), its offset and length; the entry keeps a weak reference to the storage, checked
+# on each hit, and a finalizer on the storage removes it.
+_registry: dict = {}
+_registry_lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
 
 
-def _unpack_cache_get(t):
-    with _unpacked_lock:
-        hit = _unpacked.get(_key(t))
-        return hit[0] if hit is not None else None
+def _storage_key(t: torch.Tensor):
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), str(t.device))
 
 
-def _unpack_cache_put(t, mask):
-    with _unpacked_lock:
-        if len(_unpacked) >= 8:
-            _unpacked.clear()
-        _unpacked[_key(t)] = (mask, t)  # the strong ref pins the keyed memory
+def _forget(key) -> None:
+    with _registry_lock:
+        _registry.pop(key, None)
+
+
+def _register(packed: torch.Tensor, mask: "ContextParallelMask") -> None:
+    storage = packed.untyped_storage()
+    key = _storage_key(packed)
+    with _registry_lock:
+        _registry[key] = (weakref.ref(storage), packed._version, mask)
+    weakref.finalize(storage, _forget, key)
+
+
+def registered_mask(t) -> Optional["ContextParallelMask"]:
+    """The mask a packed tensor (or an alias of it: aliases share the storage and the version counter)
+    was made from by ``to_tensor``, else None (also after an in-place change of it). Host metadata
+    only: no device read."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+        return None
+    key = _storage_key(t)
+    with _registry_lock:
+        hit = _registry.get(key)
+    if hit is None or hit[0]() is not t.untyped_storage() or hit[1] != t._version:
+        return None
+    return hit[2]
+
+
+def masks_in_flight() -> int:
+    """Registered packed masks still alive (their microbatches' forward or backward is pending)."""
+    with _registry_lock:
+        return len(_registry)
 
 
 def as_context_parallel_mask(attention_mask) -> Optional[ContextParallelMask]:
-    """The ContextParallelMask in ``attention_mask`` (object or packed tensor), else None."""
+    """The ContextParallelMask in ``attention_mask`` (object or packed tensor), else None.
+
+    A packed tensor made by ``to_tensor`` in this process (every layer's, recomputed ones included)
+    is found in the registry without reading it; only a foreign one is decoded from the device."""
     if isinstance(attention_mask, ContextParallelMask):
         return attention_mask
-    if isinstance(attention_mask, torch.Tensor):
-        # Every layer after the first finds its packed mask here by identity: reading the
-        # header would copy it from the device (a host sync per layer under recompute).
-        cached = _unpack_cache_get(attention_mask)
-        if cached is not None:
-            return cached
-    if ContextParallelMask.is_tensor_form(attention_mask):
-        return ContextParallelMask.from_tensor(attention_mask)
-    return None
+    mask = registered_mask(attention_mask)
+    if mask is not None:
+        return mask
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 1:
+        return None  # a BitfieldMask's tensor form is 2-D or 3-D: decided without a read
+    # A foreign packed tensor: decoded once per tensor object (every layer of a forward gets the same
+    # one) and kept on the object itself, so it goes when the tensor does. The kept mask owns copies:
+    # views would keep the tensor alive through their base, a cycle the garbage collector cannot see.
+    version, mask = getattr(attention_mask, "_mimo_cp_mask", (None, None))
+    if version != attention_mask._version:
+        mask = None
+        if ContextParallelMask.is_tensor_form(attention_mask):
+            m = ContextParallelMask.from_tensor(attention_mask)
+            mask = ContextParallelMask(m.bits.clone(), m.slots.clone(), m.cp_rank,
+                                       None if m.document_ids is None else m.document_ids.clone(), validate=False)
+            attention_mask._mimo_cp_mask = (attention_mask._version, mask)
+    return mask
 
 
 def check_slots(slots: torch.Tensor, seq_len: int) -> None:

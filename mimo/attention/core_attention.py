@@ -33,20 +33,22 @@ from .function import bitfield_attention
 from .mask import BitfieldMask, bidirectional_mask, causal_mask
 from .reference import reference_attention
 
-# Default masks are shared across layers so that the block-plan cache (keyed on
-# tensor identity) is hit by every layer of a step, not rebuilt per layer.
+# Default masks are shared across layers and microbatches so that the block-plan cache (keyed on
+# tensor identity) is hit by every layer, recomputed ones included, not rebuilt per layer. One
+# [1, s] row per (pattern, length, device), kept for the process (a handful: the LLM's sequence
+# length, each encoder's tokens per item), expanded to each call's batch: microbatches of any
+# number of items (an encoder's vary) share it, and nothing is evicted however many are in flight.
 _default_masks: dict = {}
 _default_lock = threading.Lock()
 
 
 def _default_mask(causal: bool, b: int, s: int, device) -> torch.Tensor:
-    key = (causal, b, s, str(device))
+    key = (causal, s, str(device))
     with _default_lock:
-        if key not in _default_masks:
-            if len(_default_masks) >= 8:
-                _default_masks.clear()
-            _default_masks[key] = (causal_mask if causal else bidirectional_mask)(b, s, device=device)
-        return _default_masks[key]
+        row = _default_masks.get(key)
+        if row is None:
+            row = _default_masks[key] = (causal_mask if causal else bidirectional_mask)(1, s, device=device)
+    return row.expand(b, s)
 
 
 class BitfieldCoreAttention(MegatronModule):

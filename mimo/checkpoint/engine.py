@@ -139,7 +139,8 @@ class Checkpointer:
         dataset = self.trainer.dataset
         meta = {"format": FORMAT, "step": steps_done, "config": dataclasses.asdict(self.cfg),
                 "world_size": dist.get_world_size(), "layout": layout_of(self.cfg),
-                "data": dataset.state_dict() if hasattr(dataset, "state_dict") else None,
+                # where the next step starts: the trainer may already have loaded it
+                "data": dataset.state_dict(steps_done) if hasattr(dataset, "state_dict") else None,
                 "lr_scheduler": self.trainer.optim.scheduler.state_dict()}
         state = {META: meta, "weights": weights_state(self.shards),
                  "optimizer": optimizer_state(self.trainer, self.shards)}

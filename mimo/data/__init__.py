@@ -1,6 +1,6 @@
 """Mock and real (LLaVA-format) multimodal data, and its sharding over data-parallel ranks."""
 
-from .batching import collate, move, shard_indices
+from .batching import collate, loss_tokens, move, shard_indices
 from .mock import PAD_ID, MockMultimodalDataset, Sample
 
 
@@ -19,4 +19,5 @@ def build_dataset(cfg):
     return MockMultimodalDataset(cfg)
 
 
-__all__ = ["MockMultimodalDataset", "PAD_ID", "Sample", "build_dataset", "collate", "move", "shard_indices"]
+__all__ = ["MockMultimodalDataset", "PAD_ID", "Sample", "build_dataset", "collate", "loss_tokens", "move",
+           "shard_indices"]

@@ -90,8 +90,15 @@ class AudioLoader:
                              "(one token's frames)")
 
     def __call__(self, path: str) -> torch.Tensor:
-        with wave.open(path, "rb") as w:
-            channels, width, raw = w.getnchannels(), w.getsampwidth(), w.readframes(w.getnframes())
+        try:
+            with wave.open(path, "rb") as w:
+                channels, width, n = w.getnchannels(), w.getsampwidth(), w.getnframes()
+                raw = w.readframes(n)
+            if len(raw) < n * channels * width:  # the data ends before the header's count
+                raise AudioError(f"unreadable audio {path}: truncated ({len(raw)} bytes of samples, the header "
+                                 f"says {n * channels * width})")
+        except (wave.Error, EOFError, OSError) as exc:  # the header was fine but the data is not
+            raise AudioError(f"unreadable audio {path}: {exc}") from None
         samples = _pcm_to_float(raw, width).reshape(-1, channels).mean(axis=1)
         feats = self.fe(samples, sampling_rate=self.rate, max_length=self.max_samples, padding="max_length",
                         truncation=True, return_tensors="pt")["input_features"][0]

@@ -45,6 +45,20 @@ def collate(samples: List[Sample], placeholder_ids: Dict[str, int],
     return batch
 
 
+def loss_tokens(samples: List[Sample], placeholder_ids: Dict[str, int]) -> int:
+    """Positions of `samples` that carry a loss (the `loss_mask` sum `collate` would give), from their
+    tokens alone: no labels, no items."""
+    ids = torch.stack([s.input_ids for s in samples])
+    if samples[0].targets is None:
+        mask = ids[:, 1:] != PAD_ID
+        for token in placeholder_ids.values():
+            mask &= ids[:, 1:] != token
+        return int(mask.sum())
+    targets = torch.stack([s.targets for s in samples])
+    docs = torch.stack([s.document_ids for s in samples])
+    return int((targets[:, 1:] & (docs[:, 1:] == docs[:, :-1])).sum())
+
+
 def shard_indices(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> List[List[int]]:
     """Sample indices (within the global batch) of each microbatch of one DP shard.
 

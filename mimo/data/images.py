@@ -70,7 +70,7 @@ class ImageLoader:
         try:
             with _open(path) as img:
                 rgb = img.convert("RGB")
-        except OSError as exc:  # the header was fine but the pixels are not (e.g. a truncated file)
+        except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not (truncated)
             raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
         if self.processor is not None:
             return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()

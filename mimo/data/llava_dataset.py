@@ -15,36 +15,49 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mimo.config import MimoConfig
 from mimo.config.hf_files import processor_dir, tokenizer_dir
 
-from .audio import AudioLoader
-from .images import ImageLoader
+from .audio import AudioError, AudioLoader
+from .images import ImageError, ImageLoader
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
 from .sampler import GlobalSampler
 
 
+class MediaError(DataError):
+    """A media item that passed its header check but failed to decode, under `on_bad_record: error`.
+    Found only by the rank that decodes it, which reports it (str() is one `error: ...` line)."""
+
+
 class LazyItems(Mapping):
     """encoder name -> [n, ...] items, decoded on first access; counts known without decoding.
-    `decode(name, path)` decodes one item of encoder `name`."""
+    `decode(name, path, record)` decodes one item of encoder `name` (`record`: the id of the record
+    it belongs to, for the bad-media message)."""
 
-    def __init__(self, paths: Dict[str, List[str]], decode: Callable[[str, str], torch.Tensor],
-                 empty: Dict[str, tuple]):
-        self.paths, self.decode, self.empty = paths, decode, empty
+    def __init__(self, paths: Dict[str, List], records: Dict[str, List[str]],
+                 decode: Callable[[str, object, str], torch.Tensor], empty: Dict[str, tuple]):
+        self.paths, self.records, self.decode, self.empty = paths, records, decode, empty
         self.counts = {n: len(p) for n, p in paths.items()}
         self._cache: Dict[str, torch.Tensor] = {}
 
+    def item(self, name: str, k: int) -> torch.Tensor:
+        """Item k of encoder `name` alone (an encoder rank decodes only the items it encodes)."""
+        return self.decode(name, self.paths[name][k], self.records[name][k])
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._cache:
-            p = self.paths[name]
-            self._cache[name] = (torch.stack([self.decode(name, x) for x in p]) if p
+            n = self.counts[name]
+            self._cache[name] = (torch.stack([self.item(name, k) for k in range(n)]) if n
                                  else torch.zeros((0,) + self.empty[name]))
         return self._cache[name]
+
+    def __contains__(self, name) -> bool:  # Mapping's default would decode the items to find out
+        return name in self.paths
 
     def __iter__(self):
         return iter(self.paths)
@@ -53,8 +66,15 @@ class LazyItems(Mapping):
         return len(self.paths)
 
 
+def sample_items(dataset, step: int, samples: Sequence[int], encoders: Collection[str]) -> List[Tuple[str, int, int]]:
+    """(encoder, sample, item) of every item of `encoders` in the given samples of `step` (for `prefetch`)."""
+    G = dataset.G
+    return [(n, j, k) for j in samples for n in encoders
+            for k in range(dataset.sample_plan(step * G + j).count(n))]
+
+
 @dataclass
-class StepPlan:
+class PlannedStep:
     samples: List[Sample]
     record_ids: List[List[str]]   # per sequence, the ids of the records packed into it
     packing_efficiency: float     # non-padding fraction of the step's tokens
@@ -97,24 +117,33 @@ class LlavaDataset:
         self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
-        self._plans: Dict[int, StepPlan] = {}
+        self._plans: Dict[int, PlannedStep] = {}
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
         self.num_workers = d.num_workers
-        self._wanted, self._pin, self._prefetched = None, False, ()
+        self._wanted, self._pin = None, False
+        self.bad_media = 0  # items that passed their header check but failed to decode (this rank)
+        self._named: set = set()  # records already named in a bad-media warning (this rank)
         self._close_prefetch()
         self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
 
     # -- the trainers' interface ---------------------------------------------------------------
 
     def sample(self, index: int) -> Sample:
+        """Sample `index` of the run, for training: its step's decoded-ahead items are taken first."""
         step, j = divmod(index, self.G)
         if step > self._trained:
             self._trained = step
             self._fetch(step)
         return self.plan(step).samples[j]
 
-    def plan(self, step: int) -> StepPlan:
+    def sample_plan(self, index: int) -> Sample:
+        """Sample `index` as planned (tokens, item counts), without taking any decoded items: what a
+        rank reads of a step ahead of training it."""
+        step, j = divmod(index, self.G)
+        return self.plan(step).samples[j]
+
+    def plan(self, step: int) -> PlannedStep:
         """The sequences of `step`; steps are planned in order (earlier ones are replayed if needed)."""
         if step not in self._plans:
             if step < self._next_step:
@@ -132,10 +161,11 @@ class LlavaDataset:
         plan = self.plan(step)
         return {"skipped_samples": plan.skipped_samples, "packing_efficiency": plan.packing_efficiency}
 
-    def state_dict(self) -> Dict:
-        """The data position after the last step the trainer asked for (part of a checkpoint);
-        steps planned ahead for prefetching do not move it."""
-        return dict(self._starts[self._trained + 1])
+    def state_dict(self, next_step: Optional[int] = None) -> Dict:
+        """The data position where step `next_step` starts (part of a checkpoint saved after the step
+        before it), by default after the last step the trainer asked for; steps planned or loaded
+        ahead do not move it."""
+        return dict(self._starts[self._trained + 1 if next_step is None else next_step])
 
     def load_state_dict(self, state: Dict) -> None:
         self._seek(state)
@@ -143,18 +173,15 @@ class LlavaDataset:
         self._starts = {int(state["step"]): dict(state)}
         self._close_prefetch()
 
-    def prefetch(self, wanted: Callable[[int], List[int]], pin_memory: bool = False,
-                 encoders: Optional[Collection[str]] = None) -> None:
-        """Decode ahead, in `data.num_workers` DataLoader workers, the images and audio clips of the
-        samples this rank's encoders consume: `wanted(step)` lists their indices within the step,
-        `encoders` the encoders this rank holds (default: all). Without it (or with num_workers 0)
-        a rank decodes its items when it first reads a sample's items of an encoder."""
+    def prefetch(self, wanted: Callable[[int], List[Tuple[str, int, int]]], pin_memory: bool = False) -> None:
+        """Decode ahead, in `data.num_workers` DataLoader workers, the items this rank's encoders
+        consume: `wanted(step)` lists them as (encoder, sample within the step, item within the
+        sample). Without it (or with num_workers 0) a rank decodes an item when it first reads it."""
         import multiprocessing
 
-        names = tuple(n for n in self.loaders if encoders is None or n in encoders)
         # A daemonic process (ranks started by tools/parity.py) may not start workers: it decodes inline.
-        if self.num_workers > 0 and names and not multiprocessing.current_process().daemon:
-            self._wanted, self._pin, self._prefetched = wanted, pin_memory, names
+        if self.num_workers > 0 and self.loaders and not multiprocessing.current_process().daemon:
+            self._wanted, self._pin = wanted, pin_memory
 
     def _position(self) -> Dict:
         return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
@@ -171,7 +198,7 @@ class LlavaDataset:
     def _paths(self, step: int) -> tuple:
         """(encoder, path) of the items this rank decodes ahead in `step`."""
         samples = self.plan(step).samples
-        return tuple((n, p) for j in self._wanted(step) for n in self._prefetched for p in samples[j].items.paths[n])
+        return tuple((n, samples[j].items.paths[n][k]) for n, j, k in self._wanted(step))
 
     def _fetch(self, step: int) -> None:
         """Take the prefetched items of `step` (the loader runs steps in order from where it started)."""
@@ -190,9 +217,24 @@ class LlavaDataset:
     def _close_prefetch(self) -> None:
         self._loader_iter, self._loader_step, self._decoded = None, None, {}
 
-    def _decode(self, name: str, path: str) -> torch.Tensor:
+    def _decode(self, name: str, path, record: str) -> torch.Tensor:
         got = self._decoded.get((name, path))
-        return got if got is not None else self.loaders[name](path)
+        if got is None:
+            got = decode_or_reason(self.loaders[name], path)
+        return self._bad_media(name, record, got) if isinstance(got, str) else got
+
+    def _bad_media(self, name: str, record: str, reason: str) -> torch.Tensor:
+        """An item whose header was good but whose data is not (a truncated JPEG, say): under `skip`
+        zeros of the item's size (the record was planned from its header, so every rank already
+        agrees on the step), named once and counted; under `error` the run stops, naming it."""
+        if self.on_bad == "error":
+            raise MediaError(f"error: data.path: record {record!r}: {reason}")
+        self.bad_media += 1
+        if record not in self._named:
+            self._named.add(record)
+            print(f"warning: data: record {record!r}: {reason}; trained on with zeros in its place",
+                  file=sys.stderr, flush=True)
+        return torch.zeros(self.empty[name])
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -216,7 +258,7 @@ class LlavaDataset:
         self.skipped += 1
         return None
 
-    def _plan_next(self) -> StepPlan:
+    def _plan_next(self) -> PlannedStep:
         seqs: List[List[Encoded]] = []
         cur: List[Encoded] = []
         used, bad_run = 0, 0
@@ -242,12 +284,13 @@ class LlavaDataset:
                 cur, used = [], 0
         samples = [self._sequence(s) for s in seqs]
         real = sum(len(e.input_ids) for s in seqs for e in s)
-        return StepPlan(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped)
+        return PlannedStep(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped)
 
     def _sequence(self, docs: List[Encoded]) -> Sample:
         """Records laid end to end, padded to seq_length: document ids (-1 on padding) and
         positions that restart at 0 for each record."""
         ids, targets, doc_ids, pos, images, audio = [], [], [], [], [], []
+        image_records, audio_records = [], []
         for k, e in enumerate(docs):
             ids += e.input_ids
             targets += e.targets
@@ -255,11 +298,14 @@ class LlavaDataset:
             pos += range(len(e.input_ids))
             images += e.images
             audio += e.audio
+            image_records += [e.id] * len(e.images)
+            audio_records += [e.id] * len(e.audio)
         pad = self.S - len(ids)
-        media = {self.vision: images, self.audio: audio}
-        paths = {n: media.get(n, []) for n in self.cfg.model.encoders}
+        media = {self.vision: (images, image_records), self.audio: (audio, audio_records)}
+        paths = {n: media.get(n, ([], []))[0] for n in self.cfg.model.encoders}
+        records = {n: media.get(n, ([], []))[1] for n in self.cfg.model.encoders}
         return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
-                      items=LazyItems(paths, self._decode, self.empty),
+                      items=LazyItems(paths, records, self._decode, self.empty),
                       targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
                       document_ids=torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
                       position_ids=torch.tensor(pos + [0] * pad, dtype=torch.long))
@@ -285,11 +331,20 @@ class _Steps:
             step += 1
 
 
+def decode_or_reason(loader: Callable, path) -> object:
+    """The decoded item, or why it failed to decode (str) after its header passed the check."""
+    try:
+        return loader(path)
+    except (ImageError, AudioError) as exc:
+        return str(exc)
+
+
 class _DecodePaths(torch.utils.data.Dataset):
-    """Runs in a worker: a step's (encoder, path) items -> (the same keys, their decoded tensors)."""
+    """Runs in a worker: a step's (encoder, path) items -> (the same keys, their decoded tensors, or
+    for an item that fails to decode the reason, handled by the main process as `on_bad_record` says)."""
 
     def __init__(self, loaders: Dict[str, Callable[[str], torch.Tensor]]):
         self.loaders = loaders
 
     def __getitem__(self, keys: tuple):
-        return keys, [self.loaders[n](p) for n, p in keys]
+        return keys, [decode_or_reason(self.loaders[n], p) for n, p in keys]

@@ -35,6 +35,11 @@ class Sample:
         counts = getattr(self.items, "counts", None)
         return counts[name] if counts is not None else self.items[name].shape[0]
 
+    def item(self, name: str, k: int):
+        """Item k of encoder `name`; lazily decoded items decode just this one."""
+        one = getattr(self.items, "item", None)
+        return one(name, k) if one is not None else self.items[name][k]
+
 
 class MockMultimodalDataset:
     def __init__(self, cfg: MimoConfig):

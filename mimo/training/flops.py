@@ -18,6 +18,14 @@ query groups g, head dim d = h / a, FFN width f):
 
 Every position of the LLM counts, padding included: the LLM computes it.
 
+Who counts: each rank counts only its own share of the step, on the host, from
+what it already holds (`microbatch_work` of each LLM microbatch when it is
+made, `rank_work` over them): the LLM's first-stage TP-rank-0 / CP-rank-0 rank
+of each LLM DP replica counts that replica's samples, their tokens, attention
+pairs and encoder items. `mimo.training.metrics.reduce_step` sums the shares
+inside the step's one existing all-reduce. `step_work` (a whole global batch at
+once) is the oracle the tests compare the sum with.
+
 Backward counts what autograd actually runs. Walking a module's parts from its
 input (stem, layers, head / projector): a part's weight gradient (= its forward
 matmul FLOPs) runs when the part trains; its input gradient (= its forward
@@ -31,8 +39,9 @@ input gradients.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +82,15 @@ class StepWork:
     items: Dict[str, int]         # encoder -> images / clips in the step
     llm_attention_pairs: int      # (query, key) pairs the LLM's mask allows, summed over samples
 
+    def __add__(self, other: "StepWork") -> "StepWork":
+        return StepWork(self.samples + other.samples, self.positions + other.positions, self.tokens + other.tokens,
+                        {n: self.items.get(n, 0) + other.items.get(n, 0) for n in {**self.items, **other.items}},
+                        self.llm_attention_pairs + other.llm_attention_pairs)
+
+
+def no_work(cfg: MimoConfig) -> StepWork:
+    return StepWork(0, 0, 0, {n: 0 for n in cfg.model.encoders}, 0)
+
 
 def attention_pairs(bits: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> int:
     """Allowed (query, key) pairs of a bitfield mask [b, s] (positions = index order); with
@@ -107,7 +125,9 @@ def attention_pairs(bits: torch.Tensor, document_ids: Optional[torch.Tensor] = N
 
 
 def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
-    """StepWork of a global batch (a list of `mimo.data` samples with `input_ids` [s] and `items`)."""
+    """StepWork of a global batch (a list of `mimo.data` samples with `input_ids` [s] and `items`), at once.
+
+    The training loop does not call this (it sums per-rank shares, `rank_work`); tests use it as the oracle."""
     ids = torch.stack([s.input_ids for s in samples])
     items = {n: sum(s.count(n) for s in samples if n in s.items) for n in cfg.model.encoders}  # no decoding
     lang = cfg.model.language
@@ -123,6 +143,62 @@ def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
         pairs = b * seq * (seq + 1) // 2
     return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items,
                     llm_attention_pairs=pairs)
+
+
+def microbatch_work(cfg: MimoConfig, input_ids: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                    item_counts: Optional[Mapping[str, torch.Tensor]] = None, mask=None) -> StepWork:
+    """StepWork of one LLM microbatch from its HOST tensors: `input_ids` [b, s], `document_ids` [b, s]
+    (packed real data; negative = padding), `item_counts` encoder -> per-sample item counts [b] (the
+    collated `{encoder}_counts`), `mask` the microbatch's bitfield mask when already built
+    (`mimo.model.attention_mask`; built here otherwise). Host tensors only: nothing waits for a device."""
+    lang = cfg.model.language
+    b, seq = input_ids.shape
+    tokens = int((input_ids != PAD_ID).sum()) if document_ids is None else int((document_ids >= 0).sum())
+    counts = item_counts or {}
+    items = {n: int(counts[n].sum()) if n in counts else 0 for n in cfg.model.encoders}
+    if lang.attention == "bitfield":
+        if mask is None:
+            mask = attention_mask(cfg, input_ids, document_ids)
+        pairs = attention_pairs(mask.bits, mask.document_ids)
+    else:
+        pairs = b * seq * (seq + 1) // 2
+    return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items, llm_attention_pairs=pairs)
+
+
+def count_later(cfg: MimoConfig, host: Mapping[str, torch.Tensor], mask=None) -> Callable[[], StepWork]:
+    """What an LLM microbatch keeps (`batch["work"]`) for the step's FLOP count: a call that counts it
+    (`microbatch_work`) on the host, made only on the ranks that report it (`rank_work`). It holds the
+    host ids, document ids, item counts and mask, not the microbatch's other host tensors (pixels)."""
+    return functools.partial(microbatch_work, cfg, host["input_ids"], host.get("document_ids"),
+                             {n: host[f"{n}_counts"] for n in cfg.model.encoders if f"{n}_counts" in host}, mask)
+
+
+@dataclass
+class RankWork:
+    """One rank's share of the step's work: the samples of LLM DP replica `dp_rank`."""
+
+    dp_rank: int
+    work: StepWork
+
+
+def reports_work(llm_coords: Optional[Mapping[str, int]]) -> bool:
+    """Whether a rank with these LLM grid coordinates (None: it holds no LLM stage) counts its LLM DP
+    replica's share: the first pipeline stage's TP-rank-0, CP-rank-0 rank, one per replica."""
+    return llm_coords is not None and llm_coords["pp"] == 0 and llm_coords["tp"] == 0 and llm_coords["cp"] == 0
+
+
+def rank_work(cfg: MimoConfig, llm_coords: Optional[Mapping[str, int]], llm_batches: Sequence[Mapping]) -> \
+        Optional[RankWork]:
+    """This rank's share of the step's work (None when it reports none, `reports_work`): the sum over
+    its LLM microbatches (`llm_batches`, each with `"work"`: a StepWork or `count_later`'s call).
+    Host work grows with this rank's own microbatches, not with the global batch."""
+    if not reports_work(llm_coords):
+        return None
+    total = no_work(cfg)
+    for b in llm_batches:
+        w = b["work"]
+        total = total + (w() if callable(w) else w)
+    return RankWork(llm_coords["dp"], total)
 
 
 def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int) -> int:

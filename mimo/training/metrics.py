@@ -2,8 +2,9 @@
 and the one-step timeline (Chrome trace).
 
 Everything that needs other ranks happens in `reduce_step` (one all-reduce of a
-few floats at the end of a step) and `gather_timeline` (one gather, on the
-timeline step only); the writers run on rank 0.
+few floats at the end of a step, which also sums the ranks' shares of the step's
+work for the FLOP count) and `gather_timeline` (one gather, on the timeline step
+only); the writers run on rank 0.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mimo.config import MimoConfig
+from mimo.config import LANGUAGE, MimoConfig
 from mimo.runtime import Runtime, Span, StepTimer, peak_memory_bytes
 
-from .flops import StepWork, peak_tflops, step_flops
+from .flops import RankWork, StepWork, peak_tflops, step_flops
 
 GB = 1e9
 
@@ -53,24 +54,78 @@ class StepTimes:
     boundary_time_s: Dict[str, float] = field(default_factory=dict)  # encoder -> boundary communication
     max_memory_gb: float = 0.0
     skipped_samples: int = 0
+    work: Optional[StepWork] = None  # the step's work, summed over the ranks' shares (None: none reported)
 
 
-def reduce_step(timer: StepTimer, cfg: MimoConfig, runtime: Runtime, skipped_samples: int) -> StepTimes:
-    """One all-reduce (max) over the world of this rank's per-module times, peak memory and skip count.
+# -- the step's work in the all-reduce (MAX) -------------------------------------------------------
+#
+# Counts add up over ranks while times take the max; one MAX all-reduce carries both by giving each
+# reporting rank (one per LLM DP replica, `flops.reports_work`) its own slots: every other rank
+# leaves them zero, so the max of a slot is its one reporter's count (or any of several reporters
+# that agree), and the host adds the slots up. Float64 holds the counts exactly (below 2^53).
 
-    A rank contributes zero for modules it does not hold, so the max is the max over that module's ranks.
+WORK_FIELDS = ("samples", "positions", "tokens", "llm_attention_pairs")
+
+
+def work_slots(cfg: MimoConfig) -> int:
+    """Length of the work part of `reduce_step`'s tensor: per LLM DP replica, the four counts and one
+    item count per encoder."""
+    return cfg.parallelism[LANGUAGE].dp * (len(WORK_FIELDS) + len(cfg.model.encoders))
+
+
+def pack_work(cfg: MimoConfig, share: Optional[RankWork]) -> List[float]:
+    """This rank's slots: its share in the block of its LLM DP replica, zeros elsewhere."""
+    width = len(WORK_FIELDS) + len(cfg.model.encoders)
+    out = [0.0] * work_slots(cfg)
+    if share is not None:
+        w = share.work
+        row = [float(getattr(w, f)) for f in WORK_FIELDS] + [float(w.items.get(n, 0)) for n in cfg.model.encoders]
+        out[share.dp_rank * width:(share.dp_rank + 1) * width] = row
+    return out
+
+
+def unpack_work(cfg: MimoConfig, values: Sequence[float]) -> Optional[StepWork]:
+    """The step's work from the reduced slots; None when no rank reported (a caller without shares).
+
+    The shares must cover the global batch exactly once: a sample counted on two replicas, or a replica
+    whose share is missing or written into another's slots, changes the sample count and stops here
+    (on every rank alike: they all hold the same reduced values)."""
+    width = len(WORK_FIELDS) + len(cfg.model.encoders)
+    rows = [values[i:i + width] for i in range(0, len(values), width)]
+    totals = [sum(r[j] for r in rows) for j in range(width)]
+    if totals[0] == 0:
+        return None
+    G = cfg.training.global_batch_size
+    if totals[0] != G:
+        raise RuntimeError(f"the ranks' FLOP counts cover {int(totals[0])} samples, the global batch has {G}: "
+                           f"an LLM DP replica's samples were counted twice or not at all")
+    n = len(WORK_FIELDS)
+    return StepWork(samples=int(totals[0]), positions=int(totals[1]), tokens=int(totals[2]),
+                    items={e: int(totals[n + i]) for i, e in enumerate(cfg.model.encoders)},
+                    llm_attention_pairs=int(totals[3]))
+
+
+def reduce_step(timer: StepTimer, cfg: MimoConfig, runtime: Runtime, skipped_samples: int,
+                work: Optional[RankWork] = None) -> StepTimes:
+    """One all-reduce (max) over the world of this rank's per-module times, peak memory, skip count and
+    share of the step's work (`flops.rank_work`; None on ranks that report none).
+
+    A rank contributes zero for modules it does not hold, so the max is the max over that module's ranks;
+    the work shares sit in per-replica slots (`pack_work`) and are added up after the reduction.
     Call after the step's device work is synchronised."""
     modules, encoders = cfg.modules, list(cfg.model.encoders)
     totals = timer.totals()
     values = [totals.get((m, "F"), 0.0) + totals.get((m, "B"), 0.0) for m in modules]
     values += [totals.get((e, "comm"), 0.0) for e in encoders]
     values += [peak_memory_bytes(runtime) / GB, float(skipped_samples)]
+    base = len(values)
+    values += pack_work(cfg, work)
     t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = t.tolist()
     k = len(modules)
     return StepTimes(dict(zip(modules, v[:k])), dict(zip(encoders, v[k:k + len(encoders)])),
-                     v[-2], int(v[-1]))
+                     v[base - 2], int(v[base - 1]), unpack_work(cfg, v[base:]))
 
 
 def step_record(cfg: MimoConfig, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float,
@@ -256,13 +311,11 @@ class StepReporter:
                 write_timeline(tr.timeline, spans, step + 1)
         if self.rank != 0:
             return None
-        from .flops import step_work
-
-        G = tr.global_batch_size
-        work = step_work(self.cfg, [self.trainer.dataset.sample(step * G + i) for i in range(G)])
-        rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, res.lr, res.step_time_s, work, res.times,
-                          self.world, self.peak)
+        # The step's work: the LLM replicas' shares, summed in the step's all-reduce (`reduce_step`).
+        rec = step_record(self.cfg, step + 1, res.loss, res.grad_norm, res.lr, res.step_time_s, res.times.work,
+                          res.times, self.world, self.peak)
         rec["packing_efficiency"] = self.trainer.dataset.metrics(step)["packing_efficiency"]
+        rec["bad_media"] = res.bad_media  # media that failed to decode after a good header, replaced by zeros
         self.writers.write(rec)
         show = step % tr.log_interval == 0 or step == tr.train_iters - 1
         line = human_line(rec, tr.train_iters, res.tokens, self.world) if show else None

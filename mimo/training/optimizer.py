@@ -11,21 +11,33 @@ module's gradient sums), `clip()` (ONE norm over every trainable parameter of th
 whole model, on every rank: ranks without a trainable module take part in its
 all-reduce too), `step_module(module)` for each module, then `end_step()`
 advances the learning-rate schedule.
+
+The global gradient norm is megatron-core's fused fp32 L2 norm
+(`multi_tensor_applier` + `l2_norm_impl` of `megatron.core.optimizer.clip_grads`:
+Transformer Engine's or apex's kernel when installed) over a few contiguous
+views of each module's DDP grad buffers (`norm_views`), not a loop over
+parameters: each rank counts its 1/(DP x CP) slice of every bucket (with the
+distributed optimizer exactly the shard it reduce-scattered), and within it
+the TP-sharded parameters on every TP rank, the TP-replicated ones on TP rank
+0 only. One world all-reduce of a float then sums the partial squares; the
+norm stays on the device (no host read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import l2_norm_impl, multi_tensor_applier
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import local_multi_tensor_l2_norm
 
 from mimo.config import LANGUAGE, MimoConfig, TrainingConfig
 from mimo.model.transformer_config import dtype_of
@@ -82,6 +94,104 @@ def _module_param_groups():
         dist.all_gather_object = gather
 
 
+def counted(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this TP rank counts `param`'s gradient in the global norm (megatron-core's rule,
+    `get_main_grads_for_grad_norm`): TP shards on every TP rank, TP-replicated parameters (norms,
+    biases of row-parallel layers) on TP rank 0 only, a `shared` copy (tied embeddings on the last
+    pipeline stage) never."""
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _runs(start: int, end: int, holes: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """[start, end) minus the sorted, disjoint `holes`, as maximal contiguous ranges."""
+    out, at = [], start
+    for a, b in holes:
+        a, b = max(a, start), min(b, end)
+        if a >= b:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+def norm_ranges(buffer, tp_rank: int) -> List[Tuple[int, int]]:
+    """Element ranges of one megatron-core grad buffer (`_ParamAndGradBuffer`) this rank counts.
+
+    The buffer's DP (x CP) ranks split every bucket into equal contiguous slices, rank r the r-th
+    (with the distributed optimizer exactly the shard it reduce-scattered and owns; without it every
+    rank holds the whole reduced bucket, and each counts its own slice, so the work is split too).
+    Within its slice a rank skips the parameters `counted` rejects. Padding in the buffer is zero."""
+    group = buffer.data_parallel_group
+    n, r = group.size(), group.rank()
+    holes = sorted((a, b) for p, (a, b, _) in buffer.param_index_map.items() if not counted(p, tp_rank))
+    out = []
+    for bucket in buffer.buckets:
+        size = bucket.grad_data.numel()
+        out += _runs(bucket.offset + r * size // n, bucket.offset + (r + 1) * size // n, holes)
+    return out
+
+
+def norm_views(ddp: DistributedDataParallel, tp_rank: int) -> List[torch.Tensor]:
+    """Contiguous views of `ddp`'s grad buffers holding this rank's share of the module's norm:
+    one per bucket on TP rank 0, a few per bucket (runs between TP-replicated parameters) elsewhere."""
+    if ddp.expert_parallel_buffers:
+        raise NotImplementedError("the global gradient norm does not handle expert-parallel grad buffers "
+                                  "(mimo builds no mixture-of-experts layers)")
+    if ddp.ddp_config.num_distributed_optimizer_instances != 1:
+        raise NotImplementedError("one distributed-optimizer instance per module is assumed")
+    return [buf.grad_data[a:b] for buf in ddp.buffers for a, b in norm_ranges(buf, tp_rank)]
+
+
+# megatron-core's multi_tensor_applier chunk (2048 * 32 elements): the fused kernel sums squares per
+# chunk in fp32, then sums the chunks' results; the torch path below keeps that shape.
+NORM_CHUNK = 2048 * 32
+
+
+def _chunk_norms(t: torch.Tensor) -> torch.Tensor:
+    """fp32 L2 norms of consecutive NORM_CHUNK-element pieces of `t` (flattened), one per piece.
+
+    One reduction over one [n, NORM_CHUNK] view, not one over the whole tensor: a CPU reduction of
+    10^9 elements into a few fp32 accumulators loses most of its digits (measured: 42% off at 1.3 B,
+    tools/bench_grad_norm.py), while each piece's sum stays exact to fp32 rounding."""
+    flat = t.reshape(-1)
+    whole = flat.numel() // NORM_CHUNK * NORM_CHUNK
+    parts = []
+    if whole:
+        parts.append(torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), dim=1, dtype=torch.float32))
+    if whole < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1))
+    return torch.cat(parts)
+
+
+def sq_norm_fp32(tensors: List[torch.Tensor], device) -> torch.Tensor:
+    """Sum of squares of `tensors` (any float dtypes) as a 0-d fp32 tensor on the device, no host read.
+
+    On CUDA: megatron-core's fused multi-tensor L2 norm (Transformer Engine's or apex's
+    `multi_tensor_l2norm`: one launch per dtype, fp32 accumulation per chunk). megatron-core's fallback
+    without either (`local_multi_tensor_l2_norm`) reads each norm back to the host and allocates on
+    "cuda", so on CPU ranks and in that case torch computes the same per-chunk fp32 norms
+    (`_chunk_norms`: one reduction per tensor)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return total
+    if tensors[0].is_cuda and l2_norm_impl is not local_multi_tensor_l2_norm:
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            overflow = torch.zeros(1, dtype=torch.int, device=group[0].device)
+            norm, _ = multi_tensor_applier(l2_norm_impl, overflow, [group], False)
+            total = total + norm.float().square().sum()
+        return total
+    return total + torch.cat([_chunk_norms(t) for t in tensors]).square().sum()
+
+
 class ModelOptimizer:
     """Per-module DDP wrappers and optimizers of this rank; one global clip for the whole model."""
 
@@ -91,6 +201,7 @@ class ModelOptimizer:
         self.clip_grad = tr.clip_grad
         self._finished, self._sq_norms = set(), {}
         self.ddp: Dict[str, DistributedDataParallel] = {}
+        self.norm_views: Dict[str, List[torch.Tensor]] = {}  # module -> views of its grad buffers (`norm_views`)
         self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
         ddp_config = DistributedDataParallelConfig(
@@ -127,6 +238,7 @@ class ModelOptimizer:
                 if len(inner) != 1:
                     raise RuntimeError(f"{name}: expected one megatron optimizer, got {len(inner)}")
                 self.optimizers[name] = inner[0]
+                self.norm_views[name] = norm_views(self.ddp[name], topo.grid(name).coords["tp"])
         # One schedule drives every module's param groups.
         self.scheduler = lr_scheduler(ChainedOptimizer(list(self.optimizers.values())), tr)
 
@@ -142,19 +254,10 @@ class ModelOptimizer:
                 self.optimizers[name].zero_grad()
         self._finished, self._sq_norms = set(), {}
 
-    def _local_sq_norm(self, name: str, opt) -> torch.Tensor:
-        """This rank's share of the squared norm of module `name`'s gradients, each element counted once:
-        TP shards all count, TP-replicated parameters on TP rank 0; DP/CP replicas on DP/CP rank 0 (the
-        distributed optimizer's DP ranks each own a disjoint shard: all count)."""
-        g = self.topo.grid(name)
-        c = g.coords
-        if not self.cfg.training.use_distributed_optimizer and c["dp"] * g.layout.cp + c["cp"] != 0:
-            return torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        grads = [p.grad for p in opt.get_parameters()
-                 if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or c["tp"] == 0)]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        return torch.stack([gr.detach().double().pow(2).sum() for gr in grads]).sum()
+    def _local_sq_norm(self, name: str) -> torch.Tensor:
+        """This rank's share of the squared norm of module `name`'s gradients (fp32, on the device), each
+        element of the module counted on exactly one rank (`norm_views`)."""
+        return sq_norm_fp32(self.norm_views[name], self.runtime.device)
 
     def finish_grads(self, name: str) -> None:
         """Module `name`'s gradient reductions (megatron-core's finalize_model_grads: the DP (x CP) sum,
@@ -167,7 +270,7 @@ class ModelOptimizer:
             finalize_model_grads([self.ddp[name]], pg_collection=self.groups[name])
             opt = self.optimizers[name]
             opt.prepare_grads()
-            self._sq_norms[name] = self._local_sq_norm(name, opt)
+            self._sq_norms[name] = self._local_sq_norm(name)
 
     def clip(self) -> torch.Tensor:
         """One global gradient norm over every trainable module of the model (a world all-reduce, on
@@ -176,7 +279,7 @@ class ModelOptimizer:
             self.finish_grads(name)
         with optimizer_scope(self.runtime):
             # Summed in config order, whichever action finished a module first: the same float sum every step.
-            total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+            total = torch.zeros((), dtype=torch.float32, device=self.runtime.device)
             for name in self.ddp:
                 total += self._sq_norms[name]
             dist.all_reduce(total)

@@ -6,34 +6,41 @@ Two ways to load a step, one per plan family:
   loads only its LLM DP shard's microbatches, with the items of every encoder
   (it runs them all); the loss-token count is summed over the DP group by
   the plan's `loss tokens` collective.
-* `whole` (heterogeneous plans): every rank reads the whole step, so the
-  boundary windows and the loss-token count need no communication; a rank
-  collates (so decodes) only the items of the encoders it holds, and builds
-  LLM microbatches only if it holds the LLM.
+* `whole` (heterogeneous plans): every rank plans the whole step from its
+  metadata (each sample's tokens and item counts, known from the text and the
+  media headers), so the boundary windows and the loss-token count need no
+  communication. What a rank loads is its own share only: an encoder's first
+  stage decodes just the items it encodes this step (`encoded_item_ids`), an
+  LLM rank collates just its own microbatches, and a rank with neither loads
+  nothing.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from itertools import accumulate
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from mimo.attention import BitfieldMask, plan_context_parallel
 from mimo.attention.context_parallel import check_slots
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.data import PAD_ID, collate, move, shard_indices
+from mimo.data import PAD_ID, collate, loss_tokens, move, shard_indices
 from mimo.model import attention_mask
 
-from .windows import StepWindows
+from .flops import count_later
+from .windows import DEFERRED, KEPT, StepWindows
 
 
 @dataclass
 class StepData:
     n_tokens: torch.Tensor                                 # loss-carrying positions (float64; see the family)
     llm_batches: List[Dict]                                # this rank's LLM microbatches (`llm_microbatch`)
-    step_batch: Dict[str, torch.Tensor] = field(default_factory=dict)  # whole step: encoder items held here
+    step_batch: Dict[str, "EncoderItems"] = field(default_factory=dict)  # whole step: items this rank encodes
     windows: Optional[StepWindows] = None                  # whole step: boundary windows
+    bad_media: int = 0  # items replaced by zeros while loading this step, counted on one rank per item
 
 
 def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype) -> Dict:
@@ -50,6 +57,9 @@ def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype
         slots = plan_context_parallel(mask.bits, cp, lang.cp_block_size, lang.cp_policy, mask.document_ids)
         check_slots(slots, mask.bits.shape[1])
         batch["cp_slots"] = slots.to(device)
+    # This microbatch's share of the step's FLOP count: counted on the host, and only by the rank
+    # that reports it (flops.rank_work), from the host ids, item counts and mask already here.
+    batch["work"] = count_later(cfg, host, mask)
     return batch
 
 
@@ -69,22 +79,71 @@ def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, devi
     return StepData(local, batches)
 
 
-def whole_step(cfg: MimoConfig, dataset, balancer, step: int, comms: Dict, colocated: List[str],
-               held: List[str], llm_dp_rank: Optional[int], device, dtype) -> StepData:
-    """A heterogeneous-plan rank's view of the whole step; `llm_dp_rank` None: the rank holds no LLM stage."""
-    G = cfg.training.global_batch_size
-    samples = [dataset.sample(step * G + i) for i in range(G)]
-    assignment = balancer.assignment(samples, PAD_ID)
-    host = collate(samples, cfg.placeholder_ids, held)
-    # Item counts per sample, on the host: every rank plans the step's boundary windows from them.
-    counts = {n: host[f"{n}_counts"].tolist() for n in cfg.model.encoders}
-    windows = StepWindows(cfg, comms, counts, colocated, assignment)
-    n_tokens = host["loss_mask"].sum().to(torch.float64)
-    if float(n_tokens) == 0:
-        raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
+@dataclass
+class EncoderItems:
+    """The items (pixels, features) an encoder rank encodes this step, on the device, by step item id."""
+    rows: torch.Tensor
+    row_of: Dict[int, int]
+
+    def take(self, ids: List[int]) -> torch.Tensor:
+        index = torch.tensor([self.row_of[i] for i in ids], dtype=torch.long)
+        return self.rows[index.to(self.rows.device, non_blocking=True)]
+
+
+def step_windows(cfg: MimoConfig, samples: List, balancer, comms: Dict, colocated: List[str]) -> StepWindows:
+    """The step's boundary windows from its samples' metadata (item counts; nothing decoded)."""
+    counts = {n: [s.count(n) for s in samples] for n in cfg.model.encoders}
+    return StepWindows(cfg, comms, counts, colocated, balancer.assignment(samples, PAD_ID))
+
+
+def encoded_item_ids(windows: StepWindows, name: str, dp_rank: int, colocated: List[str],
+                     num_microbatches: int) -> List[int]:
+    """Step item ids encoder DP rank `dp_rank` of `name` encodes this step, over all its windows."""
+    if name in colocated:
+        return windows.encoder_item_ids(name, dp_rank)
+    ids = []
+    for mb in range(num_microbatches):
+        ids += windows.encoder_item_ids(name, dp_rank, mb, KEPT)
+        if windows.has_deferred(name, mb):
+            ids += windows.encoder_item_ids(name, dp_rank, mb, DEFERRED)
+    return ids
+
+
+def item_sources(samples: List, name: str, ids: List[int]) -> List[Tuple[int, int]]:
+    """(sample, item within it) of each step item id of encoder `name` (ids number items in sample order)."""
+    first = list(accumulate(s.count(name) for s in samples))
+    out = []
+    for i in ids:
+        j = bisect_right(first, i)
+        out.append((j, i - (first[j - 1] if j else 0)))
+    return out
+
+
+def item_shape(cfg: MimoConfig, name: str) -> Tuple[int, ...]:
+    enc = cfg.model.encoders[name]
+    return (enc.num_channels, enc.image_size, enc.image_size) if enc.kind == "vision" else (enc.clip_frames,
+                                                                                            enc.num_mel_bins)
+
+
+def whole_step(cfg: MimoConfig, samples: List, windows: StepWindows, encoded: Dict[str, List[int]],
+               llm_dp_rank: Optional[int], device, dtype) -> StepData:
+    """A heterogeneous-plan rank's share of the step. `samples`: the step's (planned) samples;
+    `encoded`: per encoder whose first stage this rank holds, the step item ids it encodes
+    (`encoded_item_ids`); `llm_dp_rank` None: the rank holds no LLM stage."""
+    # Every rank holds the same count (per-sample metadata): the loss needs no collective for it.
+    total = loss_tokens(samples, cfg.placeholder_ids)
+    if total == 0:
+        raise RuntimeError("the global batch has no token that carries a loss")
     llm_batches = []
     if llm_dp_rank is not None:
         for idx in windows.llm_indices(llm_dp_rank):
             llm_batches.append(llm_microbatch(cfg, collate([samples[i] for i in idx], cfg.placeholder_ids, False),
                                               device, dtype))
-    return StepData(n_tokens.to(device), llm_batches, move(host, device, dtype), windows)
+    step_batch = {}
+    for name, ids in encoded.items():
+        order = sorted(set(ids))
+        rows = [samples[j].item(name, k) for j, k in item_sources(samples, name, order)]
+        host = torch.stack(rows) if rows else torch.zeros((0,) + item_shape(cfg, name))
+        step_batch[name] = EncoderItems(host.to(device, dtype, non_blocking=True), {i: r for r, i in enumerate(order)})
+    n_tokens = torch.tensor(float(total), dtype=torch.float64, device=device)
+    return StepData(n_tokens, llm_batches, step_batch, windows)

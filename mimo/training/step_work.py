@@ -96,8 +96,7 @@ class RankStep:
         """Raw inputs (pixels, features) of this rank's items of encoder `name` for unit mb."""
         if self.data.windows is None:  # homogeneous: the microbatch's own items
             return self.data.llm_batches[mb].get(name)
-        ids = torch.tensor(self._item_ids(name, mb, part), dtype=torch.long)
-        return self.data.step_batch[name][ids.to(self.device, non_blocking=True)]
+        return self.data.step_batch[name].take(self._item_ids(name, mb, part))
 
     def _item_ids(self, name: str, mb: Optional[int], part: str = KEPT) -> List[int]:
         g = self.trainer.topo.grid(name)
@@ -322,7 +321,9 @@ class RankStep:
             # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
             g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
-            self.loss = self.loss_sum if last else torch.zeros_like(self.loss_sum)
+            # The same sum carries the step's bad-media count (host ints, each counted on one rank).
+            bad = torch.tensor(float(self.data.bad_media), dtype=torch.float64, device=self.device)
+            self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad])
             dist.all_reduce(self.loss)
         elif a.name.startswith(GRAD_SYNC):
             self.trainer.optim.finish_grads(a.module)

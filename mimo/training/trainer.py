@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -22,20 +22,21 @@ from mimo.attention import enable_context_parallel_rope
 from mimo.balance.step import StepBalancer
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
-from mimo.data import build_dataset, shard_indices
+from mimo.data import PAD_ID, build_dataset, shard_indices
 from mimo.hf import check_hf_weights, hf_modules
 from mimo.model.transformer_config import dtype_of
-from mimo.runtime import ParameterOffload, Runtime, StepTimer, megatron_scope, synchronize
+from mimo.runtime import NextStep, ParameterOffload, Runtime, StepTimer, megatron_scope, synchronize
 from mimo.schedule.check import check_plan
 from mimo.schedule.executor import run_plan
 from mimo.schedule.plan import LOSS, build_plan
 from mimo.schedule.plan_build import HOMOGENEOUS, num_microbatches
 from mimo.topology import Layout, Topology, build_topology
 
+from .flops import rank_work
 from .metrics import StepTimes, reduce_step
 from .optimizer import ModelOptimizer, trainable
 from .parts import build_parts
-from .step_data import shard_step, whole_step
+from .step_data import StepData, encoded_item_ids, item_sources, shard_step, step_windows, whole_step
 from .step_work import RankStep
 
 
@@ -73,6 +74,7 @@ class StepResult:
     step_time_s: float
     times: Optional[StepTimes] = None  # per-module times, peak memory, skipped samples (max over ranks)
     lr: float = 0.0                    # the learning rate this step trained with (the schedule's)
+    bad_media: int = 0                 # media items replaced by zeros so far in this run (all ranks)
 
 
 class Trainer:
@@ -108,7 +110,17 @@ class Trainer:
         self.dataset = build_dataset(cfg)
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
-        self.dataset.prefetch(self._prefetched, pin_memory=runtime.is_cuda, encoders=self.held)
+        # The encoders whose items this rank decodes: those of which it holds the first stage (later
+        # stages receive activations); a rank counts bad media once per item, at TP rank 0.
+        self.decoding = [n for n in self.held if self.topo.grid(n).coords["pp"] == 0]
+        counting = self.topo.grid(LANGUAGE) if self.homogeneous else (
+            self.topo.grid(self.decoding[0]) if self.decoding else None)
+        self.counts_bad_media = counting is not None and counting.coords["tp"] == 0 and counting.coords["cp"] == 0
+        self.bad_media = 0  # over the run so far, summed over the ranks (the same on every rank)
+        self._windows: Dict[int, object] = {}  # step -> its boundary windows (heterogeneous plans)
+        if self.decoding:
+            self.dataset.prefetch(self._prefetched, pin_memory=runtime.is_cuda)
+        self.next_step = NextStep(runtime, self.step_data)  # step k + 1's data, loaded while step k runs
         self.offload = None
         if cfg.training.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
@@ -125,32 +137,69 @@ class Trainer:
         """module -> megatron-core optimizer, for the trainable module parts this rank holds."""
         return self.optim.optimizers
 
-    def _prefetched(self, step: int) -> List[int]:
-        """Samples (indices within a step) whose items this rank decodes ahead."""
-        tr, G = self.cfg.training, self.cfg.training.global_batch_size
-        if self.homogeneous and self.balancer.policy == "none":
-            g = self.topo.grid(LANGUAGE)
-            return [i for mb in shard_indices(G, tr.micro_batch_size, g.coords["dp"], g.layout.dp) for i in mb]
-        # Balanced steps, and encoder DP over items: which samples a rank encodes depends on the
-        # whole step, so an encoder rank reads ahead all of it, a rank without an encoder none.
-        return list(range(G)) if self.held else []
+    def _prefetched(self, step: int) -> List[Tuple[str, int, int]]:
+        """(encoder, sample, item) of the items this rank decodes in `step`, ahead of it."""
+        G = self.cfg.training.global_batch_size
+        if not self.homogeneous:
+            return [(n, j, k) for n, ids in self._encoded(step).items()
+                    for j, k in item_sources(self._planned(step), n, ids)]
+        g = self.topo.grid(LANGUAGE)
+        if self.balancer.policy == "none":
+            tr = self.cfg.training
+            mine = [i for mb in shard_indices(G, tr.micro_batch_size, g.coords["dp"], g.layout.dp) for i in mb]
+        else:
+            mine = [i for mb in self.balancer.assignment(self._planned(step), PAD_ID).llm[g.coords["dp"]] for i in mb]
+        samples = self._planned(step)
+        return [(n, j, k) for j in mine for n in self.decoding for k in range(samples[j].count(n))]
 
-    def step_data(self, step: int):
+    def _planned(self, step: int) -> List:
+        """The samples of `step` as planned (metadata only: nothing decoded, nothing taken)."""
+        G = self.cfg.training.global_batch_size
+        plan = getattr(self.dataset, "sample_plan", self.dataset.sample)
+        return [plan(step * G + i) for i in range(G)]
+
+    def _step_windows(self, step: int):
+        """The windows of `step`, computed once for both its read-ahead and its run (`step_data` drops
+        them once the step is loaded; the read-ahead only asks for steps not yet loaded)."""
+        if step not in self._windows:
+            self._windows[step] = step_windows(self.cfg, self._planned(step), self.balancer, self.comms,
+                                               self.colocated)
+        return self._windows[step]
+
+    def _encoded(self, step: int) -> Dict[str, List[int]]:
+        """Per encoder this rank decodes, the step item ids it encodes in `step`."""
+        windows = self._step_windows(step)
+        return {n: encoded_item_ids(windows, n, self.topo.grid(n).coords["dp"], self.colocated,
+                                    self.num_microbatches) for n in self.decoding}
+
+    def step_data(self, step: int) -> StepData:
+        before = getattr(self.dataset, "bad_media", 0)
+        data = self._load_step(step)
+        data.bad_media = getattr(self.dataset, "bad_media", 0) - before if self.counts_bad_media else 0
+        return data
+
+    def _load_step(self, step: int) -> StepData:
         lg = self.topo.grid(LANGUAGE)
         if self.homogeneous:
             return shard_step(self.cfg, self.dataset, self.balancer, step, lg.coords["dp"], self.runtime.device,
                               self.dtype)
-        return whole_step(self.cfg, self.dataset, self.balancer, step, self.comms, self.colocated, self.held,
-                          lg.coords["dp"] if lg.is_member else None, self.runtime.device, self.dtype)
+        G = self.cfg.training.global_batch_size
+        samples = [self.dataset.sample(step * G + i) for i in range(G)]  # takes the step's decoded-ahead items
+        windows = self._step_windows(step)
+        encoded = self._encoded(step)
+        for done in [s for s in self._windows if s <= step]:
+            del self._windows[done]
+        return whole_step(self.cfg, samples, windows, encoded, lg.coords["dp"] if lg.is_member else None,
+                          self.runtime.device, self.dtype)
 
     def forward_backward(self, step: int) -> float:
         """The step's forwards and backwards and its loss, without reductions or update (evaluation,
         logits): the plan through its `loss` collective, the same prefix on every rank."""
         self.optim.zero_grad()
-        work = RankStep(self, self.step_data(step))
+        work = RankStep(self, self.next_step.take(step))
         with megatron_scope(self.runtime):
             run_plan(self.plan.through(LOSS), self.rank, work)
-        loss = float(work.loss)
+        loss = float(work.loss[0])
         check_loss_tokens(step, work.data.n_tokens)
         return loss
 
@@ -160,17 +209,26 @@ class Trainer:
         self.timer.reset()
         self.optim.zero_grad()
         lr = self.optim.lr
-        data = self.step_data(step)
+        data = self.next_step.take(step)
         work = RankStep(self, data)
+        if step + 1 < self.cfg.training.train_iters:
+            self.next_step.start(step + 1)
         with megatron_scope(self.runtime):
             run_plan(self.plan, self.rank, work)
+        # This rank's share of the step's FLOP count (host work, own microbatches only), summed inside
+        # reduce_step's all-reduce.
+        lg = self.topo.grid(LANGUAGE)
+        share = rank_work(self.cfg, lg.coords if lg.is_member else None, data.llm_batches)
+        # The dataset is the loader's until it is done (the metrics and a save read it next).
+        self.next_step.settle()
         self.optim.end_step()
-        loss, norm, n_tokens = float(work.loss), float(work.grad_norm), int(data.n_tokens)
+        loss, norm, n_tokens = float(work.loss[0]), float(work.grad_norm), int(data.n_tokens)
+        self.bad_media += int(work.loss[1])
         check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
         tr = self.cfg.training
         # Records the data side skipped so far (cumulative; mock data skips none).
-        times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"])
+        times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"], share)
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          elapsed, times, lr)
+                          elapsed, times, lr, self.bad_media)

@@ -1,5 +1,7 @@
 """Tile classification vs brute force, work lists, and the plan cache."""
 
+import gc
+
 import pytest
 import torch
 from attn_scenarios import qkv, scenario
@@ -104,3 +106,48 @@ def test_cache_hits_and_invalidation(tiny_config):
     assert cache_stats()["misses"] > before
     clear_block_cache()
     assert cache_stats()["size"] == 0
+
+
+def test_cache_keeps_the_plan_of_every_live_mask_and_drops_dead_ones():
+    """However many microbatches are in flight (masks alive), each keeps its plan: a second pass over
+    20 live masks (the old LRU held 16) rebuilds nothing. A plan goes when its mask's storage does."""
+    from mimo.attention.block_plan import get_plan
+
+    clear_block_cache()
+    kern = kernels(interpret=True)
+    base, _ = scenario("text_blind_to_audio")
+
+    def plan_of(m):
+        x = torch.zeros(m.shape[0], m.shape[1], 1, 16)
+        return get_plan(check_inputs(x, x, x, m, m), (m, m, None, None, None, None), 16, 16, None, kern)
+
+    masks = [torch.roll(base, k, dims=1) for k in range(20)]
+    first = [plan_of(m) for m in masks]
+    misses = cache_stats()["misses"]
+    same = [plan_of(m) is p for m, p in zip(masks, first)]
+    alias = plan_of(masks[3].detach()) is first[3]  # an alias (megatron's recompute) hits too
+    assert all(same) and alias
+    assert cache_stats()["misses"] == misses and cache_stats()["size"] == 20
+    # The Triton interpreter keeps its last launch's arguments in a reference cycle: collect it.
+    del masks[:10]
+    gc.collect()
+    assert cache_stats()["size"] == 10
+    masks.clear()
+    gc.collect()
+    assert cache_stats()["size"] == 0
+
+
+def test_default_masks_are_one_row_per_length_for_every_batch_size():
+    """The mask of a call without one (encoders: bidirectional over each item) is one [1, s] row per
+    pattern and length, expanded to the call's batch: 11 different item counts (the old shape-keyed
+    cache cleared itself at 8) share it, so their plans stay keyed on one live storage."""
+    from mimo.attention import bidirectional_mask, causal_mask
+    from mimo.attention.core_attention import _default_mask
+
+    rows = [_default_mask(False, b, 24, "cpu") for b in range(1, 12)]
+    assert len({r.untyped_storage().data_ptr() for r in rows}) == 1
+    assert all(torch.equal(r, bidirectional_mask(b, 24)) for b, r in zip(range(1, 12), rows))
+    causal = _default_mask(True, 5, 24, "cpu")
+    assert torch.equal(causal, causal_mask(5, 24))
+    assert causal.untyped_storage().data_ptr() != rows[0].untyped_storage().data_ptr()
+    assert _default_mask(False, 3, 24, "cpu").untyped_storage().data_ptr() == rows[0].untyped_storage().data_ptr()

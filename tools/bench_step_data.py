@@ -1,0 +1,84 @@
+"""Host time a rank spends loading one step's data, per rank role (CPU ranks, gloo).
+
+    python tools/bench_step_data.py [--global-batch 256] [--steps 3] [--json]
+
+Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (non-colocated),
+`kind: llava` records with one image each, no packing. Each rank builds the trainer and times
+`Trainer.step_data(step)` (plan the step, decode, collate, move to the device) over `--steps` steps,
+and counts Pillow's pixel decodes. Prints one JSON line per rank: role, mean ms per step, decodes per
+step. Runs against whichever `mimo` is first on PYTHONPATH (so an older checkout can be timed too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def _rank(raw, steps):
+    from PIL import Image
+
+    from mimo.config import load_config
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    calls = []
+    getdecoder = Image._getdecoder
+    Image._getdecoder = lambda *a, **k: calls.append(1) or getdecoder(*a, **k)
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    times = []
+    for s in range(steps):
+        start = time.perf_counter()
+        trainer.step_data(s)
+        times.append(time.perf_counter() - start)
+    warm = times[1:] or times  # the first step also builds the tokenizer's caches
+    return {"ms_per_step": 1e3 * sum(warm) / len(warm), "decodes_per_step": len(calls) / steps}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--image-size", type=int, default=64)
+    args = p.parse_args(argv)
+    import make_sample_data
+
+    from mimo.runtime import run_on_ranks
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from tiny import TINY
+
+    records = args.global_batch * args.steps
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.devnull, "w") as quiet:
+            out, sys.stdout = sys.stdout, quiet
+            make_sample_data.main([d, "--records", "8", "--image-size", str(args.image_size)])
+            sys.stdout = out
+        data = [{"id": f"r{i}", "image": f"images/img{i % 8:04d}.png", "conversations": [
+            {"from": "human", "value": "<image>\nwhat is it ?"}, {"from": "gpt", "value": "a red square ."}]}
+            for i in range(records)]
+        with open(os.path.join(d, "train.json"), "w") as f:
+            json.dump(data, f)
+        raw = copy.deepcopy(TINY)
+        del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
+        raw["model"]["encoders"]["images"].update(image_size=args.image_size, patch_size=args.image_size // 2)
+        raw["data"] = {"kind": "llava", "path": os.path.join(d, "train.json"),
+                       "tokenizer": os.path.join(d, "tokenizer"), "seq_length": 48, "packing": False}
+        raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=8, train_iters=args.steps)
+        raw["parallelism"] = {"language": {}, "images": {"dp": 2, "rank_offset": 1}}
+        results = run_on_ranks(_rank, 3, raw, args.steps, timeout_s=1800, daemon=False)
+    for rank, (role, r) in enumerate(zip(["llm", "encoder", "encoder"], results)):
+        print(json.dumps({"rank": rank, "role": role, "global_batch": args.global_batch, **r}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
