@@ -69,14 +69,18 @@ def _count_decodes(raw):
     from mimo.runtime import select_runtime
     from mimo.training import Trainer
 
-    calls = []
+    from mimo.data.llava import ConversationEncoder
+
+    calls, encoded = [], []
     getdecoder = Image._getdecoder
     Image._getdecoder = lambda *a, **k: calls.append(1) or getdecoder(*a, **k)
+    encode = ConversationEncoder.encode  # tokenises the record and checks its media headers
+    ConversationEncoder.encode = lambda self, record, index: encoded.append(index) or encode(self, record, index)
     trainer = Trainer(load_config(raw), select_runtime("cpu"))
     # What the read-ahead (data.num_workers > 0) would decode: the same items.
     ahead = sum(len(trainer._prefetched(s)) for s in range(STEPS)) if trainer.decoding else 0
     results = [trainer.train_step(s) for s in range(STEPS)]
-    return {"decodes": len(calls), "ahead": ahead, "losses": [r.loss for r in results]}
+    return {"decodes": len(calls), "ahead": ahead, "encoded": encoded, "losses": [r.loss for r in results]}
 
 
 def test_each_image_is_decoded_once_by_the_encoder_rank_that_encodes_it(data_dir):
@@ -86,6 +90,8 @@ def test_each_image_is_decoded_once_by_the_encoder_rank_that_encodes_it(data_dir
     assert sum(decodes) == RECORDS, decodes  # each of the 40 images exactly once (was 120)
     assert abs(decodes[1] - decodes[2]) <= 2 * STEPS, decodes  # encoder DP ranks: about half each
     assert [r["ahead"] for r in out] == decodes  # the read-ahead lists exactly the items each rank decodes
+    for r in out:  # every rank plans every step, tokenising and header-checking each record once
+        assert sorted(r["encoded"]) == list(range(RECORDS)), r["encoded"]
 
 
 def _torchrun(cfg_path, *extra):

@@ -3,10 +3,13 @@
     python tools/bench_step_data.py [--global-batch 256] [--steps 3] [--json]
 
 Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (non-colocated),
-`kind: llava` records with one image each, no packing. Each rank builds the trainer and times
-`Trainer.step_data(step)` (plan the step, decode, collate, move to the device) over `--steps` steps,
-and counts Pillow's pixel decodes. Prints one JSON line per rank: role, mean ms per step, decodes per
-step. Runs against whichever `mimo` is first on PYTHONPATH (so an older checkout can be timed too).
+`kind: llava` records with one image each, no packing. Each rank trains `--steps` steps as
+`examples/pretrain_mimo.py` does (trainer + `StepReporter`) and measures its host work per step:
+`data_ms`, the time in `Trainer.step_data` (plan the step from the records, decode, collate, move to
+the device; wherever it runs: the trainer may load the next step on a background thread), and
+`metrics_ms`, the time in `StepReporter.after_step` (the step record: FLOPs, MFU, sinks), and counts
+Pillow's pixel decodes. Prints one JSON line per rank (means over the steps after the first). Runs
+against whichever `mimo` is first on PYTHONPATH, so an older checkout can be timed the same way.
 """
 
 from __future__ import annotations
@@ -29,24 +32,43 @@ def _rank(raw, steps):
     from mimo.config import load_config
     from mimo.runtime import select_runtime
     from mimo.training import Trainer
+    from mimo.training.metrics import StepReporter
 
     calls = []
     getdecoder = Image._getdecoder
     Image._getdecoder = lambda *a, **k: calls.append(1) or getdecoder(*a, **k)
-    trainer = Trainer(load_config(raw), select_runtime("cpu"))
-    times = []
-    for s in range(steps):
+    cfg = load_config(raw)
+    trainer = Trainer(cfg, select_runtime("cpu"))
+    data_s = {}
+    load = trainer.step_data
+
+    def timed(step):
         start = time.perf_counter()
-        trainer.step_data(s)
-        times.append(time.perf_counter() - start)
-    warm = times[1:] or times  # the first step also builds the tokenizer's caches
-    return {"ms_per_step": 1e3 * sum(warm) / len(warm), "decodes_per_step": len(calls) / steps}
+        out = load(step)
+        data_s[step] = time.perf_counter() - start
+        return out
+
+    trainer.step_data = timed
+    if hasattr(trainer, "next_step"):  # the loader of the next step (background thread) calls it too
+        trainer.next_step.load = timed
+    with open(os.devnull, "w") as quiet:
+        reporter = StepReporter(cfg, trainer, select_runtime("cpu"), stream=quiet)
+        metrics_s = {}
+        for step in range(steps):
+            res = trainer.train_step(step)
+            start = time.perf_counter()
+            reporter.after_step(step, res)
+            metrics_s[step] = time.perf_counter() - start
+    warm = range(1, steps)  # step 0 also warms the tokenizer's caches
+    return {"data_ms": 1e3 * sum(data_s[s] for s in warm) / len(warm),
+            "metrics_ms": 1e3 * sum(metrics_s[s] for s in warm) / len(warm),
+            "decodes_per_step": len(calls) / steps}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--global-batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--image-size", type=int, default=64)
     args = p.parse_args(argv)
     import make_sample_data
@@ -72,7 +94,8 @@ def main(argv=None) -> int:
         raw["model"]["encoders"]["images"].update(image_size=args.image_size, patch_size=args.image_size // 2)
         raw["data"] = {"kind": "llava", "path": os.path.join(d, "train.json"),
                        "tokenizer": os.path.join(d, "tokenizer"), "seq_length": 48, "packing": False}
-        raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=8, train_iters=args.steps)
+        raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=8, train_iters=args.steps,
+                               log_interval=10 ** 6)
         raw["parallelism"] = {"language": {}, "images": {"dp": 2, "rank_offset": 1}}
         results = run_on_ranks(_rank, 3, raw, args.steps, timeout_s=1800, daemon=False)
     for rank, (role, r) in enumerate(zip(["llm", "encoder", "encoder"], results)):

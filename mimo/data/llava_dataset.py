@@ -122,7 +122,8 @@ class LlavaDataset:
         self._starts: Dict[int, Dict] = {0: self._position()}
         self.num_workers = d.num_workers
         self._wanted, self._pin = None, False
-        self.bad_media = 0  # items that passed their header check but failed to decode (this rank)
+        # per encoder, items that passed their header check but failed to decode (on this rank)
+        self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
         self._named: set = set()  # records already named in a bad-media warning (this rank)
         self._close_prefetch()
         self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
@@ -229,7 +230,7 @@ class LlavaDataset:
         agrees on the step), named once and counted; under `error` the run stops, naming it."""
         if self.on_bad == "error":
             raise MediaError(f"error: data.path: record {record!r}: {reason}")
-        self.bad_media += 1
+        self.bad_media[name] += 1
         if record not in self._named:
             self._named.add(record)
             print(f"warning: data: record {record!r}: {reason}; trained on with zeros in its place",

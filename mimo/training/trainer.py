@@ -111,11 +111,12 @@ class Trainer:
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
         # The encoders whose items this rank decodes: those of which it holds the first stage (later
-        # stages receive activations); a rank counts bad media once per item, at TP rank 0.
+        # stages receive activations). The TP ranks of a stage decode the same items: TP rank 0 (of the
+        # LLM's grid in a homogeneous plan, where every rank decodes its own samples) counts bad ones.
         self.decoding = [n for n in self.held if self.topo.grid(n).coords["pp"] == 0]
-        counting = self.topo.grid(LANGUAGE) if self.homogeneous else (
-            self.topo.grid(self.decoding[0]) if self.decoding else None)
-        self.counts_bad_media = counting is not None and counting.coords["tp"] == 0 and counting.coords["cp"] == 0
+        self.counting = [n for n in self.decoding
+                         if self.topo.grid(LANGUAGE if self.homogeneous else n).coords["tp"] == 0
+                         and self.topo.grid(LANGUAGE if self.homogeneous else n).coords["cp"] == 0]
         self.bad_media = 0  # over the run so far, summed over the ranks (the same on every rank)
         self._windows: Dict[int, object] = {}  # step -> its boundary windows (heterogeneous plans)
         if self.decoding:
@@ -173,9 +174,10 @@ class Trainer:
                                     self.num_microbatches) for n in self.decoding}
 
     def step_data(self, step: int) -> StepData:
-        before = getattr(self.dataset, "bad_media", 0)
+        bad = getattr(self.dataset, "bad_media", {})  # mock data has none
+        before = {n: bad.get(n, 0) for n in self.counting}
         data = self._load_step(step)
-        data.bad_media = getattr(self.dataset, "bad_media", 0) - before if self.counts_bad_media else 0
+        data.bad_media = sum(bad.get(n, 0) - before[n] for n in self.counting)
         return data
 
     def _load_step(self, step: int) -> StepData:
