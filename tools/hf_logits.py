@@ -13,6 +13,7 @@ Starts the ranks the layout needs (CPU, gloo), runs one FP32 forward and writes
 
 import argparse
 import os
+import pickle
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
             inputs = torch.load(args.inputs, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError) as exc:
             print(f"error: {args.inputs}: cannot read ({exc})", file=sys.stderr)
+            return 2
+        except pickle.UnpicklingError:  # the safe loader refused it: it holds more than tensors and plain data
+            print(f"error: {args.inputs}: holds objects an inputs file may not hold (tensors and plain data only)",
+                  file=sys.stderr)
             return 2
         if not isinstance(inputs, dict) or "input_ids" not in inputs:
             print(f"error: {args.inputs}: must hold a dict with input_ids", file=sys.stderr)

@@ -97,7 +97,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if module in _DCP_MODULES:
             obj = getattr(importlib.import_module(module), name, None)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            # Defined there (not a name those modules import, like `enum.Enum` itself), and data only.
+            if (isinstance(obj, type) and obj.__module__.startswith("torch.distributed.checkpoint.")
+                    and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))):
                 return obj
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 

@@ -125,7 +125,7 @@ def item_shape(cfg: MimoConfig, name: str) -> Tuple[int, ...]:
                                                                                             enc.num_mel_bins)
 
 
-def whole_step(cfg: MimoConfig, samples: List, windows: StepWindows, encoded: Dict[str, List[int]],
+def whole_step(cfg: MimoConfig, step: int, samples: List, windows: StepWindows, encoded: Dict[str, List[int]],
                llm_dp_rank: Optional[int], device, dtype) -> StepData:
     """A heterogeneous-plan rank's share of the step. `samples`: the step's (planned) samples;
     `encoded`: per encoder whose first stage this rank holds, the step item ids it encodes
@@ -133,7 +133,7 @@ def whole_step(cfg: MimoConfig, samples: List, windows: StepWindows, encoded: Di
     # Every rank holds the same count (per-sample metadata): the loss needs no collective for it.
     total = loss_tokens(samples, cfg.placeholder_ids)
     if total == 0:
-        raise RuntimeError("the global batch has no token that carries a loss")
+        raise RuntimeError(f"step {step}: the global batch has no token that carries a loss")
     llm_batches = []
     if llm_dp_rank is not None:
         for idx in windows.llm_indices(llm_dp_rank):

@@ -322,7 +322,7 @@ class RankStep:
             g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
             # The same sum carries the step's bad-media count (host ints, each counted on one rank).
-            bad = torch.tensor(float(self.data.bad_media), dtype=torch.float64, device=self.device)
+            bad = torch.full((), float(self.data.bad_media), dtype=torch.float64, device=self.device)  # no copy
             self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad])
             dist.all_reduce(self.loss)
         elif a.name.startswith(GRAD_SYNC):

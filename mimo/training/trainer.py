@@ -191,7 +191,7 @@ class Trainer:
         encoded = self._encoded(step)
         for done in [s for s in self._windows if s <= step]:
             del self._windows[done]
-        return whole_step(self.cfg, samples, windows, encoded, lg.coords["dp"] if lg.is_member else None,
+        return whole_step(self.cfg, step, samples, windows, encoded, lg.coords["dp"] if lg.is_member else None,
                           self.runtime.device, self.dtype)
 
     def forward_backward(self, step: int) -> float:
