@@ -127,13 +127,12 @@ def main(argv=None) -> int:
     except MediaError as exc:  # found by the rank that decoded the item: it reports; torchrun stops the others
         print(str(exc), file=sys.stderr, flush=True)
         os._exit(2)
-    except DataError as exc:  # found identically on every rank (e.g. a bad record with on_bad_record: error)
-        if rank == 0:
-            print(str(exc), file=sys.stderr, flush=True)
-        else:
-            import time
+    except DataError as exc:  # e.g. a bad record with on_bad_record: error; every rank meets it when it plans
+        if rank != 0:  # the step, but a rank that reads ahead meets it first, while rank 0 may be waiting in
+            import time  # a collective: rank 0 reports it; if it does not within 10 s, this rank does.
 
-            time.sleep(10)  # let rank 0 report it before torchrun stops the job
+            time.sleep(10)
+        print(str(exc), file=sys.stderr, flush=True)
         os._exit(2)
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks
         print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
