@@ -19,7 +19,7 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mimo.checkpoint import CheckpointError  # noqa: E402
-from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.config import ConfigError  # noqa: E402
 from mimo.hf import HFWeightsError, check_hf_weights  # noqa: E402
 from mimo.runtime import DEVICE_CHOICES  # noqa: E402
 
@@ -50,7 +50,12 @@ def main(argv=None) -> int:
 
     # Everything about the config is checked before any process group exists.
     try:
-        cfg = load_config(args.config, args.set, world_size=world)
+        # training.replan: auto takes the planner's layout for `world` ranks when the config's differs.
+        from mimo.checkpoint.replan import load_for_world
+        from mimo.runtime.device import preferred_device_name
+
+        cfg = load_for_world(args.config, args.set, world, preferred_device_name(args.device), rank,
+                             int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if args.log_json:
             cfg.training.log_json = args.log_json
         from mimo.training import layout_problems

@@ -20,6 +20,8 @@ INIT_MODES = ("sharded", "reference", "local")
 CP_POLICIES = ("lpt", "lpt_free", "zigzag", "contiguous", "random")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 DATA_KINDS = ("mock", "llava", "energon")
+# training.replan: what a job does on a world size its layout does not fill (docs/checkpoints.md).
+REPLAN_MODES = ("off", "auto")
 # data.balance: which samples each DP rank and microbatch runs (mimo.balance).
 BALANCE_POLICIES = ("none", "mmscale", "entrain")
 BAD_RECORD_MODES = ("skip", "error")
@@ -223,6 +225,11 @@ class TrainingConfig:
     load_optimizer: bool = True               # false: weights only; step and optimizer restart
     keep_last: Optional[int] = None           # keep only the K newest complete checkpoints
     async_save: bool = False                  # write shards in the background (megatron-core async; GPU or CPU ranks)
+    # Elastic re-plan: auto resumes training.load on the planner's best layout for the ranks the job
+    # has when they differ from the layout's; templates for smaller world sizes, down to
+    # replan_min_ranks (default: half the layout's ranks), are planned ahead into save/templates.json.
+    replan: str = "off"
+    replan_min_ranks: Optional[int] = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .schema import (
     AUDIO_FRONTENDS,
     NORMALIZATIONS,
     RECOMPUTE_KINDS,
+    REPLAN_MODES,
     EncoderConfig,
     LanguageConfig,
     MimoConfig,
@@ -104,6 +105,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     if tr.timeline is not None and isinstance(tr.timeline_step, int) and tr.timeline_step > tr.train_iters:
         add("training.timeline_step", f"step {tr.timeline_step} is after the last step (train_iters = {tr.train_iters})")
     _check_checkpoints(tr, add)
+    _check_replan(cfg, add)
     for key in ("log_json", "tensorboard_dir", "wandb_project", "timeline", "save", "load"):
         if getattr(tr, key) == "":
             add(f"training.{key}", "must not be empty (leave the field out to disable it)")
@@ -219,6 +221,20 @@ def _check_checkpoints(tr, add) -> None:
                 add(f"training.{key}", "needs training.save (the directory to write checkpoints to)")
         if tr.async_save:
             add("training.async_save", "needs training.save (the directory to write checkpoints to)")
+
+
+def _check_replan(cfg: MimoConfig, add) -> None:
+    """`replan: auto` writes its templates and re-planned layouts next to the checkpoints."""
+    tr = cfg.training
+    _check_choice(tr.replan, REPLAN_MODES, "training.replan", add)
+    if tr.replan == "auto" and tr.save is None:
+        add("training.replan", "auto needs training.save (templates.json and layout_<N>.yaml are written there)")
+    if tr.replan_min_ranks is not None:
+        if tr.replan != "auto":
+            add("training.replan_min_ranks", "only takes effect with training.replan: auto")
+        elif cfg.parallelism and all(isinstance(p.size, int) and p.size > 0 for p in cfg.parallelism.values()) \
+                and tr.replan_min_ranks > cfg.world_size:
+            add("training.replan_min_ranks", f"must be <= the ranks the layout uses ({cfg.world_size})")
 
 
 def _positive_ints(cfg: MimoConfig, add) -> None:

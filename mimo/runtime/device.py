@@ -42,6 +42,15 @@ def select_runtime(preference: str = "auto") -> Runtime:
     return Runtime(torch.device("cuda", local_rank), "nccl")
 
 
+def preferred_device_name(preference: str = "auto") -> str:
+    """What `select_runtime(preference)` will compute on, by name, without selecting it: "cpu" or
+    this process's CUDA device name (the elastic re-plan picks the planner's hardware profile by it)."""
+    if not (preference == "cuda" or (preference == "auto" and cuda_available())) or not cuda_available():
+        return "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.cuda.get_device_name(min(local_rank, torch.cuda.device_count() - 1))
+
+
 def synchronize(runtime: Runtime) -> None:
     """Wait for queued device work, so step timings measure the work itself."""
     if runtime.is_cuda:

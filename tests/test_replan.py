@@ -1,0 +1,205 @@
+"""Elastic re-plan (`training.replan: auto`, mimo/checkpoint/replan.py).
+
+In-process (no ranks): which world sizes get templates, that a stored template is read (an
+oracle: a valid layout the search would not choose is the one taken) and that a template for the
+wrong world size is refused and re-planned (the negative control), and the one-line errors.
+End to end (torchrun, CPU ranks): 6 ranks -> 4 ranks from the step-4 checkpoint, losses of steps
+5-8 against the uninterrupted 6-rank run; the same restart without replan is today's error.
+"""
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import yaml
+
+from mimo.checkpoint.replan import TEMPLATES, load_for_world, read_templates, template_sizes, write_templates
+from mimo.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
+# The LLM TP2 x PP2 on ranks 0-3, the (frozen) vision encoder DP2 on ranks 4-5.
+CONFIG = os.path.join(ROOT, "examples", "configs", "cpu_noncolocated.yaml")
+
+
+def _auto(d):
+    return ["training.replan=auto", f"training.save={d}", f"training.load={d}"]
+
+
+def _fake_checkpoint(d):
+    """Enough of a checkpoint for the re-plan's check (which runs before the real load's)."""
+    os.makedirs(os.path.join(d, "iter_0000002"), exist_ok=True)
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("2\n")
+
+
+def _quiet(fn, *args):
+    out = io.StringIO()
+    with redirect_stdout(out):
+        result = fn(*args)
+    return result, out.getvalue()
+
+
+def test_template_sizes_step_by_node_or_by_rank():
+    assert template_sizes(32, 16, 8) == [24, 16]         # 4 nodes of 8: each lost node
+    assert template_sizes(6, None, 6) == [5, 4, 3]       # one node: each lost rank, down to half
+    assert template_sizes(6, 4, 6) == [5, 4]
+    assert template_sizes(6, 6, 6) == []
+
+
+def test_first_start_stores_templates_and_a_restart_reads_them(tmp_path):
+    d = str(tmp_path / "ck")
+    _, out = _quiet(load_for_world, CONFIG, _auto(d), 6, "cpu", 0, 6)
+    assert f"templates for 5, 4, 3 ranks of cpu stored in {d}/{TEMPLATES}" in out
+    stored = read_templates(d)
+    assert sorted(stored["cpu"]) == ["3", "4", "5"]
+    # A valid 4-rank layout the search does not choose (LLM TP2 x DP2, images DP4, colocated):
+    # a restart that takes it read the template rather than searching.
+    odd = {"language": {"tp": 2, "dp": 2}, "images": {"dp": 4}}
+    stored["cpu"]["4"]["parallelism"] = odd
+    write_templates(d, stored)
+    _fake_checkpoint(d)
+    cfg, out = _quiet(load_for_world, CONFIG, _auto(d), 4, "cpu", 0, 6)
+    assert out.startswith("replanned for 4 ranks: images tp1 pp1 dp4 [0-3], language tp2 cp1 pp1 dp2 [0-3]")
+    assert "layout from the template" in out
+    assert (cfg.parallelism["language"].tp, cfg.parallelism["language"].dp) == (2, 2)
+    written = yaml.safe_load(open(os.path.join(d, "layout_4.yaml")))
+    assert written["parallelism"] == odd and written["model"] == yaml.safe_load(open(CONFIG))["model"]
+
+
+def test_a_template_for_the_wrong_world_size_is_refused_and_replanned(tmp_path):
+    d = str(tmp_path / "ck")
+    _quiet(load_for_world, CONFIG, _auto(d), 6, "cpu", 0, 6)
+    stored = read_templates(d)
+    good = copy.deepcopy(stored["cpu"]["4"])
+    # Negative control: the 6-rank layout filed under 4 ranks.
+    stored["cpu"]["4"]["parallelism"] = yaml.safe_load(open(CONFIG))["parallelism"]
+    write_templates(d, stored)
+    _fake_checkpoint(d)
+    cfg, out = _quiet(load_for_world, CONFIG, _auto(d), 4, "cpu", 0, 6)
+    assert "layout from a fresh search (the template for 4 ranks is refused (parallelism.images: needs ranks " \
+           "[4, 6) but the world size is 4))" in out
+    assert cfg.world_size == 4
+    assert {n: p["dp"] for n, p in good["parallelism"].items()} == {n: p.dp for n, p in cfg.parallelism.items()}
+    # Another GPU kind has no template: planned afresh for it.
+    stored["cpu"]["4"] = good
+    write_templates(d, stored)
+    _, out = _quiet(load_for_world, CONFIG, _auto(d), 4, "NVIDIA H100 80GB HBM3", 0, 6)
+    assert "layout from a fresh search (no template for 4 ranks of h100)" in out
+
+
+def test_growth_replans_for_more_ranks(tmp_path):
+    d = str(tmp_path / "ck")
+    _fake_checkpoint(d)
+    cfg, out = _quiet(load_for_world, CONFIG, _auto(d), 8, "cpu", 0, 8)
+    assert out.startswith("replanned for 8 ranks:") and cfg.world_size == 8
+    assert os.path.exists(os.path.join(d, "layout_8.yaml"))
+
+
+def test_replan_off_keeps_the_world_size_error(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_for_world(CONFIG, [], 4, "cpu", 0, 4)
+    assert str(exc.value) == "error: parallelism.images: needs ranks [4, 6) but the world size is 4"
+
+
+def _main(argv, world, monkeypatch):
+    """pretrain_mimo.main on rank 0 of `world` ranks: every error here comes before any process group."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import pretrain_mimo
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc = pretrain_mimo.main(argv)
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("case", ["unset", "empty"])
+def test_replan_without_a_checkpoint_is_one_error(tmp_path, monkeypatch, case):
+    d = str(tmp_path / "ck")
+    sets = ["training.replan=auto", f"training.save={d}"] + ([f"training.load={d}"] if case == "empty" else [])
+    rc, err = _main(["--config", CONFIG, "--device", "cpu"] + [a for s in sets for a in ("--set", s)], 4,
+                    monkeypatch)
+    why = "training.load is unset" if case == "unset" else f"{d} holds no checkpoint yet; start on 6 ranks"
+    assert rc == 2 and err == f"error: training.replan: auto on 4 ranks (the layout uses 6) resumes training.load, " \
+                              f"but {why}\n"
+
+
+def test_fewer_ranks_than_any_layout_fits_is_one_error(tmp_path, monkeypatch):
+    raw = yaml.safe_load(open(CONFIG))
+    # An LLM whose weights and Adam state alone (~180 GB) exceed a CPU rank's 64 GiB.
+    raw["model"]["language"].update(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=32,
+                                    vocab_size=32000)
+    config = str(tmp_path / "big.yaml")
+    yaml.safe_dump(raw, open(config, "w"))
+    d = str(tmp_path / "ck")
+    _fake_checkpoint(d)
+    rc, err = _main(["--config", config, "--device", "cpu"] + [a for s in _auto(d) for a in ("--set", s)], 1,
+                    monkeypatch)
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: training.replan: no layout for 1 ranks of cpu: no layout fits on 1 x cpu"), err
+
+
+# ---- end to end on CPU ranks -------------------------------------------------------------------
+
+def _torchrun(n, sets, log, out, tmp_path):
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), SCRIPT,
+            "--config", CONFIG, "--device", "cpu", "--log-json", log] + [a for s in sets for a in ("--set", s)]
+    with open(out, "w") as f:  # a file, not a pipe: checkpoint writer helpers may outlive the workers
+        rc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, cwd=str(tmp_path), timeout=600,
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}).returncode
+    return rc, open(out).read()
+
+
+def _losses(log):
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, open(log))}
+
+
+def test_six_ranks_to_four_resumes_with_the_same_losses(tmp_path):
+    d = str(tmp_path / "ck")
+    common = ["training.train_iters=8", "training.global_batch_size=8", "training.replan=auto"]
+    # Uninterrupted 6-rank run, saving every 2 steps (its step-4 checkpoint is what a run stopped
+    # after step 4 leaves; the LR is constant, so the step count after it does not matter).
+    rc, out = _torchrun(6, common + [f"training.save={d}", "training.save_interval=2"],
+                        str(tmp_path / "six.jsonl"), str(tmp_path / "six.out"), tmp_path)
+    assert rc == 0, out[-3000:]
+    assert "replan: templates for 5, 4, 3 ranks of cpu stored in" in out
+    six = _losses(str(tmp_path / "six.jsonl"))
+
+    # Without replan, 4 ranks is today's config error (one line, exit 2, before any collective).
+    r = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, "--device", "cpu",
+                        "--set", f"training.load={d}/iter_0000004"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "4",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, cwd=str(tmp_path))
+    assert (r.returncode, r.stderr) == (2, "error: parallelism.images: needs ranks [4, 6) but the world size is 4\n")
+
+    # Restart on 4 ranks from the step-4 checkpoint, saving to the same directory (its templates).
+    rc, out = _torchrun(4, common + [f"training.save={d}", f"training.load={d}/iter_0000004"],
+                        str(tmp_path / "four.jsonl"), str(tmp_path / "four.out"), tmp_path)
+    assert rc == 0, out[-3000:]
+    line = next(s for s in out.splitlines() if s.startswith("replanned for 4 ranks:"))
+    assert "layout from the template in" in line and "resumed from" in out
+    four = _losses(str(tmp_path / "four.jsonl"))
+    assert sorted(four) == sorted(six)[4:] and len(four) == 4  # steps 5-8
+    for s in four:
+        assert abs(four[s] - six[s]) <= 1e-3 * abs(six[s]), (s, four[s], six[s])
+    check = subprocess.run([sys.executable, "-m", "mimo.config", "check", os.path.join(d, "layout_4.yaml"),
+                            "--world-size", "4"], capture_output=True, text=True, cwd=ROOT)
+    assert (check.returncode, check.stdout) == (0, "ok\n"), check.stderr
+
+
+def test_an_unwritable_save_directory_is_one_error_line(tmp_path):
+    from mimo.checkpoint.replan import write_templates
+    from mimo.config import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"training.replan: cannot write .*templates.json"):
+        write_templates(str(blocker / "ckpt"), {})
