@@ -7,7 +7,8 @@ Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (n
 `examples/pretrain_mimo.py` does (trainer + `StepReporter`) and measures its host work per step:
 `data_ms`, the time in `Trainer.step_data` (plan the step from the records, decode, collate, move to
 the device; wherever it runs: the trainer may load the next step on a background thread), and
-`metrics_ms`, the time in `StepReporter.after_step` (the step record: FLOPs, MFU, sinks), and counts
+`data_cpu_ms`, the CPU time of the thread that ran it (where the load overlaps the step, its wall
+time also counts waiting for the cores the step uses), `metrics_ms`, the time in `StepReporter.after_step` (the step record: FLOPs, MFU, sinks), and counts
 Pillow's pixel decodes. Prints one JSON line per rank (means over the steps after the first). Runs
 against whichever `mimo` is first on PYTHONPATH, so an older checkout can be timed the same way.
 """
@@ -43,9 +44,9 @@ def _rank(raw, steps):
     load = trainer.step_data
 
     def timed(step):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = load(step)
-        data_s[step] = time.perf_counter() - start
+        data_s[step] = (time.perf_counter() - start, time.thread_time() - cpu)
         return out
 
     trainer.step_data = timed
@@ -60,7 +61,8 @@ def _rank(raw, steps):
             reporter.after_step(step, res)
             metrics_s[step] = time.perf_counter() - start
     warm = range(1, steps)  # step 0 also warms the tokenizer's caches
-    return {"data_ms": 1e3 * sum(data_s[s] for s in warm) / len(warm),
+    return {"data_ms": 1e3 * sum(data_s[s][0] for s in warm) / len(warm),
+            "data_cpu_ms": 1e3 * sum(data_s[s][1] for s in warm) / len(warm),
             "metrics_ms": 1e3 * sum(metrics_s[s] for s in warm) / len(warm),
             "decodes_per_step": len(calls) / steps}
 
