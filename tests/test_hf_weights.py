@@ -240,6 +240,27 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
     assert os.path.isfile(os.path.join(out, "config.json"))
 
 
+def test_siglip_qwen2_tied_noncolocated_llm_pp2_logits_and_exact_export(siglip_qwen2, tmp_path):
+    """Tied embeddings with the LLM over two pipeline stages (tower on a third rank): the last stage's
+    output weight is read from embed_tokens, the logits match transformers, and the export writes the
+    tied weight once (embed_tokens, no lm_head), exactly the source tensors."""
+    from mimo.training.hf_logits import logits_config, merge_logits
+
+    inputs = llava_inputs()
+    out = str(tmp_path / "exported")
+    raw = logits_config(llava_config(siglip_qwen2, language={"pp": 2}, images={"rank_offset": 2}), 2, 40)
+    got = merge_logits(run_on_ranks(_logits_then_export, 3, raw, inputs, out), 2)
+    ref = hf_reference(siglip_qwen2, inputs)
+    assert rel_diff(got, ref) < TOL
+
+    src, exported = _tensors(siglip_qwen2), _tensors(out)
+    assert not [k for k in src if k.endswith("lm_head.weight")]
+    assert set(src) == set(exported)
+    for k in src:
+        assert exported[k].dtype == src[k].dtype and torch.equal(exported[k], src[k]), k
+    assert torch.equal(hf_reference(out, inputs), ref)
+
+
 @pytest.mark.slow
 def test_export_cli_round_trip_is_exact(siglip_qwen2, tmp_path):
     """`python -m mimo.hf export` on a non-colocated layout (LLM TP2, tower on its own rank) writes

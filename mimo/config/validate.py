@@ -67,8 +67,6 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         if set(lang.rope_scaling) != keys:
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
-    if lang.tie_embeddings and cfg.parallelism.get(LANGUAGE, ParallelConfig()).pp > 1:
-        add("model.language.tie_embeddings", "tied input/output embeddings need parallelism.language.pp = 1")
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
 

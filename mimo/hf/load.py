@@ -7,7 +7,7 @@ from typing import Dict
 import torch
 
 from mimo.config import MimoConfig
-from mimo.model.reference_init import global_name
+from mimo.model.reference_init import source_name
 
 from .mapping import Entry, HFModule, hf_modules
 from .source import HFWeightsError, Source
@@ -73,7 +73,7 @@ def load_hf_part(part: torch.nn.Module, mod: HFModule, src: Source, layer_offset
     by_name = {e.mimo: e for e in mod.entries}
     with torch.no_grad():
         for name, p in part.named_parameters():
-            gname = global_name(name, layer_offset)
+            gname = source_name(name, p, layer_offset)  # a tied copy reads the embedding's tensor
             entry = by_name.get(gname)
             if entry is None:
                 if mod.complete:

@@ -22,6 +22,17 @@ def global_name(local_name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", local_name, count=1)
 
 
+TIED_OUTPUT, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
+
+
+def source_name(local_name: str, param: torch.nn.Parameter, layer_offset: int) -> str:
+    """The global name whose value initialises `param`: its own, except for a later pipeline stage's
+    copy of a tied embedding (`mimo.model.stages.mark_tied_embedding`), which starts as the embedding."""
+    if getattr(param, "tied_copy", False):
+        return EMBEDDING
+    return global_name(local_name, layer_offset)
+
+
 def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's contiguous chunk along megatron's partition dim (or the whole tensor)."""
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
@@ -39,7 +50,7 @@ def load_shard(module: torch.nn.Module, full_state: Dict[str, torch.Tensor], lay
                tp_size: int) -> None:
     """Copy each parameter's slice of the full state into `module` (same names up to the layer offset)."""
     for name, p in module.named_parameters():
-        key = global_name(name, layer_offset)
+        key = source_name(name, p, layer_offset)
         if key not in full_state:
             raise KeyError(f"reference state has no {key!r} (for stage parameter {name!r})")
         copy_shard(name, p, full_state[key], tp_rank, tp_size)

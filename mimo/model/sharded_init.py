@@ -26,7 +26,7 @@ import torch
 
 from mimo.config import LANGUAGE, MimoConfig
 
-from .reference_init import copy_shard, full_shape, global_name
+from .reference_init import copy_shard, full_shape, source_name
 from .transformer_config import INIT_METHOD_STD
 
 # (pattern on the parameter's global name, kind); the first match wins. Names are
@@ -92,7 +92,7 @@ def init_sharded(part: torch.nn.Module, cfg: MimoConfig, module: str, layer_offs
     """Initialise every parameter of this rank's part of `module` (whose first layer is global
     layer `layer_offset`) as the TP rank `tp_rank` of `tp_size` slice of its full value."""
     for name, p in part.named_parameters():
-        gname = global_name(name, layer_offset)
+        gname = source_name(name, p, layer_offset)  # a tied copy draws the embedding's value
         kind = init_kind(gname)
         fan_in = 0
         if kind == "torch_default":

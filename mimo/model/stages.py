@@ -65,5 +65,24 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
                      pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,
                      pg_collection=single_stage_groups(pgs, self_group), **gpt_model_kwargs(lang))
     finish_llm(model, lang)
+    if lang.tie_embeddings:
+        mark_tied_embedding(model, stage, par.pp)
     set_frozen(model, lang.frozen)
     return tensor_masks_when_recomputing(model)
+
+
+def mark_tied_embedding(model: GPTModel, stage: int, pp: int) -> None:
+    """Tag a pipelined LLM's tied embedding weights as megatron-core's own pipeline does (its
+    `setup_embeddings_and_output_layer`, which sees one stage here): the first stage's word embedding
+    and the last stage's output weight (a copy of it: `tied_copy`) are `shared_embedding` (with the
+    distributed optimizer each gets a bucket of its own, so both stages shard it alike before the
+    embedding group sums their gradients), and the copy is `shared` (the gradient norm skips it).
+    Both start from the same values (`mimo.model.reference_init.source_name`) and step on the same
+    summed gradient (`ModelOptimizer.finish_grads`), so they stay equal."""
+    if pp == 1:
+        return
+    if stage == 0:
+        model.embedding.word_embeddings.weight.shared_embedding = True
+    if stage == pp - 1:
+        w = model.output_layer.weight
+        w.shared = w.shared_embedding = w.tied_copy = True

@@ -95,8 +95,6 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
             what = (f"the sequence ({seq_length}) divisible by tp * cp" if m.is_language
                     else f"tokens per item ({m.tokens_per_item + m.class_token}, class token included) divisible by tp")
             errs.append(f"{path}.sp: needs {what}")
-        if m.is_language and m.tie_embeddings and p.pp > 1:
-            errs.append(f"{path}.pp: tied embeddings (model.language.tie_embeddings) need pp 1")
     if errs or homogeneous:
         lp = pars.get("language")
         if lp is not None and not errs and global_batch % (micro_batch * lp.dp):
@@ -161,8 +159,7 @@ class LayoutSearch:
             for cp in divisors_up_to(n // tp, self.max_cp):
                 if cp > 1 and seq % (2 * cp):
                     continue
-                # The trainer ties the output layer to the embedding only in one stage.
-                for pp in divisors_up_to(n // (tp * cp), 1 if lang.tie_embeddings else lang.num_layers):
+                for pp in divisors_up_to(n // (tp * cp), lang.num_layers):
                     dp = n // (tp * cp * pp)
                     if self.g % (self.m * dp) == 0:
                         out.append((tp, cp, pp, dp))

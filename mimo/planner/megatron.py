@@ -407,7 +407,7 @@ class StepModel:
             if held not in self._stage_memory:
                 self._stage_memory[held] = self._held(layers, pp, behind, mb, shard)
             sizes = partition(layers.items, pp, self._stage_memory[held], limit)
-            self._chains[fitted] = balanced if sizes is None else layers.cut(sizes)
+            self._chains[fitted] = balanced if sizes is None else self._cut(mods, layers, sizes)
         return self._chains[fitted]
 
     def _module_lists(self, mod: ModuleSpec, par: Par, samples: float, upstream: bool):
@@ -444,8 +444,8 @@ class StepModel:
                 lst.extend(vals)
         last, last_par = mods[-1][0], mods[-1][1]
         if last.is_language and last.tie_embeddings:
-            # The output layer reuses the embedding's weight (the trainer
-            # ties them only with one pipeline stage; the rules refuse more).
+            # The output layer reuses the embedding's weight in one stage;
+            # `_chain` gives a pipelined last stage its copy back.
             shared = last.vocab_size * last.hidden_size / last_par.tp
             w_all[-1] -= shared
             if not last.frozen:
@@ -457,7 +457,19 @@ class StepModel:
     def _chain(self, mods, pp: int) -> Chain:
         layers = self._concat(mods)
         stage_layers = mods[-1][1].stage_layers
-        return layers.cut(list(stage_layers) if stage_layers else partition(layers.items, pp))
+        return self._cut(mods, layers, list(stage_layers) if stage_layers else partition(layers.items, pp))
+
+    @staticmethod
+    def _cut(mods, layers: Layers, sizes) -> Chain:
+        chain = layers.cut(sizes)
+        last, last_par = mods[-1][0], mods[-1][1]
+        if last.is_language and last.tie_embeddings and len(chain.weights) > 1:
+            # Tied embeddings over several stages: the last stage holds (and steps) a copy.
+            shared = last.vocab_size * last.hidden_size / last_par.tp
+            chain.weights[-1] += shared
+            if not last.frozen:
+                chain.trainable[-1] += shared
+        return chain
 
     def _held(self, layers: Layers, pp: int, behind: int, mb: int, shard: int) -> StageMemory:
         """What each partition item holds, for a split that must fit."""

@@ -120,8 +120,7 @@ class Planner:
                 if cp > self.s.max_cp or not cp_ok(module, cp, seq):
                     continue
                 for pp in divisors(n // (tp * cp)):
-                    # Tied embeddings: the trainer keeps the LLM in one stage.
-                    if pp > (1 if module.tie_embeddings else module.num_layers):
+                    if pp > module.num_layers:
                         continue
                     out.append(Layout(tp, cp, pp, n // (tp * cp * pp)))
         return out

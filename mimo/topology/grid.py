@@ -9,7 +9,7 @@ others. Groups are created with megatron-core's HyperCommGrid.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
@@ -61,9 +61,12 @@ class ModuleGrid:
         pgs = ProcessGroupCollection()
         for key, group in self.groups.items():
             setattr(pgs, key, group)
-        # Embedding groups tie input and output embeddings across the first and
-        # last pipeline stages; mimo does not tie them, so they span just this rank's stage.
-        pgs.embd = self.groups["pp"] if self.layout.pp == 1 else None
+        # megatron-core's embedding group: the first and last pipeline stage ranks of one TP/CP/DP
+        # coordinate, over which finalize_model_grads sums the gradients of a tied embedding and its
+        # last-stage copy. Built only for an LLM with tied embeddings and pp > 1 (`build_module_grid`);
+        # otherwise, and on middle stages, nothing is tied across stages. mimo has no learned
+        # position embeddings (RoPE), so the position-embedding group spans this stage alone.
+        pgs.embd = self.groups.get("embd", self.groups["pp"] if self.layout.pp == 1 else None)
         pgs.pos_embd = self.groups["pp"] if self.layout.pp == 1 else None
         # No mixture-of-experts: expert groups degenerate to the dense ones.
         pgs.expt_tp = self.groups["tp"]
@@ -73,8 +76,18 @@ class ModuleGrid:
         return pgs
 
 
-def build_module_grid(name: str, layout: Layout, backend: Optional[str] = None) -> ModuleGrid:
-    """Collective: every rank must call this for every module, in the same order."""
+def embedding_groups(layout: Layout) -> List[List[int]]:
+    """megatron-core's embedding groups of a pipelined module: for each TP/CP/EP/DP coordinate, the
+    [first stage, last stage] ranks of its pipeline group."""
+    if layout.pp == 1:
+        raise ValueError("a module in one pipeline stage has no embedding group across stages")
+    return [[g[0], g[-1]] for g in layout.groups(["pp"])]
+
+
+def build_module_grid(name: str, layout: Layout, backend: Optional[str] = None,
+                      tied_embeddings: bool = False) -> ModuleGrid:
+    """Collective: every rank must call this for every module, in the same order (and with the same
+    `tied_embeddings`: with pp > 1 it adds the embedding groups, `embedding_groups`)."""
     hyper = HyperCommGrid(layout.shape, list(DIMS), rank_offset=layout.rank_offset, backend=backend)
     grid = ModuleGrid(name=name, layout=layout, rank=dist.get_rank(), hyper_grid=hyper)
     for key, dims in GROUP_DIMS.items():
@@ -85,4 +98,8 @@ def build_module_grid(name: str, layout: Layout, backend: Optional[str] = None) 
         pg = hyper.create_pg(dims)
         if pg is not None and grid.is_member:
             grid.groups[key] = pg
+    if tied_embeddings and layout.pp > 1:
+        pg, _ = dist.new_subgroups_by_enumeration(embedding_groups(layout), backend=backend)
+        if pg is not None and grid.is_member:  # None on middle stages and outside the module
+            grid.groups["embd"] = pg
     return grid

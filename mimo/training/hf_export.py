@@ -71,6 +71,10 @@ def export_hf(trainer, out_dir: str) -> None:
                 part, tp = trainer.parts[name], grid.groups["tp"]
                 tensors = {}
                 for pname, p in part.named_parameters():
+                    if getattr(p, "tied_copy", False):
+                        # A last pipeline stage's copy of the tied embedding (equal to it): transformers
+                        # ties lm_head to embed_tokens, which the first stage writes.
+                        continue
                     full = unshard(p, p, tp).cpu()
                     if c["tp"] == 0:
                         entry = by_name[global_name(pname, trainer.layer_offsets[name])]

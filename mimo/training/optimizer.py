@@ -261,7 +261,9 @@ class ModelOptimizer:
 
     def finish_grads(self, name: str) -> None:
         """Module `name`'s gradient reductions (megatron-core's finalize_model_grads: the DP (x CP) sum,
-        then the TP sum of sequence-parallel replicated weights) and its share of the squared norm.
+        then the TP sum of sequence-parallel replicated weights, then for a pipelined LLM with tied
+        embeddings the sum of the embedding's and its last-stage copy's gradients over the module's
+        embedding group, `pg_collection.embd`) and its share of the squared norm.
         Runs once per step: the first of the module's grad-sync actions performs them all."""
         if name in self._finished or name not in self.ddp:
             return

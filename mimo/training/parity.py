@@ -59,9 +59,7 @@ def step_grads(trainer) -> Dict[str, torch.Tensor]:
     """`module.param` -> the full gradient the step just taken reduced over DP (x CP) and stepped with,
     on every rank holding the parameter. Collective over each module's DP x CP and TP groups, modules
     in the same (config) order on every rank."""
-    from mimo.model.reference_init import global_name
-
-    from .state import unshard
+    from .state import state_key, unshard
 
     optim, out = trainer.optim, {}
     for module, part in trainer.parts.items():
@@ -72,8 +70,8 @@ def step_grads(trainer) -> Dict[str, torch.Tensor]:
             # megatron-core's DDP accumulates (and reduces) gradients in `main_grad`.
             g = reduced.get(id(p), getattr(p, "main_grad", p.grad))
             if g is not None:
-                key = global_name(name, trainer.layer_offsets.get(module, 0))
-                out[f"{module}.{key}"] = unshard(g, p, tp_group).cpu()
+                key = state_key(module, name, p, trainer.layer_offsets.get(module, 0))
+                out[key] = unshard(g, p, tp_group).cpu()
     return out
 
 
@@ -131,11 +129,29 @@ def placement_of(cfg: MimoConfig) -> str:
     return "mixed" if len(kinds) > 1 else kinds.pop() if kinds else "colocated"
 
 
+def _tied_copies(state: Dict[str, torch.Tensor]):
+    """(`state` without tied-embedding copies, [(copy, the key of the tensor it copies)])."""
+    from .state import TIED_COPY
+
+    main = {k: v for k, v in state.items() if not k.endswith(TIED_COPY)}
+    return main, [(v, k[:-len(TIED_COPY)]) for k, v in state.items() if k.endswith(TIED_COPY)]
+
+
 def max_rel_diff(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> float:
-    """Largest over tensors of max|got - ref| / max|ref| (a missing or extra tensor is infinite)."""
+    """Largest over tensors of max|got - ref| / max|ref| (a missing or extra tensor is infinite).
+
+    A tied embedding's last-stage copy (`mimo.training.state.state_key`), in either run, is one
+    weight with the embedding: `got`'s copy is compared with `ref`'s embedding too, so a layout
+    whose two copies drifted apart differs from a one-stage baseline."""
+    got, copies = _tied_copies(got)
+    ref, _ = _tied_copies(ref)
     if set(got) != set(ref):
         return float("inf")
     worst = 0.0
+    for c, k in copies:
+        if k not in ref or c.shape != ref[k].shape:
+            return float("inf")
+        worst = max(worst, max_rel_diff({k: c}, {k: ref[k]}))
     for k, r in ref.items():
         g = got[k]
         if g.shape != r.shape:

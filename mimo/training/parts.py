@@ -11,6 +11,7 @@ import zlib
 from typing import Dict, Tuple
 
 import torch
+import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from mimo.config import LANGUAGE, MimoConfig
@@ -70,9 +71,29 @@ def _init(cfg: MimoConfig, topo: Topology, name: str, build, pgs: ProcessGroupCo
             torch.manual_seed(seed)
             full = _reference_module(cfg, topo, name)
             load_shard(part, full.state_dict(keep_vars=False), layer_offset, tp_rank, tp_size)
+        else:  # local: megatron drew each stage's weights on its own
+            _copy_tied_embedding(part, grid)
     if hf:
         load_hf_part(part, hf, hf_sources[hf.directory], layer_offset, tp_rank, tp_size)
     return part
+
+
+def _copy_tied_embedding(part: torch.nn.Module, grid) -> None:
+    """Under `local` init: the last pipeline stage's tied output weight starts as the first stage's
+    embedding (megatron's own first-step broadcast; sharded, reference and HF initialisation draw
+    or read both from the embedding's name instead). Collective over the embedding group."""
+    group = grid.groups.get("embd")
+    if group is None:  # not tied across stages, or a middle stage
+        return
+    first = dist.get_process_group_ranks(group)[0]
+    w = part.shared_embedding_or_output_weight()
+    # The parts are still in host memory here; NCCL moves device tensors only.
+    nccl = "nccl" in str(dist.get_backend(group))
+    t = w.data.to(torch.device("cuda", torch.cuda.current_device())) if nccl else w.data
+    with torch.no_grad():
+        dist.broadcast(t, src=first, group=group)
+        if t is not w.data:
+            w.data.copy_(t.cpu())
 
 
 def _reference_module(cfg: MimoConfig, topo: Topology, name: str) -> torch.nn.Module:

@@ -23,6 +23,19 @@ def _gather(t: torch.Tensor, tp_group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+TIED_COPY = "#tied_copy"
+
+
+def state_key(module: str, name: str, param: torch.nn.Parameter, layer_offset: int) -> str:
+    """`module.<global name>`; a later pipeline stage's copy of a tied embedding is
+    `module.embedding.word_embeddings.weight#tied_copy` (`mimo.model.stages.mark_tied_embedding`)."""
+    from mimo.model.reference_init import global_name, source_name
+
+    if getattr(param, "tied_copy", False):
+        return f"{module}.{source_name(name, param, layer_offset)}{TIED_COPY}"
+    return f"{module}.{global_name(name, layer_offset)}"
+
+
 def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], grads: bool = False,
                only_trainable: bool = False, layer_offsets: Optional[Dict[str, int]] = None) -> Dict[str, torch.Tensor]:
     """`module.param` -> full tensor (or its gradient), on every TP rank of the module.
@@ -42,6 +55,6 @@ def full_state(parts: Dict[str, torch.nn.Module], tp_groups: Dict[str, object], 
             t = getattr(p, "main_grad", p.grad) if grads else p
             if t is None:
                 continue
-            key = global_name(name, (layer_offsets or {}).get(module, 0))
-            out[f"{module}.{key}"] = unshard(t, p, tp_groups[module]).cpu()
+            key = state_key(module, name, p, (layer_offsets or {}).get(module, 0))
+            out[key] = unshard(t, p, tp_groups[module]).cpu()
     return out
