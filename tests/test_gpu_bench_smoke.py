@@ -1,0 +1,113 @@
+"""tools/gpu_bench.py on CPU: the no-CUDA message, and the --cpu-smoke run of every code path
+(attention table through the Triton interpreter, mimo and plain megatron-core training steps,
+profiled step, planner profile file) with the GPU run's JSON schema.
+
+On CPU the mimo and megatron-core step benches train the same tiny text-only GPT (same
+TransformerConfig, layer spec, seed, data, Adam, distributed optimizer) in fp32; their losses must
+agree, which is what makes the GPU run's step-time ratio a like-for-like comparison.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "gpu_bench.py")
+
+ATTENTION_KEYS = {"device", "bench", "tokens", "mask", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops"}
+STEP_KEYS = {"device", "bench", "impl", "model", "step_ms", "tokens_per_s", "mfu", "peak_memory_gb"}
+PROFILE_KEYS = {"device", "bench", "kernel", "ms", "share"}
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU paths, also on a machine with a GPU
+    return env
+
+
+def test_without_cuda_says_so_and_exits_0():
+    proc = subprocess.run([sys.executable, TOOL], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    assert len(lines) == 1
+    row = json.loads(lines[0])
+    assert row["cuda"] is False and row["device"] == "cpu"
+    assert "nothing measured" in row["message"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_bench")
+    out = tmp / "bench.jsonl"
+    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--out", str(out)], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout_rows = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    file_rows = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    with open(tmp / "bench.profile.json") as f:
+        profile = json.load(f)
+    return stdout_rows, file_rows, profile, proc.stderr
+
+
+def test_smoke_rows_and_schema(smoke):
+    rows, file_rows, _, _ = smoke
+    assert rows == file_rows  # stdout and --out carry the same lines
+    assert all(r["device"] == "cpu" for r in rows)
+    env = [r for r in rows if r["bench"] == "env"]
+    assert len(env) == 1 and env[0]["megatron_core"] and env[0]["gemm_tflops"] > 0
+    att = [r for r in rows if r["bench"] == "attention"]
+    assert {(r["mask"], r["impl"]) for r in att} == {(m, i) for m in ("causal", "multimodal")
+                                                      for i in ("bitfield", "flex", "sdpa")}
+    for r in att:
+        assert ATTENTION_KEYS <= set(r)
+        if r["impl"] in ("bitfield", "sdpa"):  # flex has no CPU backward: its row says why
+            assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] is not None, r
+        else:
+            assert r["fwd_ms"] is not None or r.get("error"), r
+    assert next(r for r in att if r["mask"] == "causal")["allowed_pairs"] == 48 * 49 // 2
+
+    steps = {r["impl"]: r for r in rows if r["bench"] == "step"}
+    assert set(steps) == {"mimo", "megatron"}
+    for r in steps.values():
+        assert STEP_KEYS <= set(r), r
+        assert "error" not in r, r
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["mfu"] is None and r["peak_memory_gb"] is None  # no peak / no CUDA memory on CPU
+    assert steps["megatron"]["ratio_mimo_over_megatron"] > 0
+    assert steps["mimo"]["model"] == steps["megatron"]["model"]
+
+    prof = [r for r in rows if r["bench"] == "profile"]
+    assert 1 <= len(prof) <= 10
+    for r in prof:
+        assert PROFILE_KEYS <= set(r) and r["ms"] >= 0 and 0 <= r["share"] <= 1
+
+
+def test_mimo_and_megatron_train_the_same_model(smoke):
+    """Same init (mimo's LLM seed, megatron's CPU initialisation), same batches, same optimizer:
+    the same losses, step after step (the second step also checks the update)."""
+    rows, _, _, _ = smoke
+    steps = {r["impl"]: r for r in rows if r["bench"] == "step"}
+    a, b = steps["mimo"]["losses"], steps["megatron"]["losses"]
+    assert len(a) == len(b) == 2
+    assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_profile_file(smoke):
+    _, _, profile, _ = smoke
+    assert profile["schema"] == "mimo.gpu_profile/1"
+    for key in ("device", "peak_tflops", "gemm", "gemm_tflops", "gemm_efficiency", "attention", "attention_impl",
+                "attention_efficiency", "attention_backward_rate", "layer", "step", "kernels", "memory_bandwidth",
+                "large_gemm_tflops"):
+        assert key in profile, key
+    assert {g["name"] for g in profile["gemm"]} == {"qkv", "proj", "fc1", "fc2", "head"}
+    layer = profile["layer"]
+    # backward = (fwd + bwd) - fwd: may come out null on a busy CPU at this size
+    assert layer["forward_ms"] > 0 and "backward_ms" in layer and layer["model"]["num_layers"] == 2
+    assert set(profile["step"]) == {"mimo", "megatron"}
+    assert profile["errors"] == {}
+    assert profile["memory_bandwidth"] > 0
+
