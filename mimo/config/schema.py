@@ -11,7 +11,8 @@ from typing import Dict, List, Optional
 
 LANGUAGE = "language"
 ENCODER_KINDS = ("vision", "audio")
-PROJECTOR_KINDS = ("mlp", "linear")
+# patch_merger: a native-resolution ViT's merger (norm, spatial_merge_size^2 patches concatenated, MLP).
+PROJECTOR_KINDS = ("mlp", "linear", "patch_merger")
 ATTENTION_KINDS = ("sdpa", "bitfield")
 OPTIMIZERS = ("adam", "sgd")
 PRECISIONS = ("fp32", "bf16")
@@ -29,6 +30,12 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # swiglu is the gated form (silu(gate) * up) Llama, Mistral and Qwen2 use.
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "swiglu")
 AUDIO_FRONTENDS = ("linear", "conv")
+# model.language.position_embedding: 1-D rotary, or M-RoPE (time, height, width positions; Qwen2-VL).
+LLM_POSITION_EMBEDDINGS = ("rope", "mrope")
+# model.encoders.<vision>.resolution: every image resized to image_size, or each at its own size.
+RESOLUTIONS = ("fixed", "native")
+# model.encoders.<vision>.position_embedding: a learned table (fixed) or 2-D rotary (native).
+VISION_POSITION_EMBEDDINGS = ("learned", "rope2d")
 
 
 @dataclass
@@ -63,6 +70,9 @@ class LanguageConfig:
     # Llama-3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
     rope_scaling: Optional[Dict[str, float]] = None
     tie_embeddings: bool = False
+    # rope | mrope: M-RoPE splits the rotary half-dim into mrope_section (time, height, width) parts.
+    position_embedding: str = "rope"
+    mrope_section: Optional[List[int]] = None
     # attention: bitfield only: encoders whose tokens text may attend to (default: all).
     text_sees: Optional[List[str]] = None
     # Context parallelism (cp > 1): how query blocks are dealt to CP ranks.
@@ -103,6 +113,22 @@ class EncoderConfig:
     image_size: Optional[int] = None
     patch_size: Optional[int] = None
     num_channels: int = 3
+    # vision, resolution native (Qwen2-VL / Qwen2.5-VL): each image resized as the HF processor's
+    # smart_resize (a multiple of patch_size * spatial_merge_size per side, pixels within
+    # [min_pixels, max_pixels]); LLM tokens per image = t * h * w / spatial_merge_size^2 patches.
+    resolution: str = "fixed"
+    min_pixels: int = 3136
+    max_pixels: int = 1003520
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    position_embedding: str = "learned"
+    # Qwen2.5-VL window attention: window side in pixels (0: every layer sees the whole image) and
+    # the layers that see the whole image anyway.
+    window_size: int = 0
+    full_attention_layers: Optional[List[int]] = None
+    # Qwen2.5-VL ViT blocks: RMSNorm and a gated MLP (normalization RMSNorm, activation swiglu);
+    # Qwen2-VL: LayerNorm and quick_gelu.
+    normalization: str = "LayerNorm"
     # audio
     num_mel_bins: int = 16
     clip_frames: int = 64

@@ -237,7 +237,7 @@ def _check_replan(cfg: MimoConfig, add) -> None:
 
 def _positive_ints(cfg: MimoConfig, add) -> None:
     """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
-    non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters"}
+    non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters", "window_size"}
     sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
     sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
     sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
