@@ -7,6 +7,9 @@ IN.pt: {"input_ids": int64 [B, S], "pixel_values": float32 [N, 3, H, W]} with ea
 image's placeholder tokens (image_token_id, one per image feature) already expanded
 in input_ids and images in order of appearance: what LlavaForConditionalGeneration
 takes. (An audio encoder reads "input_features" [N, mel, frames], as Whisper does.)
+A native-resolution vision encoder (Qwen2-VL / Qwen2.5-VL) reads what their processor
+emits: "pixel_values" float32 [sum of patches, C*T*P*P] and "image_grid_thw" int64
+[N, 3], each image's placeholder run t*h*w / spatial_merge_size^2 tokens long.
 Starts the ranks the layout needs (CPU, gloo), runs one FP32 forward and writes
 {"logits": float32 [B, S, V]} to OUT.pt. Exit 2 with one `error:` line for bad input.
 """

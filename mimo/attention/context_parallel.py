@@ -422,10 +422,14 @@ def enable_context_parallel_rope(model: torch.nn.Module) -> torch.nn.Module:
 
     Replaces ``model.rotary_pos_emb`` by ``GlobalPositionRotaryEmbedding`` and adds
     forward hooks that read ``attention_mask`` (keyword or 3rd positional argument)
-    of each call. Idempotent; a model without RoPE is returned unchanged.
+    of each call. Idempotent; a model without RoPE, or with M-RoPE, is returned unchanged.
     """
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None or isinstance(rope, GlobalPositionRotaryEmbedding):
+        return model
+    if getattr(model, "position_embedding_type", None) == "mrope":
+        # M-RoPE reads each token's positions from `position_ids`, which `shard_microbatch` already
+        # cut to this rank's slots: the table is right as megatron builds it.
         return model
     wrapper = GlobalPositionRotaryEmbedding(rope)
     model.rotary_pos_emb = wrapper

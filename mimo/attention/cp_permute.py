@@ -84,7 +84,8 @@ def shard_microbatch(slots: torch.Tensor, cp_rank: int, *, bits: torch.Tensor,
     """One CP rank's view of a microbatch.
 
     Full-sequence inputs: ``bits``/``document_ids``/``input_ids``/``position_ids``/
-    ``labels``/``loss_mask`` [b, s]; ``decoder_input`` [s, b, h] (megatron layout).
+    ``labels``/``loss_mask`` [b, s] (``position_ids`` may be M-RoPE's [3, b, s]: each token's
+    three positions travel with it); ``decoder_input`` [s, b, h] (megatron layout).
     Returns the same keys cut to this rank's L slots, plus ``attention_mask`` (a
     ``ContextParallelMask`` over the full bits, for every layer and stage).
     ``validate=False`` skips checking ``slots`` (a caller that checked them on the

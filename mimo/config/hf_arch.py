@@ -4,7 +4,9 @@
 directory (`model.hf`, `model.language.hf`, `model.encoders.<name>.hf`) from
 that directory's config.json. A field the YAML also gives must agree, else it
 is a config problem naming the field, so a typo cannot silently build a model
-the weights do not fit.
+the weights do not fit. The exceptions are preprocessing choices the weights
+do not fix (a native-resolution encoder's min_pixels / max_pixels): the YAML
+may override those.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ LLM_TYPES = ("llama", "mistral", "qwen2")
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 AUDIO_TYPES = ("whisper",)
 LLAVA_TYPES = ("llava",)
-# The encoder a LLaVA directory fills (model.hf -> language, images + projector).
+# Qwen2-VL / Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration).
+QWEN_VL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+MULTIMODAL_TYPES = LLAVA_TYPES + QWEN_VL_TYPES
+# The encoder a multimodal directory fills (model.hf -> language, images + projector).
 LLAVA_ENCODER = "images"
+# transformers' Qwen2-VL defaults where a config.json leaves a field out.
+QWEN_VL_TEXT_THETA = 1000000.0
+QWEN_VL_MROPE_SECTION = [16, 24, 24]
+QWEN_VL_VISION_THETA = 10000.0
+QWEN_VL_IMAGE_TOKEN = 151655
 
 _ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "relu": "relu", "silu": "silu"}
@@ -206,7 +216,7 @@ def audio_fields(wc: Dict[str, Any], field: str) -> Dict[str, Any]:
 def llava_fields(lc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(language fields, `images` encoder fields) of a LLaVA config."""
     if lc.get("model_type") not in LLAVA_TYPES:
-        raise _unsupported(field, "multimodal", lc.get("model_type"), LLAVA_TYPES)
+        raise _unsupported(field, "multimodal", lc.get("model_type"), MULTIMODAL_TYPES)
     tc = dict(lc["text_config"])
     if "tie_word_embeddings" in lc:
         tc["tie_word_embeddings"] = lc["tie_word_embeddings"]
@@ -226,6 +236,139 @@ def llava_fields(lc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any], Dict[s
     return lang, enc
 
 
+def qwen_vl_text_config(hc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any], List[int]]:
+    """(a Qwen2 LLM config, mrope_section) from a Qwen2(.5)-VL config.
+
+    The text fields sit in `text_config` (transformers 5 saves) or at the top level (the hub's
+    files); transformers reads the top level only when there is no `text_config`, and so does
+    this. The M-RoPE section comes from `rope_scaling` (hub) or `rope_parameters` (transformers
+    5), marked {"type": "mrope"} and/or {"rope_type": "default"}; without one, transformers
+    uses [16, 24, 24]. Tied embeddings: the top-level flag, or text_config's (pre-v5 saves)."""
+    nested = hc.get("text_config")
+    tc = dict(nested) if isinstance(nested, dict) else {k: v for k, v in hc.items() if k != "vision_config"}
+    # transformers: a rope_scaling entry replaces rope_parameters; theta defaults to 1e6 here.
+    params = dict(tc.get("rope_scaling") or tc.get("rope_parameters") or {})
+    kinds = {params.get("type"), params.get("rope_type")} - {None, "default", "mrope"}
+    if kinds:
+        raise HFConfigProblem(field, f"RoPE type {sorted(kinds)[0]!r} is not supported with {hc.get('model_type')} "
+                                     "(supported: mrope)")
+    section = params.get("mrope_section", QWEN_VL_MROPE_SECTION)
+    if not isinstance(section, list) or len(section) != 3 or not all(isinstance(x, int) for x in section):
+        raise HFConfigProblem(field, f"mrope_section must be three integers (time, height, width), got {section!r}")
+    tc.update(model_type="qwen2", rope_scaling=None,
+              rope_parameters={"rope_theta": params.get("rope_theta", tc.get("rope_theta", QWEN_VL_TEXT_THETA))},
+              tie_word_embeddings=bool(hc.get("tie_word_embeddings") or tc.get("tie_word_embeddings")))
+    tc.setdefault("rms_norm_eps", 1e-5)         # Qwen2VLTextConfig's default
+    return tc, list(section)
+
+
+def _one_size(vc: Dict[str, Any], key: str, default: int, field: str) -> int:
+    value = vc.get(key, default)
+    if isinstance(value, (list, tuple)):        # transformers allows [n, n]; mimo's patches are square
+        if len(set(value)) != 1:
+            raise HFConfigProblem(field, f"vision_config.{key} {value!r} is not supported (one size for both sides)")
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise HFConfigProblem(field, f"vision_config.{key} must be an integer, got {value!r}")
+    return value
+
+
+def qwen_vision_fields(mt: str, vc: Dict[str, Any], text_hidden: int, field: str) -> Dict[str, Any]:
+    """The native-resolution `images` encoder of a Qwen2-VL (mt qwen2_vl) or Qwen2.5-VL vision_config.
+
+    Both: Conv3d patch embedding without bias, 2-D rotary positions (theta 10000), norms with
+    eps 1e-6, and a patch merger (norm, spatial_merge_size^2 patches concatenated, Linear,
+    GELU, Linear) whose output width must be the LLM's. Qwen2.5-VL: RMSNorm, gated SiLU MLP
+    (swiglu) of intermediate_size, window attention except on fullatt_block_indexes. Qwen2-VL:
+    LayerNorm, a plain MLP of mlp_ratio * embed_dim with hidden_act (quick_gelu), no windows."""
+    theta = (vc.get("rope_parameters") or {}).get("rope_theta", QWEN_VL_VISION_THETA)
+    if theta != QWEN_VL_VISION_THETA:
+        raise HFConfigProblem(field, f"vision rope_theta {theta!r} is not supported (supported: 10000)")
+    out = {
+        "kind": "vision",
+        "resolution": "native",
+        "position_embedding": "rope2d",
+        "num_layers": vc["depth"],
+        "num_attention_heads": vc["num_heads"],
+        "patch_size": _one_size(vc, "patch_size", 14, field),
+        "temporal_patch_size": _one_size(vc, "temporal_patch_size", 2, field),
+        "spatial_merge_size": _one_size(vc, "spatial_merge_size", 2, field),
+        # transformers 5 reads in_channels; the hub's older files say in_chans.
+        "num_channels": vc.get("in_channels", vc.get("in_chans", 3)),
+        "norm_eps": 1e-6,
+        "class_token": False,
+        "pre_norm": False,
+        # The norm after the last block is the patch merger's (projector kind patch_merger).
+        "final_norm": False,
+        "patch_bias": False,
+        "projector": {"kind": "patch_merger", "activation": "gelu"},
+    }
+    if mt == "qwen2_5_vl":
+        act, merged = vc.get("hidden_act", "silu"), vc.get("out_hidden_size")
+        if act != "silu":
+            raise HFConfigProblem(field, f"vision hidden_act {act!r} is not supported with qwen2_5_vl "
+                                         "(supported: silu, the gated MLP)")
+        out.update(hidden_size=vc["hidden_size"], ffn_hidden_size=vc["intermediate_size"], normalization="RMSNorm",
+                   activation="swiglu", window_size=vc.get("window_size", 112),
+                   full_attention_layers=list(vc.get("fullatt_block_indexes", [7, 15, 23, 31])))
+        merged_key = "vision_config.out_hidden_size"
+    else:
+        act, merged = vc.get("hidden_act", "quick_gelu"), vc.get("hidden_size")
+        if act not in _ACTIVATIONS:
+            raise HFConfigProblem(field, f"vision hidden_act {act!r} is not supported")
+        out.update(hidden_size=vc["embed_dim"], ffn_hidden_size=int(vc["embed_dim"] * vc.get("mlp_ratio", 4)),
+                   normalization="LayerNorm", activation=_ACTIVATIONS[act], window_size=0)
+        merged_key = "vision_config.hidden_size"
+    if merged != text_hidden:
+        raise HFConfigProblem(field, f"{merged_key} ({merged}) must equal the LLM's hidden_size ({text_hidden}): "
+                                     "the patch merger feeds the LLM directly")
+    return out
+
+
+def _processor_pixels(directory: str, enc: Dict[str, Any], field: str) -> Dict[str, Any]:
+    """min_pixels / max_pixels of the directory's image processor; its patch sizes must be the ViT's."""
+    from .hf_files import qwen_processor_settings
+
+    try:
+        pc = qwen_processor_settings(directory)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise HFConfigProblem(field, f"{os.path.join(directory, 'preprocessor_config.json')}: unreadable ({exc})")
+    for key, ours in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                      ("merge_size", "spatial_merge_size")):
+        if pc[key] is not None and pc[key] != enc[ours]:
+            raise HFConfigProblem(field, f"preprocessor_config.json {key} ({pc[key]}) disagrees with "
+                                         f"config.json vision_config ({enc[ours]})")
+    return {"min_pixels": pc["min_pixels"], "max_pixels": pc["max_pixels"]}
+
+
+def qwen_vl_fields(hc: Dict[str, Any], field: str, directory: str) -> Tuple[Dict[str, Any], Dict[str, Any],
+                                                                           Dict[str, Any]]:
+    """(language fields, `images` encoder fields, the LLM's config as Qwen2's) of a Qwen2-VL /
+    Qwen2.5-VL directory."""
+    mt = hc.get("model_type")
+    tc, section = qwen_vl_text_config(hc, field)
+    lang = language_fields(tc, field)
+    lang.update(position_embedding="mrope", mrope_section=section)
+    vc = hc.get("vision_config")
+    if not isinstance(vc, dict):
+        raise HFConfigProblem(field, "config.json has no vision_config")
+    enc = qwen_vision_fields(mt, vc, lang["hidden_size"], field)
+    enc["placeholder_id"] = hc.get("image_token_id", QWEN_VL_IMAGE_TOKEN)
+    enc.update(_processor_pixels(directory, enc, field))
+    enc["_overridable"] = ("min_pixels", "max_pixels")
+    return lang, enc, tc
+
+
+def multimodal_fields(hc: Dict[str, Any], field: str, directory: str):
+    """(language fields, `images` fields, the LLM's config for the sliding-window check) of a
+    model.hf directory."""
+    mt = hc.get("model_type")
+    if mt in QWEN_VL_TYPES:
+        return qwen_vl_fields(hc, field, directory)
+    lang, enc = llava_fields(hc, field)
+    return lang, enc, hc.get("text_config") or {}
+
+
 def _same(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
@@ -240,12 +383,15 @@ def _fill(section: Dict[str, Any], fields: Dict[str, Any], path: str, source: st
           problems: List[Problem]) -> None:
     """Write `fields` into the raw YAML `section`; a value the YAML already gives must agree."""
     notes = fields.get("_notes", {})
+    overridable = fields.get("_overridable", ())
     for key, value in fields.items():
-        if key == "_notes":
+        if key in ("_notes", "_overridable"):
             continue
         if isinstance(value, dict) and isinstance(section.get(key), dict) and key == "projector":
             _fill(section[key], value, f"{path}.{key}", source, problems)
             continue
+        if key in overridable and section.get(key) is not None:
+            continue    # a preprocessing choice, not architecture: the YAML's value stands
         if key in section and section[key] is not None and not _same(section[key], value):
             note = f": {notes[key]}" if key in notes else ""
             problems.append((f"{path}.{key}", f"{section[key]!r} disagrees with {source} ({value!r}{note})"))
@@ -261,7 +407,7 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
         return problems
     jobs = []
     if model.get("hf") is not None:
-        jobs.append(("model.hf", model["hf"], "llava", None))
+        jobs.append(("model.hf", model["hf"], "multimodal", None))
     lang = model.get("language")
     if isinstance(lang, dict) and lang.get("hf") is not None:
         jobs.append(("model.language.hf", lang["hf"], "language", None))
@@ -277,9 +423,9 @@ def resolve_hf(raw: Dict[str, Any]) -> List[Problem]:
         source = os.path.join(directory, "config.json")
         try:
             hc = read_hf_config(directory, field)
-            if what == "llava":
-                lang_f, enc_f = llava_fields(hc, field)
-                _check_window(hc.get("text_config") or {}, raw, field, problems)
+            if what == "multimodal":
+                lang_f, enc_f, text_config = multimodal_fields(hc, field, directory)
+                _check_window(text_config, raw, field, problems)
                 model.setdefault("language", {})
                 model.setdefault("encoders", {})
                 bad = [sec for sec in ("language", "encoders") if not isinstance(model[sec], dict)]

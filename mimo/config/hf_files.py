@@ -29,3 +29,40 @@ def processor_dir(cfg: MimoConfig, encoder: str = "images") -> Optional[str]:
         if d and any(os.path.isfile(os.path.join(d, f)) for f in PROCESSOR_FILES):
             return d
     return None
+
+
+# transformers' Qwen2-VL image processor defaults (Qwen2VLImageProcessor class attributes).
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 1280
+
+
+def qwen_processor_settings(directory: str) -> dict:
+    """The Qwen2-VL image processor settings of an HF directory's preprocessor_config.json, as
+    transformers resolves them: `min_pixels` / `max_pixels` keys over `size` {shortest_edge,
+    longest_edge} over the class defaults. Also patch_size, temporal_patch_size, merge_size
+    (None when the file does not say) and image_mean / image_std (None: the processor's
+    default, OpenAI CLIP's). No file: all defaults. Raises ValueError for a malformed file."""
+    import json
+
+    path = os.path.join(directory, "preprocessor_config.json")
+    pc = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            pc = json.load(f)
+        if not isinstance(pc, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+    size = pc.get("size")
+    if size is not None and not isinstance(size, dict):
+        raise ValueError(f"{path}: size must be a mapping, got {size!r}")
+    out = {}
+    for key, edge, default in (("min_pixels", "shortest_edge", QWEN_MIN_PIXELS),
+                               ("max_pixels", "longest_edge", QWEN_MAX_PIXELS)):
+        value = pc.get(key)
+        if value is None:
+            value = default if size is None else size.get(edge)
+        if value is None:
+            raise ValueError(f"{path}: size has no {edge} and there is no {key} (the processor cannot resize)")
+        out[key] = value
+    for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
+        out[key] = pc.get(key)
+    return out

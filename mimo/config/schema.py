@@ -140,7 +140,12 @@ class EncoderConfig:
 
     @property
     def tokens_per_item(self) -> int:
-        """Modality tokens one image / one clip turns into."""
+        """Modality tokens one image / one clip turns into (fixed-resolution encoders only)."""
+        if self.kind == "vision" and self.resolution == "native":
+            # Each image has its own size: count its tokens from its grid
+            # (mimo.data.native_images.native_grid and placeholder_count).
+            raise ValueError("tokens_per_item: a resolution native vision encoder has no fixed tokens per image; "
+                             "each image's count comes from its size (mimo.data.native_images.placeholder_count)")
         if self.kind == "vision":
             return (self.image_size // self.patch_size) ** 2
         return self.clip_frames // self.frames_per_token

@@ -19,6 +19,7 @@ from .schema import (
     ENCODER_KINDS,
     INIT_MODES,
     LANGUAGE,
+    LLM_POSITION_EMBEDDINGS,
     LR_DECAY_STYLES,
     OPTIMIZERS,
     PRECISIONS,
@@ -26,6 +27,8 @@ from .schema import (
     ACTIVATIONS,
     AUDIO_FRONTENDS,
     NORMALIZATIONS,
+    RESOLUTIONS,
+    VISION_POSITION_EMBEDDINGS,
     RECOMPUTE_KINDS,
     REPLAN_MODES,
     EncoderConfig,
@@ -67,8 +70,12 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         if set(lang.rope_scaling) != keys:
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
+    _check_mrope(lang, add)
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
+    if lang.position_embedding == "mrope" and lang.rope_scaling is not None:
+        # M-RoPE rotates with plain frequencies (Qwen2-VL): no Llama-3 rescaling of them.
+        add("model.language.rope_scaling", "is not supported with position_embedding: mrope")
 
     for name, enc in cfg.model.encoders.items():
         path = f"model.encoders.{name}"
@@ -77,6 +84,8 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         _check_encoder(enc, path, add)
         if enc.kind in ENCODER_KINDS and _tokens_ok(enc) and enc.tokens_per_item >= cfg.data.seq_length:
             add(path, f"one item is {enc.tokens_per_item} tokens, which does not fit in data.seq_length ({cfg.data.seq_length})")
+        if _native(enc) and _native_sizes_ok(enc):
+            _check_native_fits(enc, path, cfg.data.seq_length, add)
 
     trainable = not lang.frozen or any(not e.frozen or not e.projector.frozen for e in cfg.model.encoders.values())
     if not trainable:
@@ -112,12 +121,39 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     return problems
 
 
+def _check_mrope(lang: LanguageConfig, add) -> None:
+    """M-RoPE splits the rotary half of each head (head_dim / 2 frequencies) into time, height and
+    width parts: three sizes that must add up to it."""
+    path = "model.language"
+    _check_choice(lang.position_embedding, LLM_POSITION_EMBEDDINGS, f"{path}.position_embedding", add)
+    section = lang.mrope_section
+    if lang.position_embedding != "mrope":
+        if section is not None:
+            add(f"{path}.mrope_section", "only takes effect with model.language.position_embedding: mrope")
+        return
+    if section is None:
+        add(f"{path}.mrope_section", "is required with position_embedding: mrope (e.g. [16, 24, 24])")
+        return
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in section)):
+        add(f"{path}.mrope_section", f"must be three positive integers (time, height, width), got {section!r}")
+        return
+    if isinstance(lang.hidden_size, int) and isinstance(lang.num_attention_heads, int) and lang.num_attention_heads > 0:
+        head_dim = lang.kv_channels or lang.hidden_size // lang.num_attention_heads
+        if sum(section) * 2 != head_dim:
+            add(f"{path}.mrope_section", f"must add up to head_dim / 2 = {head_dim // 2}, got {sum(section)}")
+
+
 def _check_balance(cfg: MimoConfig, add) -> None:
     """`entrain` defers LLM work to a later pipelined microbatch: it needs a pipeline."""
     path, policy = "data.balance", cfg.data.balance
     if policy not in BALANCE_POLICIES:
         _check_choice(policy, BALANCE_POLICIES, path, add)
         return
+    native = [n for n, e in cfg.model.encoders.items() if _native(e)]
+    if policy != "none" and native:
+        # The balancers' cost model (mimo.planner) prices an item by a fixed tokens_per_item.
+        add(path, f"{policy} needs fixed-size items; encoder {native[0]!r} has resolution native: use none")
     if policy != "entrain":
         return
     lang = cfg.parallelism.get(LANGUAGE, ParallelConfig())
@@ -134,6 +170,9 @@ def _check_image_processor(cfg: MimoConfig, name: str, add) -> None:
     where = processor_dir(cfg, name)
     if where is None:
         return      # the pipeline resizes and normalises itself
+    if _native(cfg.model.encoders[name]):
+        _check_native_processor(cfg.model.encoders[name], f"model.encoders.{name}", where, add)
+        return
     size = cfg.model.encoders[name].image_size
     try:
         from PIL import Image
@@ -281,7 +320,14 @@ def _check_heads(m, path: str, add) -> None:
         add(f"{path}.hidden_size", f"must be divisible by num_attention_heads ({m.num_attention_heads})")
 
 
+def _native(enc: EncoderConfig) -> bool:
+    return enc.kind == "vision" and enc.resolution == "native"
+
+
 def _tokens_ok(enc: EncoderConfig) -> bool:
+    """Whether `enc.tokens_per_item` is defined (fixed-size items, sizes that divide)."""
+    if _native(enc):
+        return False    # each image has its own token count
     if enc.kind == "vision":
         return bool(enc.image_size and enc.patch_size and enc.image_size % enc.patch_size == 0)
     return enc.frames_per_token > 0 and enc.clip_frames % enc.frames_per_token == 0
@@ -299,6 +345,22 @@ def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
     if enc.frontend == "conv" and (enc.kind != "audio" or enc.frames_per_token != 2):
         add(f"{path}.frontend", "conv (Whisper) is an audio front-end with frames_per_token: 2")
     _check_heads(enc, path, add)
+    _check_choice(enc.resolution, RESOLUTIONS, f"{path}.resolution", add)
+    _check_choice(enc.position_embedding, VISION_POSITION_EMBEDDINGS, f"{path}.position_embedding", add)
+    _check_choice(enc.normalization, NORMALIZATIONS, f"{path}.normalization", add)
+    if enc.resolution == "native" and enc.kind != "vision":
+        add(f"{path}.resolution", "native is for vision encoders")
+    if enc.resolution not in RESOLUTIONS:
+        return      # which of the size rules below apply is unknown
+    if _native(enc):
+        _check_native(enc, path, add)
+        return
+    for f, bad, why in (("position_embedding", enc.position_embedding == "rope2d", "rope2d"),
+                        ("projector.kind", enc.projector.kind == "patch_merger", "patch_merger"),
+                        ("window_size", enc.window_size > 0, f"{enc.window_size} (window attention)"),
+                        ("full_attention_layers", enc.full_attention_layers is not None, "a list")):
+        if bad:
+            add(f"{path}.{f}", f"{why} needs resolution: native")
     if enc.kind == "vision":
         for f in ("image_size", "patch_size"):
             if getattr(enc, f) is None:
@@ -309,6 +371,89 @@ def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
     elif enc.kind == "audio":
         if enc.frames_per_token > 0 and enc.clip_frames % enc.frames_per_token:
             add(f"{path}.clip_frames", f"must be divisible by frames_per_token ({enc.frames_per_token})")
+
+
+def _native_sizes_ok(enc: EncoderConfig) -> bool:
+    return all(isinstance(v, int) and v > 0 for v in (enc.patch_size, enc.spatial_merge_size, enc.temporal_patch_size,
+                                                      enc.min_pixels, enc.max_pixels))
+
+
+def _check_native(enc: EncoderConfig, path: str, add) -> None:
+    """A native-resolution ViT (Qwen2-VL / Qwen2.5-VL): each image keeps its size, cut into
+    patch_size patches, 2-D rotary positions, spatial_merge_size^2 patches merged per LLM token."""
+    if enc.patch_size is None:
+        add(f"{path}.patch_size", "required for a vision encoder")
+    if enc.image_size is not None:
+        add(f"{path}.image_size", "has no effect with resolution native (each image keeps its own size, "
+                                  "within min_pixels and max_pixels)")
+    if enc.class_token:
+        add(f"{path}.class_token", "resolution native has no class token")
+    if enc.position_embedding != "rope2d" and enc.position_embedding in VISION_POSITION_EMBEDDINGS:
+        add(f"{path}.position_embedding", "resolution native needs rope2d (a learned table fits one image size)")
+    if enc.projector.kind != "patch_merger" and enc.projector.kind in PROJECTOR_KINDS:
+        add(f"{path}.projector.kind", "resolution native needs patch_merger (it merges spatial_merge_size^2 "
+                                      "patches into one LLM token)")
+    heads, hidden = enc.num_attention_heads, enc.hidden_size
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0 and hidden // heads % 4:
+        add(f"{path}.num_attention_heads", f"rope2d needs a head dim divisible by 4 (rows and columns each take "
+                                           f"half the rotary pairs), got {hidden} / {heads} = {hidden // heads}")
+    if not _native_sizes_ok(enc):
+        return      # reported by _positive_ints / above
+    if enc.min_pixels > enc.max_pixels:
+        add(f"{path}.min_pixels", f"must be <= max_pixels ({enc.max_pixels}), got {enc.min_pixels}")
+    factor = enc.patch_size * enc.spatial_merge_size
+    if enc.window_size % factor:
+        add(f"{path}.window_size", f"must be a multiple of patch_size * spatial_merge_size ({factor}): windows are "
+                                   f"whole merge blocks, got {enc.window_size}")
+    layers = enc.full_attention_layers
+    if layers is not None:
+        if not isinstance(layers, list):
+            add(f"{path}.full_attention_layers", f"must be a list of layer indices, got {layers!r}")
+            return
+        if layers and enc.window_size == 0:
+            add(f"{path}.full_attention_layers", "only takes effect with window_size > 0 (without windows every "
+                                                 "layer sees the whole image)")
+        for i, n in enumerate(layers):
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < enc.num_layers:
+                add(f"{path}.full_attention_layers[{i}]", f"must be a layer index in [0, {enc.num_layers}), got {n!r}")
+        if len(set(map(repr, layers))) != len(layers):
+            add(f"{path}.full_attention_layers", f"lists a layer twice: {layers}")
+
+
+def _check_native_fits(enc: EncoderConfig, path: str, seq_length: int, add) -> None:
+    """One image at max_pixels must fit in a sequence with a text token to spare, as a
+    fixed-size item must: smart_resize keeps an image's pixels <= max_pixels, so its tokens stay
+    <= max_pixels / (patch_size * spatial_merge_size)^2, give or take a few blocks for images near
+    the 200:1 aspect limit (so the data must still count each image's tokens from its own grid)."""
+    from mimo.data.native_images import max_placeholder_count
+
+    tokens, factor = max_placeholder_count(enc), enc.patch_size * enc.spatial_merge_size
+    if tokens >= seq_length:
+        add(f"{path}.max_pixels", f"an image of {enc.max_pixels} pixels is {tokens} tokens (max_pixels / "
+                                  f"{factor}^2), which does not fit in data.seq_length ({seq_length}); use "
+                                  f"max_pixels <= {(seq_length - 1) * factor * factor}")
+
+
+def _check_native_processor(enc: EncoderConfig, path: str, where: str, add) -> None:
+    """A native encoder's images are cut by mimo.data.native_images with the encoder's own sizes;
+    the HF processor's preprocessor_config.json contributes image_mean / image_std and must cut
+    the same patches."""
+    from .hf_files import qwen_processor_settings
+
+    try:
+        pc = qwen_processor_settings(where)
+    except (OSError, ValueError, RecursionError) as exc:
+        add(path, f"cannot read the image processor settings in {where}: {exc}")
+        return
+    for key, ours in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                      ("merge_size", "spatial_merge_size")):
+        if pc[key] is not None and pc[key] != getattr(enc, ours):
+            add(f"{path}.{ours}", f"{getattr(enc, ours)}, but the image processor in {where} uses {key} {pc[key]} "
+                                  "(preprocessor_config.json)")
+    for key in ("image_mean", "image_std"):
+        v = pc[key]
+        if v is not None and (not isinstance(v, list) or len(v) != enc.num_channels):
+            add(path, f"the image processor in {where} has {key} {v!r}: expected {enc.num_channels} numbers")
 
 
 def _module(cfg: MimoConfig, name: str):
@@ -366,6 +511,10 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
                 add(f"{path}.tp", f"must divide {field} ({value})")
     if par.pp > mod.num_layers:
         add(f"{path}.pp", f"must be <= num_layers ({mod.num_layers})")
+    if name != LANGUAGE and _native(mod) and par.pp != 1:
+        # Its activations between stages would be one packed sequence of every image's patches,
+        # sized by the images' grids; mimo runs a native-resolution ViT as one pipeline stage.
+        add(f"{path}.pp", "must be 1 for a native-resolution encoder (resolution: native)")
     if name != LANGUAGE and par.cp != 1:
         add(f"{path}.cp", "encoders run with cp = 1 (context parallelism is for the LLM)")
     if name == LANGUAGE and par.cp > 1 and mod.attention != "bitfield":

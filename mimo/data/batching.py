@@ -6,6 +6,7 @@ from typing import Collection, Dict, List, Union
 
 import torch
 
+from .items import PackedItems, sample_grids
 from .mock import PAD_ID, Sample
 
 
@@ -29,20 +30,37 @@ def collate(samples: List[Sample], placeholder_ids: Dict[str, int],
         loss_mask = labels != PAD_ID
         for token in placeholder_ids.values():
             loss_mask &= labels != token
-        batch["position_ids"] = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous()
     else:
         targets = torch.stack([s.targets for s in samples])
         docs = torch.stack([s.document_ids for s in samples])
         loss_mask = torch.zeros_like(targets)
         loss_mask[:, :-1] = targets[:, 1:] & (docs[:, 1:] == docs[:, :-1])
-        batch["position_ids"] = torch.stack([s.position_ids for s in samples])
         batch["document_ids"] = docs
+    batch["position_ids"] = stack_positions(samples, ids)
     batch["loss_mask"] = loss_mask.float()
     for name in placeholder_ids:
+        native = any(s.grids is not None and name in s.grids for s in samples)
         if items is True or (items is not False and name in items):
             batch[name] = torch.cat([s.items[name] for s in samples])
+            if native:  # native-resolution items: packed patches with their grids (mimo.data.items)
+                batch[name] = PackedItems(batch[name], [g for s in samples for g in sample_grids(s, name)])
         batch[f"{name}_counts"] = torch.tensor([s.count(name) for s in samples])
+        if native:  # every item's (t, h, w), for host-side sizes (FLOPs) where the patches are not loaded
+            batch[f"{name}_grids"] = torch.tensor([g for s in samples for g in sample_grids(s, name)],
+                                                  dtype=torch.int64).reshape(-1, 3)
     return batch
+
+
+def stack_positions(samples: List[Sample], ids: torch.Tensor) -> torch.Tensor:
+    """The microbatch's position ids: [b, s] (1-D RoPE), or [3, b, s] when the samples carry M-RoPE
+    positions [3, s] (time, height, width; the layout megatron's M-RoPE takes). Samples without
+    positions (mock data) count 0..s-1."""
+    if samples[0].position_ids is None:
+        return torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids).contiguous()
+    dims = {s.position_ids.dim() for s in samples}
+    if len(dims) != 1 or dims.pop() not in (1, 2):
+        raise ValueError("Sample.position_ids: every sample of a microbatch needs [s] or every one [3, s]")
+    return torch.stack([s.position_ids for s in samples], dim=samples[0].position_ids.dim() - 1)
 
 
 def loss_tokens(samples: List[Sample], placeholder_ids: Dict[str, int]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -33,8 +33,9 @@ def _name(src: Union[str, bytes]) -> str:
     return src if isinstance(src, str) else f"({len(src)} bytes inline)"
 
 
-def check_image(path: Union[str, bytes]) -> None:
-    """Raise ImageError unless `path` (a file, or an image's bytes) has a header Pillow recognises.
+def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
+    """(width, height) from the header; raise ImageError unless `path` (a file, or an image's
+    bytes) has a header Pillow recognises.
 
     Reads the header only (a few hundred bytes, no pixels), so every rank can
     afford it and all ranks reach the same verdict on a record from the
@@ -51,6 +52,7 @@ def check_image(path: Union[str, bytes]) -> None:
         raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
     if w < 1 or h < 1:
         raise ImageError(f"empty image {_name(path)}")
+    return w, h
 
 
 class ImageLoader:
@@ -80,3 +82,29 @@ class ImageLoader:
         mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
         std = torch.tensor(CLIP_STD).view(3, 1, 1)
         return (x - mean) / std
+
+
+class NativeImageLoader:
+    """path (or bytes) -> float32 patches [t*h*w, C*T*P*P] of a native-resolution encoder (`enc`),
+    as the Qwen2-VL processor cuts them (`mimo.data.native_images.image_patches`); the processor's
+    image_mean / image_std when the model's HF directory `hf_dir` names them, else CLIP's."""
+
+    def __init__(self, enc, hf_dir: Optional[str] = None):
+        self.enc, self.mean, self.std = enc, CLIP_MEAN, CLIP_STD
+        if hf_dir is not None:
+            from mimo.config.hf_files import qwen_processor_settings
+
+            settings = qwen_processor_settings(hf_dir)
+            self.mean = settings["image_mean"] or CLIP_MEAN
+            self.std = settings["image_std"] or CLIP_STD
+
+    def __call__(self, path: Union[str, bytes]) -> torch.Tensor:
+        from .native_images import image_patches
+
+        try:
+            with _open(path) as img:
+                img.load()
+                patches, _ = image_patches(img, self.enc, self.mean, self.std)
+        except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not
+            raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+        return torch.from_numpy(patches)

@@ -14,7 +14,9 @@ sample edges.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
+
+import torch
 
 
 def divide_items(item_tokens: Sequence[int], parts: int) -> List[int]:
@@ -53,3 +55,98 @@ def imbalance(bounds: Sequence[int], item_tokens: Sequence[int]) -> float:
     loads = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
+
+
+# -- item sizes: one source of truth ----------------------------------------------------------------
+#
+# An item's LLM token count (the length of its placeholder run, the rows the boundary moves for it)
+# is known on the host from metadata every rank holds without decoding: a fixed-resolution encoder's
+# `tokens_per_item`, or a native-resolution image's patch grid (t, h, w), which the data layer reads
+# from the image header (`mimo.data.native_images.native_grid`) and the sample carries in `grids`.
+
+Grid = Tuple[int, int, int]
+
+
+def is_native(enc) -> bool:
+    """Whether encoder config `enc` takes native-resolution items (each image its own patch grid)."""
+    return enc.kind == "vision" and getattr(enc, "resolution", "fixed") == "native"
+
+
+def grid_tokens(grid: Sequence[int], merge: int) -> int:
+    """LLM tokens of an image of patch grid (t, h, w): the patch merger joins merge x merge patches."""
+    t, h, w = (int(x) for x in grid)
+    if h % merge or w % merge:
+        raise ValueError(f"grids: {(t, h, w)} is not a whole number of {merge} x {merge} merge blocks")
+    return t * h * w // (merge * merge)
+
+
+def grid_patches(grid: Sequence[int]) -> int:
+    """Patches (the encoder's own tokens) of an image of patch grid (t, h, w)."""
+    t, h, w = (int(x) for x in grid)
+    return t * h * w
+
+
+def sample_grids(sample, name: str) -> List[Grid]:
+    """The patch grids of a sample's native-resolution items of encoder `name` (host list)."""
+    grids = (getattr(sample, "grids", None) or {}).get(name)
+    n = sample.count(name)
+    if grids is None:
+        if n == 0:
+            return []
+        raise ValueError(f"Sample.grids[{name!r}]: a native-resolution encoder's sample must carry its "
+                         f"items' patch grids (t, h, w); this one has {n} items and no grids")
+    if len(grids) != n:
+        raise ValueError(f"Sample.grids[{name!r}]: {len(grids)} grids for {n} items")
+    return [tuple(int(x) for x in g) for g in grids]
+
+
+def sample_item_tokens(enc, sample, name: str) -> List[int]:
+    """LLM tokens of each of a sample's items of encoder `name` (config `enc`), from host metadata."""
+    if is_native(enc):
+        return [grid_tokens(g, enc.spatial_merge_size) for g in sample_grids(sample, name)]
+    return [enc.tokens_per_item] * sample.count(name)
+
+
+def step_item_tokens(cfg, samples: Sequence) -> Dict[str, List[int]]:
+    """encoder -> LLM tokens of each step item, in step item order (sample order, then item order)."""
+    return {n: [t for s in samples for t in sample_item_tokens(enc, s, n)] for n, enc in cfg.model.encoders.items()}
+
+
+class PackedItems:
+    """A native-resolution encoder's items as one packed tensor: `patches` [Σ patches, C·T·P·P]
+    (each image's patches consecutive, in item order) and their `grids` (host list of (t, h, w)).
+
+    It moves like a tensor (`to`, `is_floating_point`), so collated batches holding it go to the
+    device with `mimo.data.move`; `len` is the number of items."""
+
+    def __init__(self, patches: torch.Tensor, grids: Sequence[Sequence[int]]):
+        self.patches, self.grids = patches, [tuple(int(x) for x in g) for g in grids]
+        if patches.dim() != 2 or patches.shape[0] != sum(grid_patches(g) for g in self.grids):
+            raise ValueError(f"patches {list(patches.shape)} do not match grids {self.grids} "
+                             f"({sum(grid_patches(g) for g in self.grids)} patches)")
+
+    def __len__(self) -> int:
+        return len(self.grids)
+
+    def is_floating_point(self) -> bool:
+        return self.patches.is_floating_point()
+
+    def to(self, *args, **kwargs) -> "PackedItems":
+        return PackedItems(self.patches.to(*args, **kwargs), self.grids)
+
+    def item(self, k: int) -> torch.Tensor:
+        """Patches of item k."""
+        start = sum(grid_patches(g) for g in self.grids[:k])
+        return self.patches[start:start + grid_patches(self.grids[k])]
+
+    @staticmethod
+    def cat(parts: Sequence["PackedItems"], width: int) -> "PackedItems":
+        """Items of several packs, in order (`width`: patch width, for an empty result)."""
+        parts = list(parts)
+        patches = torch.cat([p.patches for p in parts]) if parts else torch.zeros(0, width)
+        return PackedItems(patches, [g for p in parts for g in p.grids])
+
+
+def patch_width(enc) -> int:
+    """Floats per patch of a native-resolution encoder: C * T * P * P (HF's pixel_values width)."""
+    return enc.num_channels * enc.temporal_patch_size * enc.patch_size * enc.patch_size

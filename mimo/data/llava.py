@@ -76,6 +76,7 @@ class Encoded:
     targets: List[bool]
     images: List  # file paths, or the images' bytes (energon)
     audio: List[str] = field(default_factory=list)  # file paths
+    grids: Optional[List[Tuple[int, int, int]]] = None  # native-resolution images: patch grids (t, h, w)
 
 
 class ConversationEncoder:
@@ -84,7 +85,11 @@ class ConversationEncoder:
 
     def __init__(self, tokenizer, seq_length: int, image_root: str, image_token: Optional[int],
                  tokens_per_image: int, audio_token: Optional[int] = None, tokens_per_audio: int = 0,
-                 check_audio: Optional[Callable[[str], None]] = None):
+                 check_audio: Optional[Callable[[str], None]] = None,
+                 image_grid: Optional[Callable[[int, int], Tuple[int, int, int]]] = None, merge: int = 1):
+        """`image_grid` (native-resolution vision): (width, height) -> the image's patch grid (t, h, w);
+        each image's run is then t*h*w / merge^2 placeholders, read from its header."""
+        self.image_grid, self.merge = image_grid, merge
         self.tok = tokenizer
         self.seq_length = seq_length
         self.image_root = image_root
@@ -101,12 +106,25 @@ class ConversationEncoder:
         audio = self._media(record, "audio", AUDIO_TAG, turns, self.audio_token, "audio clip(s)", "audio")
         runs = {IMAGE_TAG: [self.image_token] * self.tokens_per_image,
                 AUDIO_TAG: [self.audio_token] * self.tokens_per_audio}
+        grids = None
+        if self.image_grid is not None:  # native resolution: each image's run from its header
+            grids = []
+            for p in images:
+                try:
+                    grids.append(self.image_grid(*check_image(self._path(p))))
+                except (ImageError, ValueError) as exc:
+                    raise BadRecord(str(exc)) from None
+        image_runs = iter(grids or [])
         ids, targets = [], []
         for text, target in self._segments(turns):
             for piece in _TAGS.split(text):
                 if piece in runs:  # a media item's placeholder run: never a loss target
-                    ids += runs[piece]
-                    targets += [False] * len(runs[piece])
+                    run = runs[piece]
+                    if piece == IMAGE_TAG and grids is not None:
+                        t, h, w = next(image_runs)
+                        run = [self.image_token] * (t * h * w // (self.merge * self.merge))
+                    ids += run
+                    targets += [False] * len(run)
                 elif piece:
                     t = self.tok(piece, add_special_tokens=False)["input_ids"]
                     ids += t
@@ -125,7 +143,7 @@ class ConversationEncoder:
                 self.check_audio(p)
             except ValueError as exc:
                 raise BadRecord(str(exc)) from None
-        return Encoded(rid, ids, targets, paths, clips)
+        return Encoded(rid, ids, targets, paths, clips, grids)
 
     def _path(self, p):
         return os.path.join(self.image_root, p) if isinstance(p, str) else p

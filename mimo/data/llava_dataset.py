@@ -23,9 +23,11 @@ from mimo.config import MimoConfig
 from mimo.config.hf_files import processor_dir, tokenizer_dir
 
 from .audio import AudioError, AudioLoader
-from .images import ImageError, ImageLoader
+from .images import ImageError, ImageLoader, NativeImageLoader
+from .items import grid_patches, is_native, patch_width
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
+from .native_images import native_grid
 from .sampler import GlobalSampler
 
 
@@ -40,19 +42,25 @@ class LazyItems(Mapping):
     it belongs to, for the bad-media message)."""
 
     def __init__(self, paths: Dict[str, List], records: Dict[str, List[str]],
-                 decode: Callable[[str, object, str], torch.Tensor], empty: Dict[str, tuple]):
+                 decode: Callable[..., torch.Tensor], empty: Dict[str, tuple],
+                 grids: Optional[Dict[str, List]] = None):
         self.paths, self.records, self.decode, self.empty = paths, records, decode, empty
+        self.grids = grids or {}  # native-resolution encoders: each item's patch grid (t, h, w)
         self.counts = {n: len(p) for n, p in paths.items()}
         self._cache: Dict[str, torch.Tensor] = {}
 
     def item(self, name: str, k: int) -> torch.Tensor:
         """Item k of encoder `name` alone (an encoder rank decodes only the items it encodes)."""
+        if name in self.grids:  # its size comes from the header: a bad item's zeros need it
+            return self.decode(name, self.paths[name][k], self.records[name][k], self.grids[name][k])
         return self.decode(name, self.paths[name][k], self.records[name][k])
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """All items of `name`: stacked [n, ...], or for native-resolution items their patches packed."""
         if name not in self._cache:
             n = self.counts[name]
-            self._cache[name] = (torch.stack([self.item(name, k) for k in range(n)]) if n
+            join = torch.cat if name in self.grids else torch.stack
+            self._cache[name] = (join([self.item(name, k) for k in range(n)]) if n
                                  else torch.zeros((0,) + self.empty[name]))
         return self._cache[name]
 
@@ -101,19 +109,25 @@ class LlavaDataset:
         self.vision, self.audio = first("vision"), first("audio")
         enc = cfg.model.encoders[self.vision] if self.vision else None
         aud = cfg.model.encoders[self.audio] if self.audio else None
-        self.image_loader = ImageLoader(enc.image_size, processor_dir(cfg, self.vision)) if enc else None
+        self.native = bool(enc) and is_native(enc)
+        self.image_loader = ((NativeImageLoader(enc, processor_dir(cfg, self.vision)) if self.native else
+                              ImageLoader(enc.image_size, processor_dir(cfg, self.vision))) if enc else None)
         self.audio_loader = (AudioLoader(aud, f"model.encoders.{self.audio}")
                              if aud and source is None else None)
         self.encoder = ConversationEncoder(
             tokenizer if tokenizer is not None else load_tokenizer(cfg), self.S,
             d.image_root if d.image_root is not None else os.path.dirname(os.path.abspath(d.path)) if source is None
             else "",
-            cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc else 0,
+            cfg.placeholder_ids[self.vision] if enc else None, enc.tokens_per_item if enc and not self.native else 0,
             cfg.placeholder_ids[self.audio] if self.audio_loader else None, aud.tokens_per_item if aud else 0,
-            self.audio_loader.check if self.audio_loader else None)
+            self.audio_loader.check if self.audio_loader else None,
+            # Native resolution: each image's placeholder run from its header's size.
+            image_grid=(lambda w, h: native_grid(w, h, enc)) if self.native else None,
+            merge=enc.spatial_merge_size if self.native else 1)
         self.loaders = {n: l for n, l in ((self.vision, self.image_loader), (self.audio, self.audio_loader)) if l}
-        self.empty = {n: ((e.num_channels, e.image_size, e.image_size) if e.kind == "vision"
-                          else (e.clip_frames, e.num_mel_bins)) for n, e in cfg.model.encoders.items()}
+        self.empty = {n: ((patch_width(e),) if is_native(e) else (e.num_channels, e.image_size, e.image_size)
+                          if e.kind == "vision" else (e.clip_frames, e.num_mel_bins))
+                      for n, e in cfg.model.encoders.items()}
         self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
@@ -218,13 +232,17 @@ class LlavaDataset:
     def _close_prefetch(self) -> None:
         self._loader_iter, self._loader_step, self._decoded = None, None, {}
 
-    def _decode(self, name: str, path, record: str) -> torch.Tensor:
+    def _decode(self, name: str, path, record: str, grid=None) -> torch.Tensor:
         got = self._decoded.get((name, path))
         if got is None:
             got = decode_or_reason(self.loaders[name], path)
-        return self._bad_media(name, record, got) if isinstance(got, str) else got
+        if isinstance(got, str):
+            # A native-resolution item's zeros take its size from the header (its grid).
+            shape = (grid_patches(grid),) + self.empty[name] if grid is not None else self.empty[name]
+            return self._bad_media(name, record, got, shape)
+        return got
 
-    def _bad_media(self, name: str, record: str, reason: str) -> torch.Tensor:
+    def _bad_media(self, name: str, record: str, reason: str, shape: tuple) -> torch.Tensor:
         """An item whose header was good but whose data is not (a truncated JPEG, say): under `skip`
         zeros of the item's size (the record was planned from its header, so every rank already
         agrees on the step), named once and counted; under `error` the run stops, naming it."""
@@ -235,7 +253,7 @@ class LlavaDataset:
             self._named.add(record)
             print(f"warning: data: record {record!r}: {reason}; trained on with zeros in its place",
                   file=sys.stderr, flush=True)
-        return torch.zeros(self.empty[name])
+        return torch.zeros(shape)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -290,7 +308,7 @@ class LlavaDataset:
     def _sequence(self, docs: List[Encoded]) -> Sample:
         """Records laid end to end, padded to seq_length: document ids (-1 on padding) and
         positions that restart at 0 for each record."""
-        ids, targets, doc_ids, pos, images, audio = [], [], [], [], [], []
+        ids, targets, doc_ids, pos, images, audio, grids = [], [], [], [], [], [], []
         image_records, audio_records = [], []
         for k, e in enumerate(docs):
             ids += e.input_ids
@@ -298,6 +316,7 @@ class LlavaDataset:
             doc_ids += [k] * len(e.input_ids)
             pos += range(len(e.input_ids))
             images += e.images
+            grids += e.grids or []
             audio += e.audio
             image_records += [e.id] * len(e.images)
             audio_records += [e.id] * len(e.audio)
@@ -306,7 +325,9 @@ class LlavaDataset:
         paths = {n: media.get(n, ([], []))[0] for n in self.cfg.model.encoders}
         records = {n: media.get(n, ([], []))[1] for n in self.cfg.model.encoders}
         return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
-                      items=LazyItems(paths, records, self._decode, self.empty),
+                      items=LazyItems(paths, records, self._decode, self.empty,
+                                      {self.vision: grids} if self.native else None),
+                      grids={self.vision: grids} if self.native else None,
                       targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
                       document_ids=torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
                       position_ids=torch.tensor(pos + [0] * pad, dtype=torch.long))

@@ -9,12 +9,16 @@ rank gets which slice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from mimo.config import MimoConfig
+
+from .items import PackedItems, grid_patches, grid_tokens, is_native, patch_width
+from .native_images import native_grid
 
 PAD_ID = 0
 
@@ -29,16 +33,26 @@ class Sample:
     targets: Optional[torch.Tensor] = None       # [s] bool
     document_ids: Optional[torch.Tensor] = None  # [s] long
     position_ids: Optional[torch.Tensor] = None  # [s] long
+    # Native-resolution encoders: encoder name -> each item's patch grid (t, h, w), known from the
+    # media header; their `items[name]` are the items' patches packed [Σ t*h*w, C*T*P*P].
+    grids: Optional[Dict[str, List[Tuple[int, int, int]]]] = None
 
     def count(self, name: str) -> int:
         """Items of encoder `name`, without decoding them."""
+        if self.grids is not None and name in self.grids:
+            return len(self.grids[name])
         counts = getattr(self.items, "counts", None)
         return counts[name] if counts is not None else self.items[name].shape[0]
 
     def item(self, name: str, k: int):
-        """Item k of encoder `name`; lazily decoded items decode just this one."""
+        """Item k of encoder `name`; lazily decoded items decode just this one (native items: its
+        patches [t*h*w, C*T*P*P])."""
         one = getattr(self.items, "item", None)
-        return one(name, k) if one is not None else self.items[name][k]
+        if one is not None:
+            return one(name, k)
+        if self.grids is not None and name in self.grids:
+            return PackedItems(self.items[name], self.grids[name]).item(k)
+        return self.items[name][k]
 
 
 class MockMultimodalDataset:
@@ -69,9 +83,12 @@ class MockMultimodalDataset:
         # Decide items per modality, dropping items that would not fit (leave room for text).
         runs = []  # (name, length)
         budget = s - max(4, s // 4)
-        items = {}
+        items, grids = {}, {}
         for name, enc in self.cfg.model.encoders.items():
             want = int(torch.randint(0, self._max_items(name) + 1, (1,), generator=g))
+            if is_native(enc):
+                items[name], grids[name], budget = self._native_items(name, enc, want, budget, runs, g)
+                continue
             n = 0
             for _ in range(want):
                 if enc.tokens_per_item <= budget:
@@ -82,6 +99,12 @@ class MockMultimodalDataset:
         # Shuffle the run order across modalities, then place runs at random text offsets.
         # The k-th run of a modality (left to right) is its k-th item: the packing order.
         order = torch.randperm(len(runs), generator=g).tolist() if runs else []
+        # Within a modality the runs keep item order (native-resolution items differ in length, and
+        # their grids are listed in order of appearance); only the modalities interleave at random.
+        in_item_order = {}
+        for i, (name, _) in enumerate(runs):
+            in_item_order.setdefault(name, []).append(i)
+        order = [in_item_order[runs[i][0]].pop(0) for i in order]
         length = s - int(torch.randint(0, max(1, s // 8), (1,), generator=g))  # some right padding
         n_text = length - sum(r[1] for r in runs)
         cuts = sorted(torch.randint(0, n_text + 1, (len(runs),), generator=g).tolist())
@@ -94,7 +117,24 @@ class MockMultimodalDataset:
             ids.append(torch.full((ln,), self.placeholders[name], dtype=torch.long))
         ids.append(text[pos:])
         ids.append(torch.full((s - length,), PAD_ID, dtype=torch.long))
-        return Sample(input_ids=torch.cat(ids), items=items)
+        return Sample(input_ids=torch.cat(ids), items=items, grids=grids or None)
+
+    def _native_items(self, name: str, enc, want: int, budget: int, runs: List, g: torch.Generator):
+        """Up to `want` images of random sizes (each side drawn between sqrt(min_pixels) and
+        sqrt(max_pixels), then smart-resized as the HF processor would), those whose placeholder
+        run still fits the budget; their random patches packed [Σ t*h*w, C*T*P*P] and grids."""
+        lo, hi = max(1, math.isqrt(enc.min_pixels)), max(1, math.isqrt(enc.max_pixels))
+        grids = []
+        for _ in range(want):
+            width, height = (int(v) for v in torch.randint(lo, hi + 1, (2,), generator=g))
+            grid = native_grid(width, height, enc)
+            tokens = grid_tokens(grid, enc.spatial_merge_size)
+            if tokens <= budget:
+                budget -= tokens
+                runs.append((name, tokens))
+                grids.append(grid)
+        patches = torch.randn((sum(grid_patches(x) for x in grids), patch_width(enc)), generator=g)
+        return patches, grids, budget
 
     def _text(self, n: int, g: torch.Generator) -> torch.Tensor:
         """An arithmetic progression mod the text vocabulary: predictable from context, so loss falls."""

@@ -27,6 +27,8 @@ def split_entry(entry: Entry, full: torch.Tensor, src: Source) -> Dict[str, torc
         g = full.reshape(groups, per + 2, d, *rest)
         pieces = [g[:, :per].reshape(heads * d, *rest), g[:, per].reshape(groups * d, *rest),
                   g[:, per + 1].reshape(groups * d, *rest)]
+        if entry.kind == "packed_qkv":
+            pieces = [torch.cat(pieces)]
     out = {}
     for name, piece in zip(entry.hf, pieces):
         if name is None:  # e.g. Whisper's absent k_proj bias

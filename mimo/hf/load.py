@@ -51,17 +51,23 @@ def read_shard(src: Source, entry: Entry, param: torch.nn.Parameter, tp_rank: in
     heads, groups, d = entry.heads
     local = groups // tp_size if split else groups
     if local * (tp_size if split else 1) != groups:
-        raise HFWeightsError(entry.hf[1], f"{groups} query groups do not split over tensor-parallel size {tp_size}")
+        raise HFWeightsError(entry.hf[-1], f"{groups} query groups do not split over tensor-parallel size {tp_size}")
     g0 = tp_rank * local if split else 0
     per = heads // groups
-    q = src.read(key(0), (g0 * per * d, (g0 + local) * per * d))
+    # (HF tensor index, first row) of the q, k and v sections: three tensors, or one packed [q; k; v].
+    if entry.kind == "packed_qkv":
+        sections = ((0, 0), (0, heads * d), (0, heads * d + groups * d))
+    else:
+        sections = ((0, 0), (1, 0), (2, 0))
+    (iq, q0), *kv_sections = sections
+    q = src.read(key(iq), (q0 + g0 * per * d, q0 + (g0 + local) * per * d))
     rest = q.shape[1:]
     kv = []
-    for i in (1, 2):
+    for i, r0 in kv_sections:
         if entry.hf[i] is None:
             kv.append(torch.zeros((local * d,) + tuple(rest), dtype=q.dtype))
         else:
-            kv.append(src.read(key(i), (g0 * d, (g0 + local) * d)))
+            kv.append(src.read(key(i), (r0 + g0 * d, r0 + (g0 + local) * d)))
     fused = torch.cat([q.reshape(local, per * d, *rest), kv[0].reshape(local, d, *rest),
                        kv[1].reshape(local, d, *rest)], dim=1)
     return fused.reshape(local * (per + 2) * d, *rest)

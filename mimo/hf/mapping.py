@@ -10,6 +10,8 @@ and how they combine:
   group 0, q heads of group 1, ...] (GQA-aware; a TP rank holds whole groups).
 * `glu`: gate_proj, up_proj -> megatron's fused linear_fc1 [gate; up] (a TP
   rank holds [gate_t; up_t]).
+* `packed_qkv`: one HF tensor [q; k; v] (Qwen-VL's vision `attn.qkv`, all q
+  heads, then all k, then all v) -> the same per-group layout as `qkv`.
 
 HF names are written without their checkpoint prefix (`layers.0.mlp...`);
 `Source` finds the prefix the directory actually uses (transformers has saved
@@ -33,20 +35,23 @@ PREFIXES = {
                "model.vision_tower.", "vision_model.", ""),
     "projector": ("multi_modal_projector.", "model.multi_modal_projector."),
     "whisper": ("model.encoder.", "encoder.", ""),
+    # Qwen2-VL / Qwen2.5-VL vision tower and its patch merger (save_pretrained writes `visual.`).
+    "qwen_visual": ("visual.", "model.visual."),
 }
 # A tensor whose presence identifies the prefix of a role.
 PROBES = {"llm": "embed_tokens.weight", "lm_head": "lm_head.weight", "vision": "embeddings.patch_embedding.weight",
-          "projector": "linear_1.weight", "whisper": "conv1.weight"}
+          "projector": "linear_1.weight", "whisper": "conv1.weight",
+          "qwen_visual": "patch_embed.proj.weight"}
 
 
 @dataclass
 class Entry:
     mimo: str                    # full mimo parameter name inside its module
-    kind: str                    # copy | qkv | glu
+    kind: str                    # copy | qkv | glu | packed_qkv
     role: str                    # key of PREFIXES
     hf: Tuple[str, ...]          # HF names (without prefix)
     shapes: Tuple[Shape, ...]    # expected HF shapes
-    # qkv only: (heads, groups, head_dim)
+    # qkv and packed_qkv only: (heads, groups, head_dim)
     heads: Optional[Tuple[int, int, int]] = None
 
 
@@ -163,6 +168,58 @@ def whisper_entries(cfg: MimoConfig, name: str) -> List[Entry]:
     return out
 
 
+def native_vision_entries(enc) -> List[Entry]:
+    """Qwen2-VL / Qwen2.5-VL vision tower -> mimo.model.native_vision.NativeVisionEncoder.
+
+    Qwen2.5-VL (activation swiglu): RMSNorm, gated MLP gate/up/down_proj with
+    biases; Qwen2-VL: LayerNorm, fc1/fc2. Both: fused attn.qkv with bias.
+    `enc` is the encoder's EncoderConfig.
+    """
+    h, f, heads = enc.hidden_size, enc.ffn_hidden_size, enc.num_attention_heads
+    d, r = h // heads, "qwen_visual"
+    patch = (h, enc.num_channels, enc.temporal_patch_size, enc.patch_size, enc.patch_size)
+    out = [_copy("encoder.patch_embed.weight", r, "patch_embed.proj.weight", patch)]
+    layernorm = enc.normalization == "LayerNorm"
+    for i in range(enc.num_layers):
+        m, p = f"encoder.block.layers.{i}.", f"blocks.{i}."
+        out += [Entry(m + "self_attention.linear_qkv.weight", "packed_qkv", r, (p + "attn.qkv.weight",),
+                      ((3 * h, h),), (heads, heads, d)),
+                Entry(m + "self_attention.linear_qkv.bias", "packed_qkv", r, (p + "attn.qkv.bias",), ((3 * h,),),
+                      (heads, heads, d)),
+                _copy(m + "self_attention.linear_proj.weight", r, p + "attn.proj.weight", (h, h)),
+                _copy(m + "self_attention.linear_proj.bias", r, p + "attn.proj.bias", (h,))]
+        for mimo_norm, hf_norm in (("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2")):
+            out.append(_copy(m + mimo_norm + ".weight", r, p + hf_norm + ".weight", (h,)))
+            if layernorm:
+                out.append(_copy(m + mimo_norm + ".bias", r, p + hf_norm + ".bias", (h,)))
+        if enc.activation == "swiglu":
+            for part in ("weight", "bias"):
+                shape = (f, h) if part == "weight" else (f,)
+                out.append(Entry(m + "mlp.linear_fc1." + part, "glu", r,
+                                 (p + "mlp.gate_proj." + part, p + "mlp.up_proj." + part), (shape, shape)))
+            out += [_copy(m + "mlp.linear_fc2.weight", r, p + "mlp.down_proj.weight", (h, f)),
+                    _copy(m + "mlp.linear_fc2.bias", r, p + "mlp.down_proj.bias", (h,))]
+        else:
+            out += [_copy(m + "mlp.linear_fc1.weight", r, p + "mlp.fc1.weight", (f, h)),
+                    _copy(m + "mlp.linear_fc1.bias", r, p + "mlp.fc1.bias", (f,)),
+                    _copy(m + "mlp.linear_fc2.weight", r, p + "mlp.fc2.weight", (h, f)),
+                    _copy(m + "mlp.linear_fc2.bias", r, p + "mlp.fc2.bias", (h,))]
+    return out
+
+
+def patch_merger_entries(enc, llm_hidden: int) -> List[Entry]:
+    """Qwen2-VL's `merger` (ln_q, mlp.0, mlp.2) -> mimo.model.native_vision.PatchMerger."""
+    h, hl, r = enc.hidden_size, llm_hidden, "qwen_visual"
+    w = h * enc.spatial_merge_size ** 2
+    out = [_copy("projector.norm.weight", r, "merger.ln_q.weight", (h,))]
+    if enc.normalization == "LayerNorm":
+        out.append(_copy("projector.norm.bias", r, "merger.ln_q.bias", (h,)))
+    return out + [_copy("projector.linear_fc1.weight", r, "merger.mlp.0.weight", (w, w)),
+                  _copy("projector.linear_fc1.bias", r, "merger.mlp.0.bias", (w,)),
+                  _copy("projector.linear_fc2.weight", r, "merger.mlp.2.weight", (hl, w)),
+                  _copy("projector.linear_fc2.bias", r, "merger.mlp.2.bias", (hl,))]
+
+
 @dataclass
 class HFModule:
     """One mimo module backed by an HF directory: the entries it loads from there."""
@@ -180,7 +237,13 @@ def hf_modules(cfg: MimoConfig) -> Dict[str, HFModule]:
     if lang_dir:
         out[LANGUAGE] = HFModule(LANGUAGE, lang_dir, language_entries(cfg), True)
     for name, enc in cfg.model.encoders.items():
-        if enc.hf:
+        if enc.kind == "vision" and enc.resolution == "native":
+            # The Qwen-VL tower and its merger live in one directory, the whole model's or the tower's.
+            if enc.hf or cfg.model.hf:
+                out[name] = HFModule(name, enc.hf or cfg.model.hf,
+                                     native_vision_entries(enc)
+                                     + patch_merger_entries(enc, cfg.model.language.hidden_size), True)
+        elif enc.hf:
             entries = vision_entries(cfg, name) if enc.kind == "vision" else whisper_entries(cfg, name)
             out[name] = HFModule(name, enc.hf, entries, False)
         elif cfg.model.hf and name == "images":

@@ -65,12 +65,27 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Dict[str, float]) -> torch.
 
 
 def gpt_model_kwargs(lang) -> Dict:
-    return dict(share_embeddings_and_output_weights=lang.tie_embeddings, position_embedding_type="rope",
+    # mrope: megatron's MultimodalRotaryEmbedding, fed [3, b, s] position ids (mimo.data.mrope); its
+    # split of the rotary dims (mrope_section) is a TransformerConfig field (`mrope_section`).
+    kind = "mrope" if getattr(lang, "position_embedding", "rope") == "mrope" else "rope"
+    return dict(share_embeddings_and_output_weights=lang.tie_embeddings, position_embedding_type=kind,
                 rotary_base=lang.rope_theta)
+
+
+def mrope_kwargs(module_cfg) -> Dict:
+    """TransformerConfig's `mrope_section` for an M-RoPE LLM (nothing for any other module)."""
+    if getattr(module_cfg, "position_embedding", None) != "mrope":
+        return {}
+    return dict(mrope_section=list(module_cfg.mrope_section))
 
 
 def finish_llm(model: torch.nn.Module, lang) -> None:
     """Post-construction details megatron's constructor has no argument for."""
     rope = getattr(model, "rotary_pos_emb", None)
+    if getattr(model, "position_embedding_type", None) == "mrope":
+        # Under context parallelism mimo hands each rank its own tokens' position ids
+        # (`shard_microbatch`), so the rotary table is already this rank's; megatron's own CP slice
+        # (taken when its rotary module holds a CP group of more than one rank) must not cut it again.
+        rope.cp_group = None
     if rope is not None and lang.rope_scaling is not None:
         rope.inv_freq = llama3_inv_freq(rope.inv_freq, lang.rope_scaling)

@@ -15,11 +15,13 @@ from megatron.core.models.gpt import GPTModel
 from mimo.attention import BitfieldMask, build_bitfield_mask
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID
+from mimo.data.items import PackedItems, is_native
 from mimo.topology import Layout
 
 from .architecture import finish_llm, gpt_model_kwargs
 from .assembly import assemble_embeddings
 from .encoders import AudioEncoder, VisionEncoder
+from .native_vision import NativeVisionEncoder
 from .norm import block_spec
 from .projector import build_projector, project
 from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
@@ -34,7 +36,11 @@ class EncoderWithProjector(torch.nn.Module):
         super().__init__()
         self.encoder, self.projector = encoder, projector
 
-    def forward(self, items: torch.Tensor) -> torch.Tensor:
+    def forward(self, items) -> torch.Tensor:
+        if isinstance(items, PackedItems):
+            # Native resolution: the ViT runs every image of the call as one packed sequence
+            # [Σ patches, hidden]; the patch merger makes it [Σ patches / merge², LLM hidden].
+            return self.projector(self.encoder(items.patches, items.grids))
         return project(self.projector, self.encoder(items))
 
 
@@ -43,7 +49,9 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
     precision = cfg.training.precision
     initialize = initialized_by_megatron(cfg.training)
     ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name], initialize=initialize)
-    if enc.kind == "vision":
+    if is_native(enc):
+        encoder = NativeVisionEncoder(ecfg, enc, pg_collection)
+    elif enc.kind == "vision":
         encoder = VisionEncoder(ecfg, enc, pg_collection)
     else:
         encoder = AudioEncoder(ecfg, enc, pg_collection)
@@ -51,7 +59,8 @@ def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> 
     # speaks the LLM's width. It runs on the encoder's gathered output (no
     # sequence parallelism: its rows are packed items, not one sequence).
     lcfg = transformer_config(cfg.model.language, layout, precision, initialize=initialize)
-    projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp, enc.projector.activation)
+    projector = build_projector(lcfg, enc.hidden_size, enc.projector.kind, pg_collection.tp, enc.projector.activation,
+                                encoder_cfg=enc)
     module = EncoderWithProjector(encoder, projector)
     module.to(ecfg.params_dtype)
     set_frozen(module.encoder, enc.frozen)
@@ -99,10 +108,11 @@ def attention_mask(cfg: MimoConfig, input_ids: torch.Tensor,
     return BitfieldMask(bits.masked_fill(document_ids < 0, 0), document_ids)
 
 
-def encode(path: EncoderWithProjector, items: Optional[torch.Tensor]) -> torch.Tensor:
-    """Packed tokens for a microbatch's items; an empty [0, h] tensor when it has none."""
+def encode(path: EncoderWithProjector, items) -> torch.Tensor:
+    """Packed tokens for a microbatch's items (a tensor [n, ...], or native-resolution `PackedItems`);
+    an empty [0, h] tensor when it has none."""
     hidden = path.projector.config.hidden_size
-    if items is None or items.shape[0] == 0:
+    if items is None or len(items) == 0:
         # No items: skip the encoder (identically on all TP ranks of the shard,
         # since they see the same data), its parameters get no gradient this microbatch.
         return torch.zeros(0, hidden, dtype=path.projector.config.params_dtype)

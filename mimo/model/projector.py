@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 
 from .architecture import ACTIVATION_FUNCS
+from .native_vision import PatchMerger
 from .specs import mlp_spec
 
 
@@ -32,12 +33,15 @@ class LinearProjector(MegatronModule):
         return out
 
 
-def build_projector(llm_config, encoder_hidden: int, kind: str, tp_group, activation: str = "gelu") -> MegatronModule:
+def build_projector(llm_config, encoder_hidden: int, kind: str, tp_group, activation: str = "gelu",
+                    encoder_cfg=None) -> MegatronModule:
     """A projector that outputs the LLM hidden size.
 
     megatron's MLP takes its output width from config.hidden_size, so the
     projector gets the LLM's config (ffn width = LLM hidden, as in LLaVA's
-    2-layer MLP) with the encoder's width as input size.
+    2-layer MLP) with the encoder's width as input size. `patch_merger`
+    (native-resolution vision) also reads spatial_merge_size and
+    normalization from `encoder_cfg`.
     """
     act, _ = ACTIVATION_FUNCS[activation]
     # Biased, ungated linears whatever the LLM's own MLP looks like (LLaVA's projector).
@@ -47,7 +51,12 @@ def build_projector(llm_config, encoder_hidden: int, kind: str, tp_group, activa
         return MultimodalProjector(cfg, mlp_spec().submodules, "mlp", encoder_hidden, tp_group=tp_group)
     if kind == "linear":
         return LinearProjector(cfg, encoder_hidden, tp_group)
-    raise ValueError(f"projector kind must be mlp or linear, got {kind!r}")
+    if kind == "patch_merger":
+        if encoder_cfg is None:
+            raise ValueError("projector kind patch_merger needs the encoder's config (spatial_merge_size, normalization)")
+        return PatchMerger(cfg, encoder_hidden, encoder_cfg.spatial_merge_size, encoder_cfg.normalization, tp_group,
+                           activation)
+    raise ValueError(f"projector kind must be mlp, linear or patch_merger, got {kind!r}")
 
 
 def project(projector: MegatronModule, tokens: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mimo.topology import Layout
 
-from .architecture import architecture_kwargs
+from .architecture import architecture_kwargs, mrope_kwargs
 
 
 # megatron's normal(0, std) weight initialisation; mimo.model.sharded_init draws with the same std.
@@ -81,6 +81,7 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         **no_draw,
         # Norm, activation, biases, head dim: the module's architecture fields.
         **architecture_kwargs(module_cfg),
+        **mrope_kwargs(module_cfg),
         # The fused kernels are CUDA-only; the unfused paths run everywhere.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,

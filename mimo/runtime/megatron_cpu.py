@@ -4,7 +4,7 @@ megatron-core assumes a GPU in the places below (1-4 for models, then the
 optimizer stack in `optimizer_on_cpu`):
 
 1. Buffers are allocated with ``device=torch.cuda.current_device()`` (tensor
-   parallel gathers, RoPE frequencies, the global memory buffer). On a CPU run
+   parallel gathers, RoPE and M-RoPE frequencies, the global memory buffer). On a CPU run
    we answer that question with the CPU device; nothing else in a CPU process
    asks it. Scoped: `megatron_on_cpu` (through `mimo.runtime.megatron_scope`)
    is entered around building megatron modules and around running a step,

@@ -40,7 +40,7 @@ input gradients.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +48,7 @@ import torch
 from mimo.attention.mask import CAUSAL, LOW
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID
+from mimo.data.items import grid_patches, is_native, sample_grids
 from mimo.model import attention_mask
 
 # Dense bf16 peak of one device, TFLOPS (datasheet, no sparsity), matched against the CUDA device name.
@@ -81,11 +82,17 @@ class StepWork:
     tokens: int                   # non-padding positions
     items: Dict[str, int]         # encoder -> images / clips in the step
     llm_attention_pairs: int      # (query, key) pairs the LLM's mask allows, summed over samples
+    # Native-resolution encoders only (items of their own sizes): encoder -> patches of the step's
+    # items, and (query, key) attention pairs summed over the items and the encoder's layers.
+    encoder_patches: Dict[str, int] = field(default_factory=dict)
+    encoder_pairs: Dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: "StepWork") -> "StepWork":
+        def add(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
+            return {n: a.get(n, 0) + b.get(n, 0) for n in {**a, **b}}
         return StepWork(self.samples + other.samples, self.positions + other.positions, self.tokens + other.tokens,
-                        {n: self.items.get(n, 0) + other.items.get(n, 0) for n in {**self.items, **other.items}},
-                        self.llm_attention_pairs + other.llm_attention_pairs)
+                        add(self.items, other.items), self.llm_attention_pairs + other.llm_attention_pairs,
+                        add(self.encoder_patches, other.encoder_patches), add(self.encoder_pairs, other.encoder_pairs))
 
 
 def no_work(cfg: MimoConfig) -> StepWork:
@@ -141,16 +148,19 @@ def step_work(cfg: MimoConfig, samples: Sequence) -> StepWork:
         pairs = attention_pairs(mask.bits, mask.document_ids)
     else:
         pairs = b * seq * (seq + 1) // 2
+    grids = {n: [g for s in samples for g in sample_grids(s, n)] for n, e in cfg.model.encoders.items() if is_native(e)}
     return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items,
-                    llm_attention_pairs=pairs)
+                    llm_attention_pairs=pairs, **native_work(cfg, grids))
 
 
 def microbatch_work(cfg: MimoConfig, input_ids: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
-                    item_counts: Optional[Mapping[str, torch.Tensor]] = None, mask=None) -> StepWork:
+                    item_counts: Optional[Mapping[str, torch.Tensor]] = None, mask=None,
+                    item_grids: Optional[Mapping[str, torch.Tensor]] = None) -> StepWork:
     """StepWork of one LLM microbatch from its HOST tensors: `input_ids` [b, s], `document_ids` [b, s]
     (packed real data; negative = padding), `item_counts` encoder -> per-sample item counts [b] (the
     collated `{encoder}_counts`), `mask` the microbatch's bitfield mask when already built
-    (`mimo.model.attention_mask`; built here otherwise). Host tensors only: nothing waits for a device."""
+    (`mimo.model.attention_mask`; built here otherwise), `item_grids` native-resolution encoder -> its
+    items' grids [n, 3] (the collated `{encoder}_grids`). Host tensors only: nothing waits for a device."""
     lang = cfg.model.language
     b, seq = input_ids.shape
     tokens = int((input_ids != PAD_ID).sum()) if document_ids is None else int((document_ids >= 0).sum())
@@ -162,7 +172,34 @@ def microbatch_work(cfg: MimoConfig, input_ids: torch.Tensor, document_ids: Opti
         pairs = attention_pairs(mask.bits, mask.document_ids)
     else:
         pairs = b * seq * (seq + 1) // 2
-    return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items, llm_attention_pairs=pairs)
+    grids = {n: [tuple(g) for g in item_grids[n].tolist()] for n in (item_grids or {})}
+    return StepWork(samples=b, positions=b * seq, tokens=tokens, items=items, llm_attention_pairs=pairs,
+                    **native_work(cfg, grids))
+
+
+def native_work(cfg: MimoConfig, grids: Mapping[str, Sequence]) -> Dict[str, Dict[str, int]]:
+    """StepWork's native-resolution fields from each native encoder's item grids (t, h, w)."""
+    return {"encoder_patches": {n: sum(grid_patches(g) for g in gs) for n, gs in grids.items()},
+            "encoder_pairs": {n: sum(native_attention_pairs(cfg.model.encoders[n], g) for g in gs)
+                              for n, gs in grids.items()}}
+
+
+def native_attention_pairs(enc, grid: Sequence[int]) -> int:
+    """(query, key) pairs of one native-resolution image summed over the encoder's layers: each
+    full-attention layer sees the image's frame (t (h w)^2 pairs), each window layer its windows of
+    window_size pixels (the last row / column of windows may be smaller)."""
+    t, h, w = (int(x) for x in grid)
+    full = t * (h * w) ** 2
+    m = enc.spatial_merge_size
+    units = enc.window_size // enc.patch_size // m if enc.window_size else 0
+    if not units:
+        return enc.num_layers * full
+
+    def sides(n: int) -> List[int]:  # window sides in merge units along one axis
+        return [min(units, n - i) for i in range(0, n, units)]
+    window = t * m ** 4 * sum(r * r for r in sides(h // m)) * sum(c * c for c in sides(w // m))
+    n_full = len(set(enc.full_attention_layers or ()))
+    return n_full * full + (enc.num_layers - n_full) * window
 
 
 def count_later(cfg: MimoConfig, host: Mapping[str, torch.Tensor], mask=None) -> Callable[[], StepWork]:
@@ -170,7 +207,8 @@ def count_later(cfg: MimoConfig, host: Mapping[str, torch.Tensor], mask=None) ->
     (`microbatch_work`) on the host, made only on the ranks that report it (`rank_work`). It holds the
     host ids, document ids, item counts and mask, not the microbatch's other host tensors (pixels)."""
     return functools.partial(microbatch_work, cfg, host["input_ids"], host.get("document_ids"),
-                             {n: host[f"{n}_counts"] for n in cfg.model.encoders if f"{n}_counts" in host}, mask)
+                             {n: host[f"{n}_counts"] for n in cfg.model.encoders if f"{n}_counts" in host}, mask,
+                             {n: host[f"{n}_grids"] for n in cfg.model.encoders if f"{n}_grids" in host})
 
 
 @dataclass
@@ -253,6 +291,10 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
     out: Dict[str, ModuleFlops] = {}
     h_llm = cfg.model.language.hidden_size
     for name, enc in cfg.model.encoders.items():
+        if is_native(enc):
+            out[name] = native_encoder_flops(cfg, enc, work.encoder_patches.get(name, 0),
+                                             work.encoder_pairs.get(name, 0))
+            continue
         t, n = enc.tokens_per_item, work.items.get(name, 0)
         if enc.kind == "vision":
             stem_in = enc.num_channels * enc.patch_size ** 2
@@ -277,6 +319,20 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
     upstream = any(encoder_trains(cfg, n) for n in cfg.model.encoders)
     out[LANGUAGE] = walk(parts, upstream)
     return out
+
+
+def native_encoder_flops(cfg: MimoConfig, enc, patches: int, pairs: int) -> ModuleFlops:
+    """A native-resolution ViT with its patch merger over `patches` patches: the patch embedding
+    (2 (C T p^2) h_e per patch), the layers (`pairs`: attention pairs summed over layers), and the
+    merger's two linears on patches / m^2 rows (m^2 h_e -> m^2 h_e -> h)."""
+    he, h_llm, m2 = enc.hidden_size, cfg.model.language.hidden_size, enc.spatial_merge_size ** 2
+    stem_in = enc.num_channels * enc.temporal_patch_size * enc.patch_size ** 2
+    layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size)
+    merged = patches // m2
+    parts = [Part(2 * patches * stem_in * he, 0, not enc.frozen),
+             Part(enc.num_layers * patches * layer, attention_core_flops(pairs, he), not enc.frozen),
+             Part(2 * merged * (m2 * he * m2 * he + m2 * he * h_llm), 0, not enc.projector.frozen)]
+    return walk(parts, upstream_trains=False)
 
 
 def step_flops(cfg: MimoConfig, work: StepWork) -> float:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mimo.config import LANGUAGE, MimoConfig
+from mimo.data.items import is_native
 from mimo.runtime import Runtime, Span, StepTimer, peak_memory_bytes
 
 from .flops import RankWork, StepWork, peak_tflops, step_flops
@@ -67,19 +68,30 @@ class StepTimes:
 WORK_FIELDS = ("samples", "positions", "tokens", "llm_attention_pairs")
 
 
+def _native(cfg: MimoConfig) -> List[str]:
+    """Native-resolution encoders: their items differ in size, so their patch and attention-pair
+    counts travel too (two more slots each)."""
+    return [n for n, e in cfg.model.encoders.items() if is_native(e)]
+
+
+def _width(cfg: MimoConfig) -> int:
+    return len(WORK_FIELDS) + len(cfg.model.encoders) + 2 * len(_native(cfg))
+
+
 def work_slots(cfg: MimoConfig) -> int:
-    """Length of the work part of `reduce_step`'s tensor: per LLM DP replica, the four counts and one
-    item count per encoder."""
-    return cfg.parallelism[LANGUAGE].dp * (len(WORK_FIELDS) + len(cfg.model.encoders))
+    """Length of the work part of `reduce_step`'s tensor: per LLM DP replica, the four counts, one
+    item count per encoder, and a native-resolution encoder's patches and attention pairs."""
+    return cfg.parallelism[LANGUAGE].dp * _width(cfg)
 
 
 def pack_work(cfg: MimoConfig, share: Optional[RankWork]) -> List[float]:
     """This rank's slots: its share in the block of its LLM DP replica, zeros elsewhere."""
-    width = len(WORK_FIELDS) + len(cfg.model.encoders)
+    width = _width(cfg)
     out = [0.0] * work_slots(cfg)
     if share is not None:
         w = share.work
         row = [float(getattr(w, f)) for f in WORK_FIELDS] + [float(w.items.get(n, 0)) for n in cfg.model.encoders]
+        row += [float(d.get(n, 0)) for n in _native(cfg) for d in (w.encoder_patches, w.encoder_pairs)]
         out[share.dp_rank * width:(share.dp_rank + 1) * width] = row
     return out
 
@@ -90,7 +102,7 @@ def unpack_work(cfg: MimoConfig, values: Sequence[float]) -> Optional[StepWork]:
     The shares must cover the global batch exactly once: a sample counted on two replicas, or a replica
     whose share is missing or written into another's slots, changes the sample count and stops here
     (on every rank alike: they all hold the same reduced values)."""
-    width = len(WORK_FIELDS) + len(cfg.model.encoders)
+    width = _width(cfg)
     rows = [values[i:i + width] for i in range(0, len(values), width)]
     totals = [sum(r[j] for r in rows) for j in range(width)]
     if totals[0] == 0:
@@ -99,10 +111,13 @@ def unpack_work(cfg: MimoConfig, values: Sequence[float]) -> Optional[StepWork]:
     if totals[0] != G:
         raise RuntimeError(f"the ranks' FLOP counts cover {int(totals[0])} samples, the global batch has {G}: "
                            f"an LLM DP replica's samples were counted twice or not at all")
-    n = len(WORK_FIELDS)
+    n, k = len(WORK_FIELDS), len(WORK_FIELDS) + len(cfg.model.encoders)
+    native = _native(cfg)
     return StepWork(samples=int(totals[0]), positions=int(totals[1]), tokens=int(totals[2]),
                     items={e: int(totals[n + i]) for i, e in enumerate(cfg.model.encoders)},
-                    llm_attention_pairs=int(totals[3]))
+                    llm_attention_pairs=int(totals[3]),
+                    encoder_patches={e: int(totals[k + 2 * i]) for i, e in enumerate(native)},
+                    encoder_pairs={e: int(totals[k + 2 * i + 1]) for i, e in enumerate(native)})
 
 
 def reduce_step(timer: StepTimer, cfg: MimoConfig, runtime: Runtime, skipped_samples: int,

@@ -28,6 +28,8 @@ from mimo.attention import BitfieldMask, plan_context_parallel
 from mimo.attention.context_parallel import check_slots
 from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID, collate, loss_tokens, move, shard_indices
+from mimo.data.items import PackedItems, grid_patches, is_native, patch_width, sample_grids, step_item_tokens
+from mimo.data.mrope import microbatch_mrope_position_ids
 from mimo.model import attention_mask
 
 from .flops import count_later
@@ -48,6 +50,9 @@ def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype
     the step never waits for the device to learn it: the attention mask, under CP the balanced
     slots (checked here), and the number of placeholder tokens of each modality."""
     mask = attention_mask(cfg, host["input_ids"], host.get("document_ids"))
+    if cfg.model.language.position_embedding == "mrope" and host["position_ids"].dim() == 2:
+        # Samples with 1-D positions: M-RoPE's (time, height, width) ones, from the images' grids.
+        host = {**host, "position_ids": microbatch_mrope_position_ids(cfg, host)}
     batch = move(host, device, dtype)
     batch["placeholder_counts"] = {i: int((host["input_ids"] == i).sum()) for i in cfg.placeholder_ids.values()}
     batch["attention_mask"] = None if mask is None else BitfieldMask(
@@ -81,19 +86,31 @@ def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, devi
 
 @dataclass
 class EncoderItems:
-    """The items (pixels, features) an encoder rank encodes this step, on the device, by step item id."""
+    """The items (pixels, features) an encoder rank encodes this step, on the device, by step item id.
+
+    Fixed-size items are rows of `rows` [n, ...]. Native-resolution items (`grids` set) are packed:
+    item r's patches are rows [starts[r], starts[r] + patches of grids[r]) of `rows`."""
     rows: torch.Tensor
     row_of: Dict[int, int]
+    grids: Optional[List[Tuple[int, int, int]]] = None
 
-    def take(self, ids: List[int]) -> torch.Tensor:
-        index = torch.tensor([self.row_of[i] for i in ids], dtype=torch.long)
-        return self.rows[index.to(self.rows.device, non_blocking=True)]
+    def take(self, ids: List[int]):
+        if self.grids is None:
+            index = torch.tensor([self.row_of[i] for i in ids], dtype=torch.long)
+            return self.rows[index.to(self.rows.device, non_blocking=True)]
+        # The index is built on the host from the grids: no device sync.
+        starts = [0] + list(accumulate(grid_patches(g) for g in self.grids))
+        rows = [self.row_of[i] for i in ids]
+        index = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]) if rows else \
+            torch.zeros(0, dtype=torch.long)
+        return PackedItems(self.rows[index.to(self.rows.device, non_blocking=True)], [self.grids[r] for r in rows])
 
 
 def step_windows(cfg: MimoConfig, samples: List, balancer, comms: Dict, colocated: List[str]) -> StepWindows:
-    """The step's boundary windows from its samples' metadata (item counts; nothing decoded)."""
+    """The step's boundary windows from its samples' metadata (item counts and sizes; nothing decoded)."""
     counts = {n: [s.count(n) for s in samples] for n in cfg.model.encoders}
-    return StepWindows(cfg, comms, counts, colocated, balancer.assignment(samples, PAD_ID))
+    return StepWindows(cfg, comms, counts, colocated, balancer.assignment(samples, PAD_ID),
+                       step_item_tokens(cfg, samples))
 
 
 def encoded_item_ids(windows: StepWindows, name: str, dp_rank: int, colocated: List[str],
@@ -142,8 +159,16 @@ def whole_step(cfg: MimoConfig, step: int, samples: List, windows: StepWindows, 
     step_batch = {}
     for name, ids in encoded.items():
         order = sorted(set(ids))
-        rows = [samples[j].item(name, k) for j, k in item_sources(samples, name, order)]
+        sources = item_sources(samples, name, order)
+        rows = [samples[j].item(name, k) for j, k in sources]
+        row_of = {i: r for r, i in enumerate(order)}
+        enc = cfg.model.encoders[name]
+        if is_native(enc):  # packed patches [Σ patches, C*T*P*P] and their grids
+            grids = [sample_grids(samples[j], name)[k] for j, k in sources]
+            host = torch.cat(rows) if rows else torch.zeros(0, patch_width(enc))
+            step_batch[name] = EncoderItems(host.to(device, dtype, non_blocking=True), row_of, grids)
+            continue
         host = torch.stack(rows) if rows else torch.zeros((0,) + item_shape(cfg, name))
-        step_batch[name] = EncoderItems(host.to(device, dtype, non_blocking=True), {i: r for r, i in enumerate(order)})
+        step_batch[name] = EncoderItems(host.to(device, dtype, non_blocking=True), row_of)
     n_tokens = torch.tensor(float(total), dtype=torch.float64, device=device)
     return StepData(n_tokens, llm_batches, step_batch, windows)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from mimo.attention import shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
+from mimo.data.items import is_native
 from mimo.model import assemble_embeddings, encode, llm_loss
 from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len
@@ -111,10 +112,11 @@ class RankStep:
         cuts = [(c * len(ids)) // M for c in range(M + 1)]
         return ids[cuts[mb]:cuts[mb + 1]]
 
-    def _unit_counts(self, name: str, items: int) -> torch.Tensor:
-        """Per-item token counts of a packed boundary tensor of `items` items; made on the host, where
-        the communicator checks them without waiting for the device."""
-        return torch.full((items,), self.cfg.model.encoders[name].tokens_per_item, dtype=torch.int64)
+    def _unit_counts(self, name: str, ids: List[int]) -> torch.Tensor:
+        """Per-item token counts of a packed boundary tensor of the step items `ids`; made on the host
+        (from each item's size, `StepWindows.tokens`), where the communicator checks them without
+        waiting for the device."""
+        return torch.tensor(self.data.windows.tokens(name, ids), dtype=torch.int64)
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class RankStep:
                 ys[key] = encode(model, self._items(name, mb, part))
                 return
             items = self._items(name, mb, part) if stage == 0 else None
-            count = items.shape[0] if items is not None else len(self._item_ids(name, mb, part))
+            count = len(items) if items is not None else len(self._item_ids(name, mb, part))
             if count == 0:  # nothing to encode: every stage skips, identically
                 last = stage == g.layout.pp - 1
                 ys[key] = (torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
@@ -159,6 +161,8 @@ class RankStep:
         """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
         item's tokens (a vision class token travels with the patches; the last stage drops it)."""
         enc = self.cfg.model.encoders[name]
+        if is_native(enc):  # refused by the config check (mimo.config.validate); a guard for direct callers
+            raise ValueError(f"parallelism.{name}.pp: a native-resolution encoder runs as one pipeline stage")
         tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), self.trainer.parts[name].encoder.config)
         return (tokens, items, enc.hidden_size)
 
@@ -343,18 +347,18 @@ class RankStep:
         if got is None:
             return
         lg = self.trainer.topo.grid(LANGUAGE)
-        tokens = self.cfg.model.encoders[name].tokens_per_item
-        items = windows.llm_items(name, lg.coords["dp"], mb or 0)
+        tokens = windows.llm_tokens(name, lg.coords["dp"], mb or 0)
         if deferred:
-            items += windows.llm_items(name, lg.coords["dp"], mb - 1, DEFERRED)
+            tokens += windows.llm_tokens(name, lg.coords["dp"], mb - 1, DEFERRED)
         # Every rank derives the windows from the same step data; a shape check (no host sync)
         # catches ranks that disagree on the window's total (not two items swapped within it).
-        if got.shape[0] != items * tokens:
+        if got.shape[0] != tokens:
             raise RuntimeError(f"microbatch {mb}: boundary {name!r} delivered {got.shape[0]} tokens but the "
-                               f"batch needs {items * tokens}")
+                               f"batch needs {tokens}")
         if mb is None:  # colocated: the step's tensor, sliced per LLM microbatch in phase 2
             mine = [i for m in windows.llm_indices(lg.coords["dp"]) for i in m]
-            per_sample = [windows.item_counts[name][i] * tokens for i in mine]
+            sample_tokens = windows.sample_tokens(name)
+            per_sample = [sample_tokens[i] for i in mine]
             self.received[name] = got
             self.offsets[name] = microbatch_offsets(per_sample, windows.microbatch_sizes(lg.coords["dp"]))
             if self.trainable[name]:
@@ -375,8 +379,8 @@ class RankStep:
                 chunks = (list(range(self.trainer.num_microbatches)) if mb is None and g.layout.pp > 1 else [mb])
                 ys = [self.y[(name, c)] if keep else self.y.pop((name, c)) for c in chunks]
                 src = ys[0] if len(ys) == 1 else torch.cat(ys, dim=0)
-            items = len(self._item_ids(name, None if name in self.trainer.colocated else mb, part))
-            src, counts = src.detach(), self._unit_counts(name, items)
+            ids = self._item_ids(name, None if name in self.trainer.colocated else mb, part)
+            src, counts = src.detach(), self._unit_counts(name, ids)
         return comm.forward(src, counts, window, backward=self.trainable[name])
 
     def _boundary_backward(self, name: str, mb: Optional[int]) -> None:
@@ -386,7 +390,7 @@ class RankStep:
             grad = self.boundary_grad.pop(name) if mb is None else self.gx.pop((name, mb))
         deferred = mb is not None and self._defers(name, mb - 1)
         if deferred and grad is not None:  # split where the kept window's rows end
-            n = self.data.windows.llm_items(name, lg.coords["dp"], mb) * self.cfg.model.encoders[name].tokens_per_item
+            n = self.data.windows.llm_tokens(name, lg.coords["dp"], mb)
             grad, late = grad[:n], grad[n:]
         comm = self.trainer.comms[name]
         # Backward calls consume the edge's forwards in order: the kept window, then the deferred one.

@@ -22,7 +22,7 @@ from the step's item counts and assignment alone, so no plan travels.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mimo.balance.assignment import StepAssignment
 from mimo.config import LANGUAGE, MimoConfig
@@ -63,14 +63,33 @@ class StepWindows:
     """The boundary windows of one step.
 
     `item_counts[name]`: items of each step sample (host list); `assignment`: where the step's
-    samples run (`mimo.balance`); `comms[name].plan`: the edge's static plan, specialised per window.
+    samples run (`mimo.balance`); `comms[name].plan`: the edge's static plan, specialised per window;
+    `item_tokens[name]`: LLM tokens of each step item in step item order (`mimo.data.items.
+    step_item_tokens`; default: every item the encoder's fixed `tokens_per_item`).
     """
 
     def __init__(self, cfg: MimoConfig, comms: Dict, item_counts: Dict[str, List[int]], colocated: List[str],
-                 assignment: StepAssignment):
+                 assignment: StepAssignment, item_tokens: Optional[Dict[str, List[int]]] = None):
         self.cfg, self.comms, self.item_counts, self.colocated = cfg, comms, item_counts, colocated
+        self.item_tokens = {n: list(item_tokens[n]) if item_tokens and n in item_tokens
+                            else [cfg.model.encoders[n].tokens_per_item] * sum(int(c) for c in counts)
+                            for n, counts in item_counts.items()}
+        for n, counts in item_counts.items():
+            if len(self.item_tokens[n]) != sum(int(c) for c in counts):
+                raise ValueError(f"item_tokens[{n!r}]: {len(self.item_tokens[n])} sizes for "
+                                 f"{sum(int(c) for c in counts)} items")
         self.kept, self.late = split_deferred(assignment)
         self._cache: Dict[Tuple[str, int, str], Tuple[object, List[int]]] = {}
+
+    def tokens(self, name: str, ids: Sequence[int]) -> List[int]:
+        """LLM tokens of each of the given step items of `name`."""
+        return [self.item_tokens[name][i] for i in ids]
+
+    def sample_tokens(self, name: str) -> List[int]:
+        """LLM tokens of `name`'s items in each step sample."""
+        first = [0] + list(accumulate(int(c) for c in self.item_counts[name]))
+        prefix = [0] + list(accumulate(self.item_tokens[name]))
+        return [prefix[b] - prefix[a] for a, b in zip(first, first[1:])]
 
     def llm_indices(self, dp_rank: int) -> List[List[int]]:
         """Step sample indices of each microbatch of LLM DP shard `dp_rank`: kept, then deferred."""
@@ -95,7 +114,7 @@ class StepWindows:
             shards = self._shards(name, mb, part)
             samples = [i for s in shards for i in s]
             ids = [first[s] + k for s in samples for k in range(int(counts[s]))]
-            tokens = [self.cfg.model.encoders[name].tokens_per_item] * len(ids)
+            tokens = self.tokens(name, ids)
             src = divide_items(tokens, self.cfg.parallelism[name].dp)
             dst = sample_item_bounds([counts[s] for s in samples], [0] + list(accumulate(len(s) for s in shards)))
             # Every rank knows each item's size, so the communicator sends no counts ahead of the rows.
@@ -117,6 +136,12 @@ class StepWindows:
         """How many items of the window LLM DP shard `dp_rank` receives."""
         a, b = self.window(name, mb, part)[0].dst_interval(dp_rank)
         return b - a
+
+    def llm_tokens(self, name: str, dp_rank: int, mb: int = 0, part: str = KEPT) -> int:
+        """How many LLM tokens (boundary rows) of the window LLM DP shard `dp_rank` receives."""
+        plan, ids = self.window(name, mb, part)
+        a, b = plan.dst_interval(dp_rank)
+        return sum(self.tokens(name, ids[a:b]))
 
     def microbatch_sizes(self, dp_rank: int) -> List[int]:
         return [len(m) for m in self.llm_indices(dp_rank)]
