@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mimo.balance.assignment import contiguous
-from mimo.config import ConfigError, load_config
+from mimo.config import load_config
 from mimo.data import MockMultimodalDataset, collate
 from mimo.data.items import PackedItems, divide_items, grid_tokens, sample_item_tokens, step_item_tokens
 from mimo.data.mock import Sample
@@ -171,15 +171,6 @@ def test_split_inputs_takes_pixel_values_and_image_grid_thw():
                            "image_grid_thw": bad})
     with pytest.raises(ValueError, match="^pixel_values"):
         split_inputs(cfg, {"input_ids": ids, "pixel_values": pixels[1:], "image_grid_thw": torch.tensor(grids)})
-
-
-def test_what_ragged_items_do_not_support_yet_is_refused():
-    with pytest.raises(ConfigError, match="parallelism.images.pp: must be 1 for a native-resolution encoder"):
-        load_config(native(images=dict(pp=2)))
-    raw = native()
-    raw["data"]["balance"] = "mmscale"
-    with pytest.raises(ConfigError, match="data.balance: mmscale needs fixed-size items"):
-        load_config(raw)
 
 
 # -- FP32 parity ---------------------------------------------------------------------------------

@@ -502,7 +502,7 @@ def run_megatron(cfg, runtime, steps: int):
 def layer_timing(llm, cfg, device, iters: int) -> dict:
     """One transformer layer of the model alone (its real weights, its dtype, RoPE on): forward and
     backward milliseconds at the step's micro batch and sequence length."""
-    from mimo.training.flops import attention_core_flops, layer_linear_flops
+    from mimo.training.flops import attention_core_flops, is_gated, layer_linear_flops
 
     lang = cfg.model.language
     s, b, h = cfg.data.seq_length, cfg.training.micro_batch_size, lang.hidden_size
@@ -531,7 +531,7 @@ def layer_timing(llm, cfg, device, iters: int) -> dict:
     a = lang.num_attention_heads
     # mimo.training.flops' counting: matmuls only; backward = 2x forward (input and weight gradients,
     # dQ/dK/dV), causal attention pairs.
-    flops = (b * s * layer_linear_flops(h, a, lang.num_query_groups, lang.ffn_hidden_size)
+    flops = (b * s * layer_linear_flops(h, a, lang.num_query_groups, lang.ffn_hidden_size, is_gated(lang))
              + attention_core_flops(b * s * (s + 1) // 2, a * (lang.kv_channels or h // a)))
     bwd_ms = fb_ms - f_ms  # null below when timing noise (tiny CPU shapes) makes it non-positive
     return {"micro_batch": b, "seq_length": s, "forward_ms": round(f_ms, 4),

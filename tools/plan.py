@@ -35,7 +35,7 @@ from mimo.planner.spec import MAX_SIZE  # noqa: E402
 
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
 # the trainer's other keys must hold their defaults for the cost to mean anything.
-PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "sp", "recompute", "rank_offset", "stage_layers")
+PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "etp", "sp", "recompute", "rank_offset", "stage_layers")
 # Step times this close to the best are ties for the model: one effect it
 # leaves out (a DP ring's bandwidth per node, docs/planner.md) moves such
 # gaps by up to 4.6%.
@@ -81,8 +81,9 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
         for key in entry:
             if key not in PARALLEL_KEYS:
                 raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(PARALLEL_KEYS)})")
-        if entry.get("ep", 1) != 1 or isinstance(entry.get("ep"), (bool, float)):
-            raise ValueError(f"{path}.ep: must be 1, got {entry['ep']!r}")
+        for key in ("ep", "etp"):  # the planner does not cost expert parallelism yet
+            if entry.get(key, 1) != 1 or isinstance(entry.get(key), (bool, float)):
+                raise ValueError(f"{path}.{key}: must be 1, got {entry[key]!r}")
         vals = {k: positive_int(entry.get(k, 1), f"{path}.{k}") for k in ("tp", "cp", "pp", "dp")}
         off = entry.get("rank_offset", 0)
         if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= MAX_SIZE:

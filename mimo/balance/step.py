@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mimo.data.items import sample_grids
+
 from .assignment import StepAssignment, contiguous
 from .pipeline import Pipeline
 from .policy import assign
@@ -45,6 +47,12 @@ class StepBalancer:
             return contiguous(len(samples), self.dp, self.microbatches)
         tokens = np.array([int((s.document_ids >= 0).sum()) if s.document_ids is not None
                            else int((s.input_ids != pad_id).sum()) for s in samples])
-        items = {n: np.array([s.count(n) for s in samples]) for n in self.encoders}
-        enc = self.work.encoder(items) if items else np.zeros(len(samples))
+        # Fixed-size items cost their count; native-resolution ones each their own size (its grid).
+        items = {n: np.array([s.count(n) for s in samples]) for n in self.encoders if n not in self.work.native}
+        grids = {n: [sample_grids(s, n) for s in samples] for n in self.encoders if n in self.work.native}
+        enc = np.zeros(len(samples))
+        if items:
+            enc = enc + self.work.encoder(items)
+        if grids:
+            enc = enc + self.work.encoder_grids(grids)
         return assign(self.policy, enc, self.work.llm(tokens), self.dp, self.microbatches, self.pipeline)

@@ -6,7 +6,14 @@ roofline model is sampled once per model to get:
 
 * encoder: seconds per item (image, clip), forward plus the backward autograd
   really runs (frozen-aware: a frozen tower with a trainable projector pays
-  the projector's gradients only);
+  the projector's gradients only). A native-resolution ViT's items each have
+  their own size: an image of patch grid (t, h, w) costs
+  ``a * patches + b * pairs`` seconds, ``pairs`` its attention (query, key)
+  pairs summed over the layers (whole frames on full-attention layers, each
+  window on window layers: `mimo.planner.native`). ``a`` (patch embedding,
+  the layers' linears, the patch merger) and ``b`` (attention) come from the
+  cost model at the reference image's patch count, once with no attention
+  and once with every patch seeing every other;
 * LLM: ``a * t + b * t**2`` seconds for a sample of ``t`` tokens (text plus
   the items' placeholder tokens). The quadratic term is causal attention,
   which grows with the sample's own length, not with the padded sequence.
@@ -17,8 +24,9 @@ matter to the assignment, the simulator scales them to a layout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -63,11 +71,24 @@ class WorkloadModel:
         chains = {}
         self.per_item: dict[str, ModuleRate] = {}
         self.tokens_per_item: dict[str, int] = {}
-        for enc in spec.encoders:
+        # Native-resolution encoders: (seconds per patch, seconds per attention pair) of an item.
+        self.native: dict[str, tuple[ModuleRate, ModuleRate]] = {}
+
+        def rate(enc) -> tuple[ModuleRate, list]:
             costs = cm.module_costs(enc, 1, 1, 1.0, Workload(enc.tokens_per_item, {enc.name: 1.0}), hidden)
-            chains[enc.name] = costs
-            self.per_item[enc.name] = ModuleRate(sum(c.forward for c in costs), sum(backward_costs(costs)))
-            self.tokens_per_item[enc.name] = enc.tokens_per_item
+            return ModuleRate(sum(c.forward for c in costs), sum(backward_costs(costs))), costs
+
+        for enc in spec.encoders:
+            # Native: the reference image's cost (records that give token counts only).
+            self.per_item[enc.name], chains[enc.name] = rate(enc)
+            self.tokens_per_item[enc.name] = enc.llm_tokens_per_item
+            if enc.native is not None:
+                p = enc.tokens_per_item
+                (none, _), (every, _) = (rate(dataclasses.replace(enc, attention_keys=k)) for k in (0.0, float(p)))
+                pairs = float(enc.num_layers) * p * p
+                self.native[enc.name] = (
+                    ModuleRate(none.forward / p, none.backward / p),
+                    ModuleRate((every.forward - none.forward) / pairs, (every.backward - none.backward) / pairs))
         upstream = llm_upstream_requires_grad(chains.values())
 
         def llm(t: float) -> ModuleRate:
@@ -108,11 +129,27 @@ class WorkloadModel:
             out = w if out is None else out + w
         return np.zeros(0) if out is None else out
 
+    def item_cost(self, name: str, grid: Sequence[int]) -> float:
+        """Seconds of one native-resolution image of patch grid (t, h, w) in encoder `name`."""
+        per_patch, per_pair = self.native[name]
+        t, h, w = (int(x) for x in grid)
+        return per_patch.total * t * h * w + per_pair.total * self.spec.module(name).native.pairs((t, h, w))
+
+    def encoder_grids(self, grids: Mapping[str, Sequence[Sequence[Sequence[int]]]]) -> np.ndarray:
+        """Seconds of encoder work per sample from its native items' grids (``grids[name][s]``:
+        sample s's grids for encoder `name`)."""
+        out = None
+        for name, per_sample in grids.items():
+            w = np.array([sum(self.item_cost(name, g) for g in gs) for gs in per_sample], dtype=np.float64)
+            out = w if out is None else out + w
+        return np.zeros(0) if out is None else out
+
     def from_tokens(self, text_tokens: np.ndarray, image_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(encoder, llm) seconds per sample of records that give token counts only.
 
-        Image tokens are the vision encoder's items times its tokens per item; the LLM sees
-        text and image tokens. A model without a vision encoder has no encoder work."""
+        Image tokens are the vision encoder's items times its tokens per item (a native encoder:
+        its reference image's LLM tokens); the LLM sees text and image tokens. A model without a
+        vision encoder has no encoder work."""
         text = np.asarray(text_tokens, dtype=np.float64)
         image = np.asarray(image_tokens, dtype=np.float64)
         name = self.vision

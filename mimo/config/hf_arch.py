@@ -364,9 +364,14 @@ def multimodal_fields(hc: Dict[str, Any], field: str, directory: str):
     model.hf directory."""
     mt = hc.get("model_type")
     if mt in QWEN_VL_TYPES:
-        return qwen_vl_fields(hc, field, directory)
-    lang, enc = llava_fields(hc, field)
-    return lang, enc, hc.get("text_config") or {}
+        lang, enc, text_config = qwen_vl_fields(hc, field, directory)
+    else:
+        lang, enc = llava_fields(hc, field)
+        text_config = hc.get("text_config") or {}
+    # transformers' LLaVA and Qwen-VL attend causally over image tokens too; a training choice
+    # (the YAML may say bidirectional), but only causal computes the imported model's logits.
+    lang.update(modality_attention="causal", _overridable=("modality_attention",))
+    return lang, enc, text_config
 
 
 def _same(a, b) -> bool:

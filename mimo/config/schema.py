@@ -7,7 +7,7 @@ loader, the validator and the docs agree on them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 LANGUAGE = "language"
 ENCODER_KINDS = ("vision", "audio")
@@ -32,6 +32,10 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "swiglu")
 AUDIO_FRONTENDS = ("linear", "conv")
 # model.language.position_embedding: 1-D rotary, or M-RoPE (time, height, width positions; Qwen2-VL).
 LLM_POSITION_EMBEDDINGS = ("rope", "mrope")
+# model.language.modality_attention (bitfield attention): how encoder tokens attend in the LLM.
+MODALITY_ATTENTION = ("bidirectional", "causal")
+# model.language.moe_token_dispatcher_type: megatron-core's all-to-all (over EP) or all-gather (over expert TP x EP).
+MOE_DISPATCHERS = ("alltoall", "allgather")
 # model.encoders.<vision>.resolution: every image resized to image_size, or each at its own size.
 RESOLUTIONS = ("fixed", "native")
 # model.encoders.<vision>.position_embedding: a learned table (fixed) or 2-D rotary (native).
@@ -75,15 +79,45 @@ class LanguageConfig:
     mrope_section: Optional[List[int]] = None
     # attention: bitfield only: encoders whose tokens text may attend to (default: all).
     text_sees: Optional[List[str]] = None
+    # attention: bitfield only. bidirectional: an encoder's tokens in one document see each other both
+    # ways (mimo's multimodal mask); causal: every token attends causally, as in transformers' LLaVA and
+    # Qwen-VL (what model.hf sets, so the imported model computes what it was trained to).
+    modality_attention: str = "bidirectional"
     # Context parallelism (cp > 1): how query blocks are dealt to CP ranks.
     cp_policy: str = "lpt"
     cp_block_size: int = 128
+    # Mixture of experts (docs/moe.md): megatron-core MoE layers when num_moe_experts is set.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None            # each expert's FFN width; default ffn_hidden_size
+    moe_shared_expert_intermediate_size: int = 0         # 0: no shared expert
+    moe_shared_expert_gate: bool = False                 # sigmoid gate on the shared expert (Qwen2-MoE)
+    moe_layer_freq: Any = 1                              # N: every Nth layer is MoE; or a list of 0/1 per layer
+    # false: top-k of the logits, softmax over those k (Mixtral, Qwen3-MoE norm_topk_prob: true);
+    # true: softmax over all experts, then the top k unrenormalised (Qwen2-MoE, norm_topk_prob: false).
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
 
     def __post_init__(self):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
             self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def moe_layers(self) -> List[bool]:
+        """Per global layer: whether it is a mixture-of-experts layer (megatron-core's
+        `moe_layer_freq`: N makes layers 0, N, 2N, ... MoE; a list gives 1 (MoE) or 0 (dense) per layer)."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return [bool(x) for x in freq]
+        return [i % freq == 0 for i in range(self.num_layers)]
 
 
 @dataclass
@@ -165,7 +199,10 @@ class ParallelConfig:
     cp: int = 1
     pp: int = 1
     dp: int = 1
+    # Expert parallel and expert tensor parallel (MoE LLM only): a second decomposition of the
+    # module's own tp*cp*dp ranks per pipeline stage (etp x ep x expert-dp); they add no ranks.
     ep: int = 1
+    etp: int = 1
     rank_offset: int = 0
     stage_layers: Optional[List[int]] = None
     # megatron-core sequence parallelism inside this module's TP group (no effect at tp 1).
@@ -175,7 +212,7 @@ class ParallelConfig:
 
     @property
     def size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp * self.ep
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def ranks(self) -> range:

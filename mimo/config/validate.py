@@ -30,6 +30,8 @@ from .schema import (
     RESOLUTIONS,
     VISION_POSITION_EMBEDDINGS,
     RECOMPUTE_KINDS,
+    MOE_DISPATCHERS,
+    MODALITY_ATTENTION,
     REPLAN_MODES,
     EncoderConfig,
     LanguageConfig,
@@ -63,6 +65,10 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
             add(f"model.language.text_sees[{i}]", f"no such encoder {name!r}")
     if lang.text_sees is not None and lang.attention != "bitfield":
         add("model.language.text_sees", "only takes effect with model.language.attention: bitfield")
+    _check_choice(lang.modality_attention, MODALITY_ATTENTION, "model.language.modality_attention", add)
+    if lang.text_sees is not None and lang.modality_attention == "causal":
+        add("model.language.text_sees", "needs model.language.modality_attention: bidirectional "
+                                        "(with causal, every token sees every earlier one)")
     _check_choice(lang.cp_policy, CP_POLICIES, "model.language.cp_policy", add)
     _check_choice(lang.normalization, NORMALIZATIONS, "model.language.normalization", add)
     _check_choice(lang.activation, ACTIVATIONS, "model.language.activation", add)
@@ -71,6 +77,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         if set(lang.rope_scaling) != keys:
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
     _check_mrope(lang, add)
+    _check_moe(lang, add)
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
     if lang.position_embedding == "mrope" and lang.rope_scaling is not None:
@@ -150,12 +157,17 @@ def _check_balance(cfg: MimoConfig, add) -> None:
     if policy not in BALANCE_POLICIES:
         _check_choice(policy, BALANCE_POLICIES, path, add)
         return
-    native = [n for n, e in cfg.model.encoders.items() if _native(e)]
-    if policy != "none" and native:
-        # The balancers' cost model (mimo.planner) prices an item by a fixed tokens_per_item.
-        add(path, f"{policy} needs fixed-size items; encoder {native[0]!r} has resolution native: use none")
     if policy != "entrain":
         return
+    # Entrain's deferred items ride along with the kept ones between encoder pipeline stages, joined
+    # along the item dimension; a native-resolution ViT's stage activations are one packed sequence
+    # of patches, which that join does not split correctly.
+    native_pp = [n for n, e in cfg.model.encoders.items()
+                 if _native(e) and n in cfg.parallelism and isinstance(cfg.parallelism[n].pp, int)
+                 and cfg.parallelism[n].pp > 1]
+    if native_pp:
+        add(path, f"entrain with a pipelined native-resolution encoder (parallelism.{native_pp[0]}.pp > 1) is "
+                  "not supported; use mmscale, or pp 1 for that encoder")
     lang = cfg.parallelism.get(LANGUAGE, ParallelConfig())
     remote = [n for n in cfg.model.encoders
               if n in cfg.parallelism and placement(cfg.parallelism[n], lang) == "non-colocated"]
@@ -276,7 +288,8 @@ def _check_replan(cfg: MimoConfig, add) -> None:
 
 def _positive_ints(cfg: MimoConfig, add) -> None:
     """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
-    non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters", "window_size"}
+    non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters", "window_size",
+                    "moe_shared_expert_intermediate_size"}
     sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
     sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
     sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
@@ -511,16 +524,11 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
                 add(f"{path}.tp", f"must divide {field} ({value})")
     if par.pp > mod.num_layers:
         add(f"{path}.pp", f"must be <= num_layers ({mod.num_layers})")
-    if name != LANGUAGE and _native(mod) and par.pp != 1:
-        # Its activations between stages would be one packed sequence of every image's patches,
-        # sized by the images' grids; mimo runs a native-resolution ViT as one pipeline stage.
-        add(f"{path}.pp", "must be 1 for a native-resolution encoder (resolution: native)")
     if name != LANGUAGE and par.cp != 1:
         add(f"{path}.cp", "encoders run with cp = 1 (context parallelism is for the LLM)")
     if name == LANGUAGE and par.cp > 1 and mod.attention != "bitfield":
         add(f"{path}.cp", "context parallelism needs model.language.attention: bitfield")
-    if par.ep != 1:
-        add(f"{path}.ep", "must be 1: mimo builds no mixture-of-experts layers")
+    _check_expert_layout(name, par, mod, path, add)
     _check_choice(par.recompute, RECOMPUTE_KINDS, f"{path}.recompute", add)
     if par.stage_layers is not None:
         sl = par.stage_layers
@@ -530,6 +538,74 @@ def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None
             add(f"{path}.stage_layers", "every stage needs at least one layer")
         elif sum(sl) != mod.num_layers:
             add(f"{path}.stage_layers", f"must sum to num_layers ({mod.num_layers}), got {sum(sl)}")
+
+
+def _check_expert_layout(name, par: ParallelConfig, mod, path: str, add) -> None:
+    """Expert parallelism (docs/moe.md): `ep` and `etp` split an MoE LLM's experts over a second
+    decomposition of its own tp*cp*dp ranks per pipeline stage; they add no ranks."""
+    if name != LANGUAGE or not mod.is_moe:
+        why = ("encoders have no experts (expert parallelism is for an MoE LLM)" if name != LANGUAGE else
+               "model.language has no experts (set model.language.num_moe_experts)")
+        for f in ("ep", "etp"):
+            if getattr(par, f) != 1:
+                add(f"{path}.{f}", f"must be 1: {why}")
+        return
+    if par.ep < 1 or par.etp < 1:
+        return  # reported by _positive_ints
+    if isinstance(mod.num_moe_experts, int) and mod.num_moe_experts > 0 and mod.num_moe_experts % par.ep:
+        add(f"{path}.ep", f"must divide model.language.num_moe_experts ({mod.num_moe_experts})")
+    dense = par.tp * par.cp * par.dp
+    if dense % (par.etp * par.ep):
+        add(f"{path}.ep", f"etp * ep ({par.etp} * {par.ep}) must divide tp * cp * dp ({par.tp} * {par.cp} * {par.dp}): "
+                          "expert parallelism adds no ranks, it re-divides the LLM's own")
+    ffn = mod.moe_ffn_hidden_size or mod.ffn_hidden_size
+    if isinstance(ffn, int) and ffn % par.etp:
+        add(f"{path}.etp", f"must divide the experts' FFN width ({ffn})")
+    if par.etp > 1 and mod.add_bias_linear:
+        add(f"{path}.etp", "must be 1 with model.language.add_bias_linear: true (megatron-core's MoE biases "
+                           "need expert tensor parallelism 1)")
+    if par.tp > 1 and par.sp is not True:
+        add(f"{path}.sp", f"must be true for an MoE LLM with tp > 1 (megatron-core's MoE layer routes the "
+                          f"sequence-parallel shard of each TP rank), got tp {par.tp}")
+    shared = mod.moe_shared_expert_intermediate_size
+    if isinstance(shared, int) and shared > 0 and shared % par.tp:
+        add(f"{path}.tp", f"must divide model.language.moe_shared_expert_intermediate_size ({shared})")
+
+
+def _check_moe(lang: LanguageConfig, add) -> None:
+    """The MoE fields of model.language (docs/moe.md)."""
+    path = "model.language"
+    fields = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_shared_expert_gate", "moe_layer_freq", "moe_router_pre_softmax", "moe_aux_loss_coeff",
+              "moe_token_dispatcher_type")
+    if not lang.is_moe:
+        defaults = LanguageConfig(num_layers=1, hidden_size=1, num_attention_heads=1, vocab_size=1,
+                                  max_sequence_length=1)
+        for f in fields:
+            if getattr(lang, f) != getattr(defaults, f):
+                add(f"{path}.{f}", "only takes effect with model.language.num_moe_experts")
+        return
+    _check_choice(lang.moe_token_dispatcher_type, MOE_DISPATCHERS, f"{path}.moe_token_dispatcher_type", add)
+    n, k = lang.num_moe_experts, lang.moe_router_topk
+    if isinstance(n, int) and isinstance(k, int) and n > 0 and k > n:
+        add(f"{path}.moe_router_topk", f"must be <= num_moe_experts ({n}), got {k}")
+    freq = lang.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != lang.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
+            add(f"{path}.moe_layer_freq", f"a list needs one 0 (dense) or 1 (MoE) per layer ({lang.num_layers}), "
+                                          f"got {freq!r}")
+        elif not any(freq):
+            add(f"{path}.moe_layer_freq", "marks no layer MoE")
+    elif isinstance(freq, bool) or not isinstance(freq, int):
+        add(f"{path}.moe_layer_freq", f"must be a positive integer or a list of 0/1 per layer, got {freq!r}")
+    if not lang.moe_aux_loss_coeff >= 0:
+        add(f"{path}.moe_aux_loss_coeff", f"must be >= 0, got {lang.moe_aux_loss_coeff}")
+    shared = lang.moe_shared_expert_intermediate_size
+    if isinstance(shared, int) and shared > 0 and lang.add_bias_linear:
+        add(f"{path}.moe_shared_expert_intermediate_size", "a shared expert needs add_bias_linear: false "
+                                                           "(megatron-core's shared experts have no biases)")
+    if lang.moe_shared_expert_gate and not (isinstance(shared, int) and shared > 0):
+        add(f"{path}.moe_shared_expert_gate", "needs a shared expert (moe_shared_expert_intermediate_size > 0)")
 
 
 def _check_sequence_parallel(cfg: MimoConfig, name: str, par: ParallelConfig, mod, path: str, add) -> None:

@@ -13,6 +13,13 @@ Only the text of `gpt` turns (and the end-of-turn token that closes them)
 carries loss. Every `<image>` becomes the vision encoder's placeholder id
 repeated once per image token, at its position in the text; every `<audio>`
 likewise the audio encoder's, once per audio token.
+
+A chat template that renders image content parts itself (Qwen2-VL's writes
+`<|vision_start|><|image_pad|><|vision_end|>` for `{"type": "image"}`) gets each
+message as a list of parts, `<image>` tags turned into image parts, as the HF
+processor's `apply_chat_template` does; the placeholder token it writes per image
+then becomes the image's run. Other templates get the text with its `<image>`
+tags, which become the runs.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ from .images import ImageError, check_image
 
 IMAGE_TAG = "<image>"
 AUDIO_TAG = "<audio>"
-_TAGS = re.compile(f"({IMAGE_TAG}|{AUDIO_TAG})")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -97,6 +103,11 @@ class ConversationEncoder:
         self.tokens_per_image = tokens_per_image
         self.audio_token, self.tokens_per_audio, self.check_audio = audio_token, tokens_per_audio, check_audio
         self.has_template = getattr(tokenizer, "chat_template", None) is not None
+        # The text the template writes for one image part, when it renders image parts (else None).
+        self.image_text = self._image_part_text() if self.has_template else None
+        tags = [IMAGE_TAG if self.image_text is None else self.image_text, AUDIO_TAG]
+        self._tags = re.compile("(" + "|".join(re.escape(t) for t in tags) + ")")
+        self._image_piece = tags[0]
 
     def encode(self, record, index: int) -> Encoded:
         """The record's tokens; raises BadRecord with the reason when it cannot be used."""
@@ -114,21 +125,28 @@ class ConversationEncoder:
                     grids.append(self.image_grid(*check_image(self._path(p))))
                 except (ImageError, ValueError) as exc:
                     raise BadRecord(str(exc)) from None
-        image_runs = iter(grids or [])
-        ids, targets = [], []
+        runs[self._image_piece] = runs.pop(IMAGE_TAG)
+        ids, targets, seen = [], [], 0
         for text, target in self._segments(turns):
-            for piece in _TAGS.split(text):
+            for piece in self._tags.split(text):
                 if piece in runs:  # a media item's placeholder run: never a loss target
                     run = runs[piece]
-                    if piece == IMAGE_TAG and grids is not None:
-                        t, h, w = next(image_runs)
-                        run = [self.image_token] * (t * h * w // (self.merge * self.merge))
+                    if piece == self._image_piece:
+                        seen += 1
+                        if seen > len(images):  # the text itself holds the template's image token
+                            raise BadRecord(f"the text holds more {piece!r} than the record's "
+                                            f"{len(images)} image(s)")
+                        if grids is not None:
+                            t, h, w = grids[seen - 1]
+                            run = [self.image_token] * (t * h * w // (self.merge * self.merge))
                     ids += run
                     targets += [False] * len(run)
                 elif piece:
                     t = self.tok(piece, add_special_tokens=False)["input_ids"]
                     ids += t
                     targets += [target] * len(t)
+        if seen != len(images):
+            raise BadRecord(f"the chat template wrote {seen} image(s) for the record's {len(images)}")
         if len(ids) > self.seq_length:
             raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
         paths = [self._path(p) for p in images]  # bytes: inline
@@ -199,12 +217,31 @@ class ConversationEncoder:
                 out.append((f"{value}\n", False))
         return out
 
+    def _image_part_text(self) -> Optional[str]:
+        """The image placeholder token's text if the chat template writes it once for an image content
+        part (as Qwen2-VL's does, inside <|vision_start|> ... <|vision_end|>), else None: the template
+        takes plain text and `<image>` tags mark the images."""
+        if self.image_token is None or not 0 <= self.image_token < len(self.tok):
+            return None
+        text = self.tok.convert_ids_to_tokens(self.image_token)
+        if not text or text == self.tok.unk_token:
+            return None
+        probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "probe"}]}]
+        try:
+            rendered = self.tok.apply_chat_template(probe, tokenize=False)
+        except Exception:  # noqa: BLE001 (any template error: it is a text-only template)
+            return None
+        if not isinstance(rendered, str) or rendered.count(text) != 1 or "probe" not in rendered \
+                or "'type'" in rendered:  # printed the parts list as text: a text-only template
+            return None
+        return text
+
     def _template_segments(self, turns) -> List[Tuple[str, bool]]:
         """Cut the rendered conversation at turn boundaries: the assistant header the template
         adds (add_generation_prompt) is prompt, the rest of an assistant turn is target."""
         render = lambda msgs, gen=False: self.tok.apply_chat_template(  # noqa: E731
             msgs, tokenize=False, add_generation_prompt=gen)
-        msgs = [{"role": r, "content": v} for r, v in turns]
+        msgs = [{"role": r, "content": v if self.image_text is None else _parts(v)} for r, v in turns]
         out, done = [], ""
         for k, (role, _) in enumerate(turns):
             full = render(msgs[:k + 1])
@@ -222,3 +259,14 @@ class ConversationEncoder:
                 out.append((full[len(done):], False))
             done = full
         return out
+
+
+def _parts(value: str) -> List[dict]:
+    """A turn's text as chat-template content parts: an image part for each `<image>` tag, in place."""
+    parts = []
+    for k, text in enumerate(value.split(IMAGE_TAG)):
+        if k:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return parts

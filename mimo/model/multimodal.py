@@ -7,7 +7,7 @@ decided by mimo.topology and the training loop, not here.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -25,7 +25,7 @@ from .native_vision import NativeVisionEncoder
 from .norm import block_spec
 from .projector import build_projector, project
 from .sequence_parallel import full_sequence, llm_input_layout, tensor_masks_when_recomputing
-from .specs import llm_layer_spec
+from .specs import llm_block_layer_specs
 from .transformer_config import initialized_by_megatron, transformer_config
 
 
@@ -44,13 +44,18 @@ class EncoderWithProjector(torch.nn.Module):
         return project(self.projector, self.encoder(items))
 
 
-def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection) -> EncoderWithProjector:
+def build_encoder(cfg: MimoConfig, name: str, layout: Layout, pg_collection,
+                  layers: Optional[Tuple[int, int]] = None) -> EncoderWithProjector:
+    """The encoder and its projector; `layers` (offset, count): only the encoder's layers
+    [offset, offset + count) (a pipeline stage, `mimo.model.encoder_stages`), numbered from 0."""
     enc = cfg.model.encoders[name]
     precision = cfg.training.precision
     initialize = initialized_by_megatron(cfg.training)
-    ecfg = transformer_config(enc, layout, precision, par=cfg.parallelism[name], initialize=initialize)
+    offset, count = layers if layers is not None else (0, enc.num_layers)
+    ecfg = transformer_config(enc, layout, precision, num_layers=count, par=cfg.parallelism[name],
+                              initialize=initialize)
     if is_native(enc):
-        encoder = NativeVisionEncoder(ecfg, enc, pg_collection)
+        encoder = NativeVisionEncoder(ecfg, enc, pg_collection, layer_offset=offset)
     elif enc.kind == "vision":
         encoder = VisionEncoder(ecfg, enc, pg_collection)
     else:
@@ -72,7 +77,7 @@ def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
     config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE],
                                 initialize=initialized_by_megatron(cfg.training))
-    spec = block_spec(llm_layer_spec(lang.attention, lang.normalization), config.num_layers)
+    spec = block_spec(llm_block_layer_specs(lang, 0, config.num_layers), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=True, post_process=True, parallel_output=True,
@@ -99,9 +104,11 @@ def attention_mask(cfg: MimoConfig, input_ids: torch.Tensor,
     lang = cfg.model.language
     if lang.attention != "bitfield":
         return None
-    modality = {cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
+    # modality_attention causal: encoder tokens are masked as text is (plain causal attention).
+    modality = {} if lang.modality_attention == "causal" else {
+        cfg.placeholder_ids[n]: i + 1 for i, n in enumerate(cfg.model.encoders)}
     sees = lang.text_sees if lang.text_sees is not None else list(cfg.model.encoders)
-    text_sees = {modality[cfg.placeholder_ids[n]] for n in sees}
+    text_sees = {modality[cfg.placeholder_ids[n]] for n in sees if cfg.placeholder_ids[n] in modality}
     if document_ids is None:
         return BitfieldMask(build_bitfield_mask(input_ids, modality, text_sees, pad_id=PAD_ID))
     bits = build_bitfield_mask(input_ids, modality, text_sees)

@@ -15,7 +15,7 @@ form one sequence (megatron's [s, b=1, h]); attention never crosses images:
 Both are document ids for one token each: the encoder hands the block an int64
 tensor [2, 2, 1, s] holding the bitfield mask in tensor form (bits, document
 ids) for full layers ([0]) and window layers ([1]); each layer's core
-attention picks its row by layer number. HF permutes tokens into window order
+attention picks its row by its global layer index. HF permutes tokens into window order
 to make windows contiguous for its kernels; attention restricted by the ids is
 permutation-equivariant, so the tokens stay in processor order here and need no
 permutation back.
@@ -115,15 +115,19 @@ def layer_masks(grids: Sequence[Grid], merge: int, window_units: int) -> torch.T
 
 
 class _LayerMask:
-    """Core attention that uses the full-attention or the window mask, by its layer number.
+    """Core attention that uses the full-attention or the window mask, by its global layer index.
 
-    megatron numbers layers from 1 (HF's fullatt_block_indexes from 0); the
-    block here holds all of the encoder's layers (no encoder pipeline split).
+    megatron numbers a block's layers from 1 (HF's fullatt_block_indexes count
+    from 0 over the whole tower). A pipeline stage is a block of its own whose
+    numbering restarts at 1, so `layer_offset` (the global index of the stage's
+    first layer) makes the index global: full_attention_layers name layers of
+    the whole encoder, wherever the stage boundaries fall.
     """
 
-    def __init__(self, config, layer_number, *args, full_attention_layers=None, **kwargs):
+    def __init__(self, config, layer_number, *args, full_attention_layers=None, layer_offset=0, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
-        self.full_attention = full_attention_layers is None or layer_number - 1 in full_attention_layers
+        index = layer_offset + layer_number - 1
+        self.full_attention = full_attention_layers is None or index in full_attention_layers
 
     def layer_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         return attention_mask[FULL if self.full_attention else WINDOW]
@@ -143,11 +147,11 @@ class NativeSDPAAttention(_LayerMask, SDPACoreAttention):
         return super().forward(query, key, value, (ids[:, :, None] != ids[:, None, :])[:, None], *args, **kwargs)
 
 
-def native_layer_spec(attention: str, full_attention_layers):
+def native_layer_spec(attention: str, full_attention_layers, layer_offset: int = 0):
     spec = encoder_layer_spec(attention)
     core = {"bitfield": NativeBitfieldAttention, "sdpa": NativeSDPAAttention}[attention]
     spec.submodules.self_attention.submodules.core_attention = functools.partial(
-        core, full_attention_layers=full_attention_layers)
+        core, full_attention_layers=full_attention_layers, layer_offset=layer_offset)
     return spec
 
 
@@ -158,9 +162,13 @@ class NativeVisionEncoder(MegatronModule):
     kernel = stride = the patch, so it is one linear map of the flattened patch)
     and `block.layers.{i}.…` (megatron's TransformerLayer). No final norm: the
     patch merger's norm follows.
+
+    A pipeline stage (`mimo.model.encoder_stages`) builds it with its share of
+    the layers (`config.num_layers`) and the global index of its first one
+    (`layer_offset`); it then runs `embed` (first stage only) and `run_block`.
     """
 
-    def __init__(self, config, enc, pg_collection):
+    def __init__(self, config, enc, pg_collection, layer_offset: int = 0):
         super().__init__(config=config)
         if enc.attention not in ("bitfield", "sdpa"):
             raise ValueError(f"attention must be bitfield or sdpa for a native-resolution encoder, got {enc.attention!r}")
@@ -178,9 +186,9 @@ class NativeVisionEncoder(MegatronModule):
                 raise ValueError(f"window_size {enc.window_size} is smaller than one merge unit "
                                  f"({enc.patch_size * enc.spatial_merge_size} pixels)")
             full_layers = tuple(enc.full_attention_layers or ())
-            bad = [i for i in full_layers if not 0 <= i < config.num_layers]
+            bad = [i for i in full_layers if not 0 <= i < enc.num_layers]  # global indices, whole encoder
             if bad:
-                raise ValueError(f"full_attention_layers {bad} outside 0..{config.num_layers - 1}")
+                raise ValueError(f"full_attention_layers {bad} outside 0..{enc.num_layers - 1}")
         else:
             self.window_units, full_layers = 0, None  # every layer sees its whole frame
         # HF's Conv3d, whose weight layout it keeps; kernel = stride = the patch, so it is applied
@@ -197,7 +205,8 @@ class NativeVisionEncoder(MegatronModule):
                                       use_cpu_initialization=True, cp_group=getattr(pg_collection, "cp", None))
         self.block = TransformerBlock(config=config,
                                       spec=TransformerBlockSubmodules(
-                                          layer_specs=[native_layer_spec(enc.attention, full_layers)] * config.num_layers),
+                                          layer_specs=[native_layer_spec(enc.attention, full_layers, layer_offset)]
+                                          * config.num_layers),
                                       pre_process=True, post_process=True, post_layer_norm=False,
                                       pg_collection=pg_collection)
 
@@ -214,20 +223,33 @@ class NativeVisionEncoder(MegatronModule):
 
     def forward(self, patches: torch.Tensor, grids) -> torch.Tensor:
         grids = check_grids(grids, self.merge)
+        return self.run_block(self.embed(patches, grids), grids, first=True, last=True)[:, 0]
+
+    def embed(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """Patches [Σ t·h·w, C·T·P·P] of checked `grids` -> the first layer's input [Σ t·h·w, 1, hidden]."""
         total = sum(t * h * w for t, h, w in grids)
         width = self.patch_shape[0] * self.patch_shape[1] * self.patch_shape[2] * self.patch_shape[3]
         if patches.dim() != 2 or tuple(patches.shape) != (total, width):
             raise ValueError(f"patches must be [{total}, {width}] for grids {grids}, got {list(patches.shape)}")
+        w = self.patch_embed.weight
+        return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1))[:, None, :]  # [s, b=1, hidden]
+
+    def run_block(self, h: torch.Tensor, grids: Sequence[Grid], first: bool, last: bool) -> torch.Tensor:
+        """This block's layers on the packed sequence of checked `grids` ([s, 1, hidden], sequence-first).
+
+        Whole in at the first stage and out at the last; between pipeline stages
+        this rank's sequence-parallel shard travels as it is. Every stage makes
+        the masks and the rotary table itself, from the host-side grids."""
+        total = sum(t * hh * w for t, hh, w in grids)
         tp = self.config.tensor_model_parallel_size
         if self.config.sequence_parallel and total % tp:
             raise ValueError(f"sequence parallelism splits the {total} patches over tp={tp} ranks: the total must "
                              f"be a multiple of tp (set parallelism sp: false, or batch images accordingly)")
-        w = self.patch_embed.weight
-        h = F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1))[:, None, :]  # [s, b=1, hidden]
-        masks = layer_masks(grids, self.merge, self.window_units).to(patches.device, non_blocking=True)
-        h = shard_sequence(h, self.config, self.tp_group)
-        h = self.block(h, attention_mask=masks, rotary_pos_emb=self.rotary_pos_emb(grids, patches.device))
-        return full_sequence(h, self.config, self.tp_group)[:, 0]
+        masks = layer_masks(grids, self.merge, self.window_units).to(h.device, non_blocking=True)
+        if first:
+            h = shard_sequence(h, self.config, self.tp_group)
+        h = self.block(h, attention_mask=masks, rotary_pos_emb=self.rotary_pos_emb(grids, h.device))
+        return full_sequence(h, self.config, self.tp_group) if last else h
 
 
 class PatchMerger(MegatronModule):

@@ -31,5 +31,9 @@ class TorchNorm:
 
 
 def block_spec(layer_spec, num_layers: int) -> TransformerBlockSubmodules:
-    """A TransformerBlock of `num_layers` layers whose final norm is `TorchNorm`."""
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=TorchNorm)
+    """A TransformerBlock of `num_layers` layers whose final norm is `TorchNorm`; `layer_spec` may
+    also be a list of one spec per layer."""
+    specs = list(layer_spec) if isinstance(layer_spec, list) else [layer_spec] * num_layers
+    if len(specs) != num_layers:
+        raise ValueError(f"{len(specs)} layer specs for {num_layers} layers")
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from mimo.config import LANGUAGE, MimoConfig
 
-from .reference_init import copy_shard, full_shape, source_name
+from .reference_init import ExpertShard, copy_shard, full_shape, source_name, tp_of
 from .transformer_config import INIT_METHOD_STD
 
 # (pattern on the parameter's global name, kind); the first match wins. Names are
@@ -38,6 +38,9 @@ _RULES: Tuple[Tuple[str, str], ...] = (
     (r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|linear)\.bias$", "zeros"),
     (r"(^|\.)\w*norm\.weight$", "ones"),
     (r"(^|\.)\w*norm\.bias$", "zeros"),
+    # MoE (megatron-core's init_method for both): the router's gate and a shared expert's sigmoid gate.
+    (r"(^|\.)mlp\.router\.(weight|bias)$", "normal"),
+    (r"(^|\.)shared_experts\.gate_weight$", "normal"),
     (r"^encoder\.(patch_embed|conv1|conv2|frame_embed)\.(weight|bias)$", "torch_default"),
 )
 
@@ -88,11 +91,14 @@ def scaled_std(cfg: MimoConfig, module: str, name: str) -> float:
 
 
 def init_sharded(part: torch.nn.Module, cfg: MimoConfig, module: str, layer_offset: int, tp_rank: int,
-                 tp_size: int) -> None:
+                 tp_size: int, experts: Optional[ExpertShard] = None) -> None:
     """Initialise every parameter of this rank's part of `module` (whose first layer is global
-    layer `layer_offset`) as the TP rank `tp_rank` of `tp_size` slice of its full value."""
+    layer `layer_offset`) as the TP rank `tp_rank` of `tp_size` slice of its full value. Routed
+    experts (`experts`: this rank's ExpertShard) draw by their global index and are sliced by expert TP."""
     for name, p in part.named_parameters():
-        gname = source_name(name, p, layer_offset)  # a tied copy draws the embedding's value
+        # a tied copy draws the embedding's value
+        gname = source_name(name, p, layer_offset, experts.offset if experts else 0)
+        rank, size = tp_of(name, tp_rank, tp_size, experts)
         kind = init_kind(gname)
         fan_in = 0
         if kind == "torch_default":
@@ -100,5 +106,5 @@ def init_sharded(part: torch.nn.Module, cfg: MimoConfig, module: str, layer_offs
             weight = part.get_parameter(name.rsplit(".", 1)[0] + ".weight")
             fan_in = math.prod(weight.shape[1:])
         generator = torch.Generator().manual_seed(param_seed(cfg.training.seed, module, gname))
-        full = draw(kind, full_shape(p, tp_size), generator, scaled_std(cfg, module, gname), fan_in)
-        copy_shard(name, p, full, tp_rank, tp_size)
+        full = draw(kind, full_shape(p, size), generator, scaled_std(cfg, module, gname), fan_in)
+        copy_shard(name, p, full, rank, size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -53,11 +55,24 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     )
 
 
-def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm") -> ModuleSpec:
-    """megatron's local GPT layer with the core attention swapped for ours."""
-    spec = get_gpt_layer_local_spec(normalization=normalization)
+def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
+                   num_experts: Optional[int] = None) -> ModuleSpec:
+    """megatron's local GPT layer with the core attention swapped for ours; with `num_experts` its
+    MLP is megatron-core's MoELayer (router, token dispatcher, SequentialMLP experts, shared expert)."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization)
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(attention)
     # torch norms that may run sequence parallel (see mimo.model.norm)
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
     return spec
+
+
+def llm_block_layer_specs(lang, first_layer: int, count: int) -> List[ModuleSpec]:
+    """The layer specs of global LLM layers [first_layer, first_layer + count): MoE or dense per
+    `lang.moe_layers()` (megatron-core's `moe_layer_freq`)."""
+    moe = lang.moe_layers()[first_layer:first_layer + count]
+    dense = llm_layer_spec(lang.attention, lang.normalization)
+    if not any(moe):
+        return [dense] * count
+    sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts)
+    return [sparse if m else dense for m in moe]

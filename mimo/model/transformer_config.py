@@ -94,4 +94,34 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="native",
         **memory_knobs(par, layout.tp),
+        **moe_kwargs(module_cfg, layout),
+    )
+
+
+def moe_kwargs(module_cfg, layout: Layout) -> dict:
+    """TransformerConfig's mixture-of-experts fields for an MoE LLM (nothing for any other module).
+
+    `expert_model_parallel_size` > 1 makes megatron-core mark expert weights `allreduce=False`
+    (reduced over the expert-DP group by its DDP). The CUDA-only or TE-only paths stay off:
+    permute / router fusion, shared-expert overlap, grouped GEMM (mimo builds SequentialMLP experts).
+    """
+    if not getattr(module_cfg, "is_moe", False):
+        return {}
+    shared = module_cfg.moe_shared_expert_intermediate_size
+    return dict(
+        num_moe_experts=module_cfg.num_moe_experts,
+        moe_router_topk=module_cfg.moe_router_topk,
+        moe_ffn_hidden_size=module_cfg.moe_ffn_hidden_size or module_cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shared if shared else None,
+        moe_shared_expert_gate=bool(module_cfg.moe_shared_expert_gate),
+        moe_router_pre_softmax=module_cfg.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=module_cfg.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=module_cfg.moe_token_dispatcher_type,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_shared_expert_overlap=False,
     )

@@ -41,12 +41,12 @@ def searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
                          "keeps fp32 gradients)")
     items = mean_items(samples, spec) if samples else {e.name: 1.0 for e in spec.encoders}
     for e in spec.encoders:
-        if items[e.name] * e.tokens_per_item > seq:
+        if items[e.name] * e.llm_tokens_per_item > seq:
             where = "--samples: on average" if samples else f"model.encoders.{e.name}:"
-            raise ValueError(f"{where} {items[e.name]:g} items of {e.name} ({e.tokens_per_item} tokens each) "
+            raise ValueError(f"{where} {items[e.name]:g} items of {e.name} ({e.llm_tokens_per_item} tokens each) "
                              f"do not fit in data.seq_length {seq}")
     over = [i for i, s in enumerate(samples or ())
-            if s[0] + sum(s[1 if e.kind == "vision" else 2] * e.tokens_per_item for e in spec.encoders) > seq]
+            if s[0] + sum(s[1 if e.kind == "vision" else 2] * e.llm_tokens_per_item for e in spec.encoders) > seq]
     if over:
         # The trainer's loaders skip such records; the plan still costs the
         # items they hold, so say so rather than refuse a nearly-right file.
@@ -67,7 +67,7 @@ def planned_config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     par = {}
     for name in order:
         p = pars[name]
-        entry = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": 1, "rank_offset": p.rank_offset,
+        entry = {"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": 1, "etp": 1, "rank_offset": p.rank_offset,
                  "sp": p.sp, "recompute": p.recompute}
         if p.pp > 1 and name == "language":
             # The split that was costed (balanced, or moved to fit memory).

@@ -72,6 +72,22 @@ def fit_scale(pairs: Iterable[tuple[float, float]]) -> float:
     return num / den
 
 
+def projector_params(module: ModuleSpec, out: int) -> float:
+    """Weights of an encoder's projector into the LLM width ``out``: linear (h -> out), mlp
+    (h -> out -> out), patch_merger (m^2 h -> m^2 h -> out over blocks of m^2 patches)."""
+    h = module.hidden_size
+    if module.projector_kind == "patch_merger":
+        m2h = module.native.merge_tokens * h
+        return m2h * m2h + m2h * out
+    return h * out + (out * out if module.projector_kind == "mlp" else 0)
+
+
+def projector_flops_per_token(module: ModuleSpec, out: int) -> float:
+    """Forward matmul FLOPs of the projector per encoder token (the merger runs once per m^2 patches)."""
+    merge = module.native.merge_tokens if module.projector_kind == "patch_merger" else 1
+    return 2 * projector_params(module, out) / merge
+
+
 def _allreduce_s(nbytes: float, group: int, bw: float) -> float:
     if group <= 1 or nbytes <= 0:
         return 0.0
@@ -106,8 +122,8 @@ class CostModel:
             tokens = samples * seq
             causal = 0.5
         else:
-            seq = module.tokens_per_item
-            tokens = samples * workload.items(module.name) * seq
+            tokens = samples * workload.items(module.name) * module.tokens_per_item
+            seq = module.keys_per_query   # a native ViT's window layers see less than the whole image
             causal = 1.0
         local = tokens / cp
         gpu, bpe = self.gpu, self.bpe
@@ -162,11 +178,12 @@ class CostModel:
             # The projector lands in the LLM's width; it is small, so it runs
             # replicated rather than tensor-parallel.
             out = projector_out or h
-            p = h * out + (out * out if module.projector_kind == "mlp" else 0)
+            p = projector_flops_per_token(module, out) / 2
+            params = projector_params(module, out)
             gemm = 2 * local * p
             layers.append(LayerWork(
                 "projector", module.projector_frozen, gemm, gemm, gemm,
-                p * bpe + local * (h + out) * bpe, 0.0, 0.0, p, local * (h + out) * bpe))
+                params * bpe + local * (h + out) * bpe, 0.0, 0.0, params, local * (h + out) * bpe))
         return layers
 
     # ---- time -----------------------------------------------------------

@@ -17,7 +17,7 @@ def parallelism_section(cand: Candidate, order: list[str]) -> dict[str, dict[str
     for name in order:
         plan = cand.plans[name]
         lay = plan.layout
-        entry: dict[str, Any] = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": 1,
+        entry: dict[str, Any] = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": 1, "etp": 1,
                                  "rank_offset": lay.rank_offset}
         if lay.pp > 1:
             entry["stage_layers"] = list(plan.stage_layers)

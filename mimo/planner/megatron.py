@@ -76,6 +76,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from mimo.planner.cost_model import projector_params
 from mimo.planner.costs import LayerCost, backward_costs, output_requires_grad
 from mimo.planner.hardware import GpuSpec
 from mimo.planner.spec import ModelSpec, ModuleSpec
@@ -344,12 +345,19 @@ class StepModel:
             trans.append(logits + t * h * bpe)
         elif mod.projector_kind is not None:
             # Small: it runs replicated, not tensor-parallel.
-            p = h * out_hidden + (out_hidden * out_hidden if mod.projector_kind == "mlp" else 0)
-            g = self._gemm(t, h, out_hidden) + (self._gemm(t, out_hidden, out_hidden)
-                                                 if mod.projector_kind == "mlp" else 0.0)
+            p = projector_params(mod, out_hidden)
+            if mod.projector_kind == "patch_merger":
+                # Blocks of m^2 patches: m^2 h -> m^2 h -> LLM width, once per block.
+                m2h, blocks = mod.native.merge_tokens * h, t / mod.native.merge_tokens
+                g = self._gemm(blocks, m2h, m2h) + self._gemm(blocks, m2h, out_hidden)
+                kept = t * h + blocks * (m2h + out_hidden)
+            else:
+                g = self._gemm(t, h, out_hidden) + (self._gemm(t, out_hidden, out_hidden)
+                                                     if mod.projector_kind == "mlp" else 0.0)
+                kept = t * (h + out_hidden)
             costs.append(LayerCost(g, g, g, mod.projector_frozen))
             weights.append(p)
-            acts.append(t * (h + out_hidden) * bpe)
+            acts.append(kept * bpe)
             trans.append(0.0)
         result = (costs, weights, acts, trans)
         self._layers[key] = result
@@ -359,7 +367,7 @@ class StepModel:
         """Tokens of ``samples`` samples for this module, and keys per query."""
         if mod.is_language:
             return samples * self.work.seq_length, self.work.seq_length / 2.0
-        return samples * self.work.items(mod.name) * mod.tokens_per_item, float(mod.tokens_per_item)
+        return samples * self.work.items(mod.name) * mod.tokens_per_item, mod.keys_per_query
 
     def chain(self, mods: list[tuple[ModuleSpec, Par, float]], pp: int,
               fit: tuple[int, int, int, float] | None = None) -> Chain:
@@ -657,7 +665,7 @@ class StepModel:
         chains = [(e, self.encoder_chain(e, pars[e.name], samples[e.name])) for e in encs]
         stages = [sum(c.total[i * pars[e.name].pp // depth] for e, c in chains) for i in range(depth)]
         size = len(pars[encs[0].name].ranks)
-        boundary = sum(self._p2p(samples[e.name] * self._tokens(e, 1)[0]
+        boundary = sum(self._p2p(samples[e.name] * self.work.items(e.name) * e.llm_tokens_per_item
                                  * self.spec.language.hidden_size * self.bpe, 2 * size + lp.size)
                        for e in encs)
         mem = sum(self.chain_memory(c, lp.pp, mb, pars[e.name].dp * pars[e.name].cp)

@@ -55,7 +55,7 @@ class _SampleCoster:
         for e in self.spec.encoders:
             count = images if e.kind == "vision" else clips
             out[e.name] = self._module_time(e.name, e.tokens_per_item, count)
-            llm_tokens += count * e.tokens_per_item
+            llm_tokens += count * e.llm_tokens_per_item
         out["language"] = self._module_time("language", llm_tokens, 1)
         return out
 

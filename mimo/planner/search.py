@@ -130,7 +130,12 @@ class Planner:
         return [l for l in self.module_layouts(self.spec.language, n) if g % (m * l.dp) == 0]
 
     def _enc_tokens(self, e: ModuleSpec) -> float:
+        """Tokens of one sample's items inside the encoder."""
         return self.s.workload.items(e.name) * e.tokens_per_item
+
+    def _llm_tokens(self, e: ModuleSpec) -> float:
+        """Tokens one sample's items become for the LLM (after a patch merger)."""
+        return self.s.workload.items(e.name) * e.llm_tokens_per_item
 
     # ---- memory and update time --------------------------------------------
     def _stage_mem(self, plan: ModulePlan, i: int, in_flight: int) -> float:
@@ -214,7 +219,7 @@ class Planner:
         # Phase 1 keeps every microbatch's activations until phase 3, and the
         # projected tokens wait for the LLM (with their gradients, if any).
         keep = 2 if plan.output_requires_grad else 1
-        outputs = per_replica * self._enc_tokens(e) * self.spec.language.hidden_size * self.bpe * keep
+        outputs = per_replica * self._llm_tokens(e) * self.spec.language.hidden_size * self.bpe * keep
         mem = max(self._stage_mem(plan, i, n_mb) for i in range(lay.pp)) + outputs
         return plan, t, mem, (f, b, n_mb, xfer)
 
@@ -313,7 +318,7 @@ class Planner:
         stages: list[SimStage] = []
         inputs: dict[str, float] = {}
         encs = [cand.plans[e.name] for e in self.spec.encoders]
-        boundary = lambda p: self._p2p(m * self._enc_tokens(p.module) * self.spec.language.hidden_size
+        boundary = lambda p: self._p2p(m * self._llm_tokens(p.module) * self.spec.language.hidden_size
                                        * self.bpe, n)
         internal = lambda p: self._p2p(p.samples_per_microbatch * self._enc_tokens(p.module)
                                        * p.module.hidden_size * self.bpe, 2 * p.layout.tp * p.layout.dp)

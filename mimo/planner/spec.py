@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mimo.config.schema import ACTIVATIONS
+from mimo.config.schema import ACTIVATIONS, EncoderConfig
+from mimo.planner.native import NativeViT
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,17 @@ class ModuleSpec:
     head_dim: int = 0                  # kv_channels; 0: hidden_size / num_attention_heads
     vocab_size: int = 0                # language only
     tie_embeddings: bool = False       # language only: the output layer reuses the embedding
-    tokens_per_item: int = 0           # encoders: tokens one image / clip becomes
+    tokens_per_item: int = 0           # encoders: tokens one image / clip becomes (in the encoder)
     input_features: int = 0            # encoders: features per token entering the embed
-    projector_kind: str | None = None  # encoders: mlp | linear | None
+    projector_kind: str | None = None  # encoders: mlp | linear | patch_merger | None
     projector_frozen: bool = False
     class_token: bool = False          # vision: a class token (CLIP) runs through the layers too
+    # Native-resolution vision (Qwen2-VL / Qwen2.5-VL): the ViT's geometry. Each image has its own
+    # size; the planner costs every image as its reference image (`NativeViT.reference_grid`: a
+    # square image at max_pixels), so tokens_per_item is that image's patches.
+    native: NativeViT | None = None
+    # Keys per query, when set: the balancers fit per-patch and per-pair costs with it.
+    attention_keys: float | None = None
 
     @property
     def is_language(self) -> bool:
@@ -46,6 +53,22 @@ class ModuleSpec:
     def attention_width(self) -> int:
         """Width of the query heads (and of the attention output projection's input)."""
         return self.num_attention_heads * self.kv_channels
+
+    @property
+    def llm_tokens_per_item(self) -> int:
+        """LLM tokens one item becomes (a native ViT's patch merger joins merge^2 patches)."""
+        return self.tokens_per_item // self.native.merge_tokens if self.native else self.tokens_per_item
+
+    @property
+    def keys_per_query(self) -> float:
+        """Keys each token attends to, averaged over the layers: the whole item, or for a native
+        ViT with window layers the reference image's pairs per patch and layer."""
+        if self.attention_keys is not None:
+            return float(self.attention_keys)
+        if self.native is None:
+            return float(self.tokens_per_item)
+        grid = self.native.reference_grid()
+        return self.native.pairs(grid) / (self.num_layers * self.tokens_per_item)
 
     @property
     def mlp_in_width(self) -> int:
@@ -134,7 +157,11 @@ def _encoder(name: str, obj: Any) -> ModuleSpec:
         raise ValueError(f"{path}: 'language' is reserved for the LLM")
     kind = _get(obj, "kind")
     common = _transformer(obj, path)
-    if kind == "vision":
+    native = None
+    if kind == "vision" and _get(obj, "resolution", "fixed") == "native":
+        native = _native(obj, path, common["num_layers"])
+        tokens, features = _patches(native.reference_grid()), native.patch_features
+    elif kind == "vision":
         image, patch = _int(obj, "image_size", path), _int(obj, "patch_size", path)
         if image % patch:
             raise ValueError(f"{path}.image_size: not divisible by patch_size")
@@ -152,12 +179,38 @@ def _encoder(name: str, obj: Any) -> ModuleSpec:
     if proj is not None and not isinstance(proj, Mapping) and not hasattr(proj, "kind"):
         raise ValueError(f"{path}.projector: expected a mapping (kind, frozen), got {proj!r}")
     proj_kind = _get(proj, "kind", "mlp") if proj is not None else "mlp"
-    if proj_kind not in ("mlp", "linear"):
+    if native is not None and proj_kind != "patch_merger":
+        raise ValueError(f"{path}.projector.kind: resolution native needs patch_merger, got {proj_kind!r}")
+    if native is None and proj_kind not in ("mlp", "linear"):
         raise ValueError(f"{path}.projector.kind: expected mlp or linear, got {proj_kind!r}")
     proj_frozen = _bool(proj, "frozen", f"{path}.projector") if proj is not None else False
     return ModuleSpec(name=name, kind=kind, tokens_per_item=tokens, input_features=features,
                       projector_kind=proj_kind, projector_frozen=proj_frozen,
-                      class_token=kind == "vision" and _bool(obj, "class_token", path), **common)
+                      class_token=kind == "vision" and native is None and _bool(obj, "class_token", path),
+                      native=native, **common)
+
+
+def _default(key: str) -> Any:
+    return EncoderConfig.__dataclass_fields__[key].default
+
+
+def _patches(grid) -> int:
+    t, h, w = grid
+    return t * h * w
+
+
+def _native(obj: Any, path: str, num_layers: int) -> NativeViT:
+    """A native-resolution ViT's geometry (defaults as the config's)."""
+    ints = {k: _int(obj, k, path, default=_default(k)) for k in
+            ("temporal_patch_size", "spatial_merge_size", "num_channels", "min_pixels", "max_pixels")}
+    patch = _int(obj, "patch_size", path)
+    window = _int(obj, "window_size", path, default=0, minimum=0)
+    full = _get(obj, "full_attention_layers") or []
+    if not isinstance(full, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in full):
+        raise ValueError(f"{path}.full_attention_layers: expected a list of layer indices, got {full!r}")
+    if ints["min_pixels"] > ints["max_pixels"]:
+        raise ValueError(f"{path}.min_pixels: exceeds max_pixels")
+    return NativeViT(num_layers, patch, window_size=window, full_attention_layers=tuple(full), **ints)
 
 
 def read_model(model: Any) -> ModelSpec:

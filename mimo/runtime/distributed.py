@@ -47,6 +47,10 @@ def setup_megatron(runtime: Runtime, seed: int) -> None:
         return
     mcore_random.initialize_rng_tracker(force_reset=True)
     mcore_random.get_cuda_rng_tracker().add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    # Forked by megatron's MoE expert init on the GPU path (mimo initialises on the CPU, but register it).
+    mcore_random.get_cuda_rng_tracker().add(mcore_random.get_expert_parallel_rng_tracker_name(),
+                                            seed + 2718 + megatron_cpu.EXPERT_RNG_OFFSET)
+    megatron_cpu.define_missing_te_gemm()
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
 

@@ -36,6 +36,23 @@ optimizer stack in `optimizer_on_cpu`):
    eagerly (``torch.compiler.set_stance("force_eager")``), the same arithmetic
    without the compile; CUDA ranks keep the compiled kernels.
 
+8. Mixture-of-experts layers (megatron-core 0.16.1, transformer/moe): the
+   all-to-all token dispatcher (``MoEAlltoAllTokenDispatcher``) creates a
+   ``torch.cuda.Stream`` in its first ``__init__`` and copies its split sizes
+   device-to-host on that stream (``_maybe_dtoh_and_synchronize``), leaving CPU
+   tensors as tensors, which gloo's ``all_to_all_single`` refuses as split
+   sizes. Inside `megatron_on_cpu` the stream is a placeholder and the copy is
+   a plain conversion of the split sizes to host arrays, as the CUDA path ends
+   with. The router, the all-to-all output and GroupedMLP ask
+   ``torch.cuda.current_device()``, answered by (1). The expert-parallel RNG
+   state that megatron forks around expert weight init (and its random-logits
+   benchmark router) is registered in the tracker (2). Not adapted, so not
+   used on CPU ranks: ``track_moe_metrics`` (allocates on "cuda"), shared-expert
+   overlap (a CUDA stream), permute / router fusion (Transformer Engine).
+   ``te_general_gemm``, referenced by the router's gating whether or not
+   Transformer Engine is installed, is defined (None) where it is missing, on
+   any device (`define_missing_te_gemm`).
+
 Everything is idempotent and undone by :func:`restore` (used by tests).
 
 5. megatron-core's DDP grad buffers and optimizers (``optimizer_on_cpu``, a
@@ -97,15 +114,56 @@ def _no_gpu_rng_state(*args, **kwargs):
     return None
 
 
+class _NoStream:
+    """Stands for the all-to-all dispatcher's device-to-host CUDA stream on a CPU rank (never used)."""
+
+
+def _dispatcher_host_splits(self, point, tokens_per_expert=None):
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` on a CPU rank: at its copy point the
+    split sizes become host arrays (what the CUDA path's copies end with); nothing to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _moe_dispatcher():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return token_dispatcher.MoEAlltoAllTokenDispatcher
+
+
 @contextlib.contextmanager
 def megatron_on_cpu():
-    """Adaptation 1, scoped: inside, ``torch.cuda.current_device()`` answers the CPU device."""
+    """Adaptations 1 and 8, scoped: inside, ``torch.cuda.current_device()`` answers the CPU device and
+    the all-to-all MoE dispatcher uses no CUDA stream."""
     saved = torch.cuda.current_device
+    dispatcher = _moe_dispatcher()
+    saved_moe = (dispatcher.cuda_dtoh_stream, dispatcher.__dict__["_maybe_dtoh_and_synchronize"])
     torch.cuda.current_device = _cpu_device
+    if dispatcher.cuda_dtoh_stream is None:
+        dispatcher.cuda_dtoh_stream = _NoStream()
+    dispatcher._maybe_dtoh_and_synchronize = _dispatcher_host_splits
     try:
         yield
     finally:
         torch.cuda.current_device = saved
+        dispatcher.cuda_dtoh_stream, dispatcher._maybe_dtoh_and_synchronize = saved_moe
+
+
+def define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router gating (moe_utils.RouterGatingLinearFunction) tests
+    ``te_general_gemm is not None``, a name its module defines only when Transformer Engine imports:
+    without TE it is a NameError on any device. Define it as None there (the plain torch GEMM path)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+EXPERT_RNG_OFFSET = 1024  # megatron's model_parallel_cuda_manual_seed: expert seed = seed + 1024 + ...
 
 
 def _nothing_to_wait_for(*args, **kwargs):
@@ -141,6 +199,8 @@ def adapt_for_cpu(seed: int = 0) -> None:
         mcore_random._set_cuda_rng_state = _no_gpu_rng_state
     tracker = CPURNGStatesTracker()
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(mcore_random.get_expert_parallel_rng_tracker_name(), seed + 2718 + EXPERT_RNG_OFFSET)
+    define_missing_te_gemm()
     mcore_random._CUDA_RNG_STATE_TRACKER = tracker
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:

@@ -71,16 +71,36 @@ def meets(plan: StepPlan, a: Action) -> List[Meet]:
 
 
 def _compute_meets(plan: StepPlan, a: Action) -> List[Meet]:
-    """A forward or backward: one meet over its stage's TP x CP block, if that holds more than this rank."""
+    """A forward or backward: one meet over its stage's TP x CP block, if that holds more than this rank.
+    An MoE LLM's layers also all-to-all / all-gather over its expert groups (expert TP x EP, a second
+    decomposition of the stage's ranks, docs/moe.md): the block is then every rank reachable through
+    TP x CP and expert TP x EP groups."""
     layout = plan.layouts.get(a.module)
     if layout is None:
         return []
     dims = tuple(d for d in COMPUTE_DIMS if getattr(layout, d) > 1)
-    if not dims:
+    experts = getattr(layout, "ep", 1) > 1 or getattr(layout, "etp", 1) > 1
+    if not dims and not experts:
         return []
-    ranks = group_ranks(layout, a.rank, dims)
-    what = f"its {' x '.join(dims)} collectives over ranks {list(ranks)}"
+    ranks = compute_block(layout, a.rank, dims) if experts else group_ranks(layout, a.rank, dims)
+    if len(ranks) == 1:
+        return []
+    what = f"its {' x '.join(dims + (('expert tp x ep',) if experts else ()))} collectives over ranks {list(ranks)}"
     return [Meet((a.op, a.module, a.stage, a.mb), ranks, a, what)]
+
+
+@lru_cache(maxsize=65536)
+def compute_block(layout, rank: int, dims: Tuple[str, ...]) -> Tuple[int, ...]:
+    """The ranks tied to `rank` by `dims` groups and expert TP x EP groups, transitively, sorted."""
+    block, frontier = {rank}, [rank]
+    while frontier:
+        r = frontier.pop()
+        for g in (layout.group_of(r, list(dims)) if dims else [r], layout.expert_group_of(r, ["etp", "ep"])):
+            for x in g:
+                if x not in block:
+                    block.add(x)
+                    frontier.append(x)
+    return tuple(sorted(block))
 
 
 def _optimizer_meets(plan: StepPlan, a: Action) -> List[Meet]:

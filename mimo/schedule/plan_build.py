@@ -34,7 +34,8 @@ HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
 def is_homogeneous(cfg: MimoConfig) -> bool:
     """Whether the plan is of the homogeneous family (every module on the language's layout)."""
     lang = cfg.parallelism[LANGUAGE]
-    shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.ep, p.rank_offset)  # noqa: E731
+    # The LLM's ep / etp re-divide its own ranks (docs/moe.md): not part of the dense layout compared here.
+    shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.rank_offset)  # noqa: E731
     same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
     return same and (not cfg.model.encoders or (lang.pp == 1 and lang.cp == 1))
 
@@ -129,8 +130,8 @@ def island_encoders(cfg: MimoConfig, remote: Optional[List[str]] = None) -> List
 def _heterogeneous(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, out: RankActions) -> None:
     par, lang = cfg.parallelism, layouts[LANGUAGE]
     encoders = list(cfg.model.encoders)
-    if par[LANGUAGE].ep != 1 or any(par[n].cp != 1 or par[n].ep != 1 for n in encoders):
-        raise PlanError("parallelism: encoders need cp = ep = 1 and the language ep = 1 at the boundary")
+    if any(par[n].cp != 1 or par[n].ep != 1 for n in encoders):
+        raise PlanError("parallelism: encoders need cp = ep = 1 at the boundary")
     M = num_microbatches(cfg)
     kinds = {n: placement(par[n], par[LANGUAGE]) for n in encoders}
     colocated = [n for n in encoders if kinds[n] == "colocated"]

@@ -1,9 +1,16 @@
 """Rank <-> coordinate arithmetic of one module's grid. Pure Python, no processes.
 
-A module occupies ranks [rank_offset, rank_offset + tp*cp*ep*dp*pp) and orders
-them like megatron-core's default `tp-cp-ep-dp-pp`: tp varies fastest, pp
-slowest. Every rank can therefore compute any other rank's coordinates, which
-is what boundary-communicator plans need.
+A module occupies ranks [rank_offset, rank_offset + tp*cp*dp*pp) and orders
+them like megatron-core's default `tp-cp-ep-dp-pp` (with ep = 1 in the dense
+grid): tp varies fastest, pp slowest. Every rank can therefore compute any
+other rank's coordinates, which is what boundary-communicator plans need.
+
+An MoE LLM's expert parallelism (`ep`, `etp`) adds no ranks: like
+megatron-core's expert rank generator it is a second decomposition of the same
+ranks, `etp-ep-edp-pp` (etp fastest, pp slowest, edp = tp*cp*dp / (etp*ep)),
+so each pipeline stage's tp*cp*dp ranks are re-divided into expert tensor
+parallel x expert parallel x expert data parallel (`expert_coords`,
+`expert_groups`). Encoders and dense LLMs have ep = etp = 1.
 """
 
 from __future__ import annotations
@@ -14,22 +21,93 @@ from typing import Dict, List, Sequence, Tuple
 
 from mimo.config import ParallelConfig
 
-# Fastest-varying first, as in megatron-core's order string "tp-cp-ep-dp-pp".
-DIMS: Tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+# Fastest-varying first, as in megatron-core's order string "tp-cp-ep-dp-pp" (the dense grid has no ep).
+DIMS: Tuple[str, ...] = ("tp", "cp", "dp", "pp")
+# The expert decomposition of the same ranks, as megatron-core's expert rank generator orders it.
+EXPERT_DIMS: Tuple[str, ...] = ("etp", "ep", "edp", "pp")
+
+
+def _coords(sizes: Dict[str, int], dims: Sequence[str], local: int) -> Dict[str, int]:
+    out = {}
+    for d in dims:
+        out[d] = local % sizes[d]
+        local //= sizes[d]
+    return out
+
+
+def _local_rank(sizes: Dict[str, int], dims: Sequence[str], coords: Dict[str, int]) -> int:
+    local, stride = 0, 1
+    for d in dims:
+        c = coords.get(d, 0)
+        if not 0 <= c < sizes[d]:
+            raise ValueError(f"{d} coordinate {c} out of range [0, {sizes[d]})")
+        local += c * stride
+        stride *= sizes[d]
+    return local
+
+
+def _groups(sizes: Dict[str, int], all_dims: Sequence[str], dims: Sequence[str], offset: int) -> List[List[int]]:
+    unknown = [d for d in dims if d not in all_dims]
+    if unknown:
+        raise ValueError(f"unknown grid dims {unknown}; known: {tuple(all_dims)}")
+    inner = [d for d in all_dims if d in dims]
+    outer = [d for d in all_dims if d not in dims]
+    out = []
+    for oc in product(*[range(sizes[d]) for d in reversed(outer)]):
+        fixed = dict(zip(reversed(outer), oc))
+        members = []
+        for ic in product(*[range(sizes[d]) for d in reversed(inner)]):
+            members.append(offset + _local_rank(sizes, all_dims, {**fixed, **dict(zip(reversed(inner), ic))}))
+        out.append(members)
+    return out
 
 
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
     cp: int = 1
-    ep: int = 1
     dp: int = 1
     pp: int = 1
     rank_offset: int = 0
+    # Expert parallelism of an MoE LLM: not grid dims (see the module docstring).
+    ep: int = 1
+    etp: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelConfig) -> "Layout":
-        return cls(tp=p.tp, cp=p.cp, ep=p.ep, dp=p.dp, pp=p.pp, rank_offset=p.rank_offset)
+        return cls(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, rank_offset=p.rank_offset, ep=p.ep, etp=p.etp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: each stage's tp*cp*dp ranks over etp*ep."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
+    @property
+    def expert_shape(self) -> List[int]:
+        return [self._expert_sizes[d] for d in EXPERT_DIMS]
+
+    @property
+    def _expert_sizes(self) -> Dict[str, int]:
+        if (self.tp * self.cp * self.dp) % (self.etp * self.ep):
+            raise ValueError(f"etp * ep ({self.etp} * {self.ep}) does not divide tp * cp * dp "
+                             f"({self.tp} * {self.cp} * {self.dp})")
+        return {"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
+    def expert_coords(self, rank: int) -> Dict[str, int]:
+        """`rank`'s coordinates in the expert decomposition (etp, ep, edp, pp)."""
+        if not self.contains(rank):
+            raise ValueError(f"rank {rank} is outside ranks [{self.ranks.start}, {self.ranks.stop})")
+        return _coords(self._expert_sizes, EXPERT_DIMS, rank - self.rank_offset)
+
+    def expert_groups(self, dims: Sequence[str]) -> List[List[int]]:
+        """All groups of the expert decomposition along `dims` (as `groups`, over EXPERT_DIMS)."""
+        return _groups(self._expert_sizes, EXPERT_DIMS, dims, self.rank_offset)
+
+    def expert_group_of(self, rank: int, dims: Sequence[str]) -> List[int]:
+        for g in self.expert_groups(dims):
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} is not in this layout")
 
     @property
     def shape(self) -> List[int]:
@@ -49,27 +127,18 @@ class Layout:
     def contains(self, rank: int) -> bool:
         return rank in self.ranks
 
+    @property
+    def _sizes(self) -> Dict[str, int]:
+        return {d: getattr(self, d) for d in DIMS}
+
     def coords(self, rank: int) -> Dict[str, int]:
         if not self.contains(rank):
             raise ValueError(f"rank {rank} is outside ranks [{self.ranks.start}, {self.ranks.stop})")
-        local, out = rank - self.rank_offset, {}
-        for d in DIMS:
-            n = getattr(self, d)
-            out[d] = local % n
-            local //= n
-        return out
+        return _coords(self._sizes, DIMS, rank - self.rank_offset)
 
     def rank(self, **coords: int) -> int:
         """Global rank at the given coordinates (missing dims are 0)."""
-        local, stride = 0, 1
-        for d in DIMS:
-            n = getattr(self, d)
-            c = coords.get(d, 0)
-            if not 0 <= c < n:
-                raise ValueError(f"{d} coordinate {c} out of range [0, {n})")
-            local += c * stride
-            stride *= n
-        return self.rank_offset + local
+        return self.rank_offset + _local_rank(self._sizes, DIMS, coords)
 
     def groups(self, dims: Sequence[str]) -> List[List[int]]:
         """All groups along `dims`: ranks that differ only in those coordinates.
@@ -78,19 +147,7 @@ class Layout:
         ranks in each group are ordered with the first of `dims` fastest, so
         every process derives the identical enumeration.
         """
-        unknown = [d for d in dims if d not in DIMS]
-        if unknown:
-            raise ValueError(f"unknown grid dims {unknown}; known: {DIMS}")
-        inner = [d for d in DIMS if d in dims]
-        outer = [d for d in DIMS if d not in dims]
-        out = []
-        for oc in product(*[range(getattr(self, d)) for d in reversed(outer)]):
-            fixed = dict(zip(reversed(outer), oc))
-            members = []
-            for ic in product(*[range(getattr(self, d)) for d in reversed(inner)]):
-                members.append(self.rank(**fixed, **dict(zip(reversed(inner), ic))))
-            out.append(members)
-        return out
+        return _groups(self._sizes, DIMS, dims, self.rank_offset)
 
     def group_of(self, rank: int, dims: Sequence[str]) -> List[int]:
         for g in self.groups(dims):

@@ -55,6 +55,7 @@ def build_topology(cfg: MimoConfig, backend: Optional[str] = None) -> Topology:
     for name in cfg.modules:
         # The LLM's tied input/output embeddings span its first and last pipeline stages.
         tied = name == LANGUAGE and cfg.model.language.tie_embeddings
-        grids[name] = build_module_grid(name, Layout.from_config(cfg.parallelism[name]), backend, tied)
+        experts = name == LANGUAGE and cfg.model.language.is_moe  # an MoE LLM's expert groups
+        grids[name] = build_module_grid(name, Layout.from_config(cfg.parallelism[name]), backend, tied, experts)
     self_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], backend=backend)
     return Topology(rank=dist.get_rank(), world_size=world, grids=grids, edges=edges_of(cfg), self_group=self_group)

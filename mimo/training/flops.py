@@ -6,7 +6,8 @@ a few percent at most). With n positions through a layer (hidden h, heads a,
 query groups g, head dim d = h / a, FFN width f):
 
 * dense transformer layer, forward: 2 n h (a d + 2 g d)  (QKV)  +  2 n a d h  (output
-  projection)  +  4 n h f  (MLP, two matrices; mimo's layers are not gated);
+  projection)  +  4 n h f  (MLP, two matrices), or 6 n h f for a gated MLP (activation swiglu:
+  gate, up and down matrices; Llama / Qwen2 LLMs, the Qwen2.5-VL ViT);
 * attention core, forward: 4 P a d, where P is the number of (query, key) pairs the
   mask allows: s (s + 1) / 2 per sample for causal SDPA, the real count of the
   bitfield mask for `attention: bitfield` (modality tokens see their whole span,
@@ -50,6 +51,7 @@ from mimo.config import LANGUAGE, MimoConfig
 from mimo.data import PAD_ID
 from mimo.data.items import grid_patches, is_native, sample_grids
 from mimo.model import attention_mask
+from mimo.planner.native import native_attention_pairs  # one count for FLOPs, balance and planner
 
 # Dense bf16 peak of one device, TFLOPS (datasheet, no sparsity), matched against the CUDA device name.
 PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
@@ -184,24 +186,6 @@ def native_work(cfg: MimoConfig, grids: Mapping[str, Sequence]) -> Dict[str, Dic
                               for n, gs in grids.items()}}
 
 
-def native_attention_pairs(enc, grid: Sequence[int]) -> int:
-    """(query, key) pairs of one native-resolution image summed over the encoder's layers: each
-    full-attention layer sees the image's frame (t (h w)^2 pairs), each window layer its windows of
-    window_size pixels (the last row / column of windows may be smaller)."""
-    t, h, w = (int(x) for x in grid)
-    full = t * (h * w) ** 2
-    m = enc.spatial_merge_size
-    units = enc.window_size // enc.patch_size // m if enc.window_size else 0
-    if not units:
-        return enc.num_layers * full
-
-    def sides(n: int) -> List[int]:  # window sides in merge units along one axis
-        return [min(units, n - i) for i in range(0, n, units)]
-    window = t * m ** 4 * sum(r * r for r in sides(h // m)) * sum(c * c for c in sides(w // m))
-    n_full = len(set(enc.full_attention_layers or ()))
-    return n_full * full + (enc.num_layers - n_full) * window
-
-
 def count_later(cfg: MimoConfig, host: Mapping[str, torch.Tensor], mask=None) -> Callable[[], StepWork]:
     """What an LLM microbatch keeps (`batch["work"]`) for the step's FLOP count: a call that counts it
     (`microbatch_work`) on the host, made only on the ranks that report it (`rank_work`). It holds the
@@ -239,10 +223,16 @@ def rank_work(cfg: MimoConfig, llm_coords: Optional[Mapping[str, int]], llm_batc
     return RankWork(llm_coords["dp"], total)
 
 
-def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int) -> int:
-    """Forward matmul FLOPs of one dense transformer layer, per position."""
+def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int, gated: bool = False) -> int:
+    """Forward matmul FLOPs of one dense transformer layer, per position (`gated`: the MLP's
+    first linear is two ffn-wide halves, gate and up, as swiglu runs it)."""
     d = hidden // heads
-    return 2 * hidden * (heads * d + 2 * groups * d) + 2 * heads * d * hidden + 4 * hidden * ffn
+    return 2 * hidden * (heads * d + 2 * groups * d) + 2 * heads * d * hidden + (6 if gated else 4) * hidden * ffn
+
+
+def is_gated(module) -> bool:
+    """Whether a module config's MLP is gated (swiglu: silu(gate) * up, three matrices)."""
+    return getattr(module, "activation", None) == "swiglu"
 
 
 def attention_core_flops(pairs: int, hidden: int) -> int:
@@ -302,7 +292,8 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
             stem_in = enc.frames_per_token * enc.num_mel_bins
         he = enc.hidden_size
         proj = he * h_llm + h_llm * h_llm if enc.projector.kind == "mlp" else he * h_llm
-        layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size)
+        layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size,
+                                   is_gated(enc))
         parts = [Part(2 * n * t * stem_in * he, 0, not enc.frozen),
                  Part(enc.num_layers * n * t * layer, enc.num_layers * attention_core_flops(n * t * t, he),
                       not enc.frozen),
@@ -310,7 +301,8 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
         out[name] = walk(parts, upstream_trains=False)
     lang = cfg.model.language
     h, P = lang.hidden_size, work.positions
-    layer = layer_linear_flops(h, lang.num_attention_heads, lang.num_query_groups, lang.ffn_hidden_size)
+    layer = layer_linear_flops(h, lang.num_attention_heads, lang.num_query_groups, lang.ffn_hidden_size,
+                               is_gated(lang))
     trains = not lang.frozen
     parts = [Part(0, 0, trains),  # embedding lookup: free, but its weights want gradients
              Part(lang.num_layers * P * layer, lang.num_layers * attention_core_flops(work.llm_attention_pairs, h),
@@ -327,7 +319,8 @@ def native_encoder_flops(cfg: MimoConfig, enc, patches: int, pairs: int) -> Modu
     merger's two linears on patches / m^2 rows (m^2 h_e -> m^2 h_e -> h)."""
     he, h_llm, m2 = enc.hidden_size, cfg.model.language.hidden_size, enc.spatial_merge_size ** 2
     stem_in = enc.num_channels * enc.temporal_patch_size * enc.patch_size ** 2
-    layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size)
+    layer = layer_linear_flops(he, enc.num_attention_heads, enc.num_attention_heads, enc.ffn_hidden_size,
+                               is_gated(enc))
     merged = patches // m2
     parts = [Part(2 * patches * stem_in * he, 0, not enc.frozen),
              Part(enc.num_layers * patches * layer, attention_core_flops(pairs, he), not enc.frozen),

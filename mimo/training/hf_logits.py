@@ -184,7 +184,5 @@ def hf_logits(raw: Dict, inputs: Dict[str, torch.Tensor], timeout_s: float = 900
     batch = inputs["input_ids"].shape[0]
     raw = logits_config(raw, batch, inputs["input_ids"].shape[1])
     cfg = load_config(raw)
-    if cfg.parallelism[LANGUAGE].cp != 1:
-        raise ValueError("parallelism.language.cp: logits are taken with cp = 1")
     split_inputs(cfg, inputs)  # bad inputs fail here, before any rank starts
     return merge_logits(run_on_ranks(_rank_logits, cfg.world_size, raw, inputs, timeout_s=timeout_s), batch)

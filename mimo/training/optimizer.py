@@ -120,6 +120,10 @@ def _runs(start: int, end: int, holes: List[Tuple[int, int]]) -> List[Tuple[int,
 
 
 def norm_ranges(buffer, tp_rank: int) -> List[Tuple[int, int]]:
+    # An expert buffer (`DistributedDataParallel.expert_parallel_buffers`) holds the routed experts of
+    # this EP rank; its `data_parallel_group` is the expert-DP group and `tp_rank` the expert-TP rank,
+    # so every expert element is counted once: distinct experts over EP, distinct shards over expert
+    # TP (replicated ones on expert-TP rank 0), one slice per expert-DP rank.
     """Element ranges of one megatron-core grad buffer (`_ParamAndGradBuffer`) this rank counts.
 
     The buffer's DP (x CP) ranks split every bucket into equal contiguous slices, rank r the r-th
@@ -136,15 +140,31 @@ def norm_ranges(buffer, tp_rank: int) -> List[Tuple[int, int]]:
     return out
 
 
-def norm_views(ddp: DistributedDataParallel, tp_rank: int) -> List[torch.Tensor]:
+def norm_views(ddp: DistributedDataParallel, tp_rank: int, expert_tp_rank: int = 0) -> List[torch.Tensor]:
     """Contiguous views of `ddp`'s grad buffers holding this rank's share of the module's norm:
-    one per bucket on TP rank 0, a few per bucket (runs between TP-replicated parameters) elsewhere."""
-    if ddp.expert_parallel_buffers:
-        raise NotImplementedError("the global gradient norm does not handle expert-parallel grad buffers "
-                                  "(mimo builds no mixture-of-experts layers)")
+    one per bucket on TP rank 0, a few per bucket (runs between TP-replicated parameters) elsewhere.
+    An MoE module's expert buffers (reduced over expert DP) count by the expert-TP rank."""
     if ddp.ddp_config.num_distributed_optimizer_instances != 1:
         raise NotImplementedError("one distributed-optimizer instance per module is assumed")
-    return [buf.grad_data[a:b] for buf in ddp.buffers for a, b in norm_ranges(buf, tp_rank)]
+    views = [buf.grad_data[a:b] for buf in ddp.buffers for a, b in norm_ranges(buf, tp_rank)]
+    return views + [buf.grad_data[a:b] for buf in ddp.expert_parallel_buffers
+                    for a, b in norm_ranges(buf, expert_tp_rank)]
+
+
+def mark_expert_grads(part: torch.nn.Module, layout) -> None:
+    """Route a module part's routed-expert gradients to megatron-core DDP's expert buffers (reduced
+    over the expert-DP group) wherever that group differs from the dense DP x CP one.
+
+    megatron-core marks expert weights `allreduce=False` only when `expert_model_parallel_size > 1`;
+    with ep = 1 and expert TP smaller than TP (e.g. tp 2, etp 1) each TP rank holds whole experts that
+    see only its sequence shard, so their gradients must also be summed over TP: the expert-DP group."""
+    from mimo.model.reference_init import is_expert
+
+    if layout.ep == 1 and layout.etp == layout.tp:
+        return  # the expert decomposition is the dense one
+    for name, p in part.named_parameters():
+        if is_expert(name):
+            p.allreduce = False
 
 
 # megatron-core's multi_tensor_applier chunk (2048 * 32 elements): the fused kernel sums squares per
@@ -204,6 +224,9 @@ class ModelOptimizer:
         self.norm_views: Dict[str, List[torch.Tensor]] = {}  # module -> views of its grad buffers (`norm_views`)
         self.groups = {}  # module -> its ProcessGroupCollection (with the optimizer's extra groups)
         self.optimizers = {}  # module -> megatron optimizer (one per trainable module part)
+        # module -> megatron optimizer of its expert-parallel weights (an MoE LLM whose expert grid differs
+        # from the dense one: `mark_expert_grads`); stepped, clipped and zeroed with the module's.
+        self.expert_optimizers = {}
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=tr.grad_reduce_in_fp32 or tr.precision != "bf16",
             overlap_grad_reduce=tr.overlap_grad_reduce,
@@ -235,12 +258,21 @@ class ModelOptimizer:
                 chained = get_megatron_optimizer(opt_config, [self.ddp[name]], pg_collection=pgs,
                                                  use_gloo_process_groups=False)
                 inner = [o for o in chained.chained_optimizers if o.get_parameters()]
-                if len(inner) != 1:
-                    raise RuntimeError(f"{name}: expected one megatron optimizer, got {len(inner)}")
-                self.optimizers[name] = inner[0]
-                self.norm_views[name] = norm_views(self.ddp[name], topo.grid(name).coords["tp"])
+                experts = bool(self.ddp[name].expert_parallel_buffers)
+                if len(inner) != 1 + experts:
+                    raise RuntimeError(f"{name}: expected {1 + experts} megatron optimizer(s), got {len(inner)}")
+                if experts and tr.use_distributed_optimizer:
+                    raise NotImplementedError(f"{name}: training.use_distributed_optimizer with expert-parallel "
+                                              "MoE weights is not supported yet (docs/moe.md)")
+                self.optimizers[name] = inner[0]  # megatron lists the dense optimizer first
+                if experts:
+                    self.expert_optimizers[name] = inner[1]
+                grid = topo.grid(name)
+                self.norm_views[name] = norm_views(self.ddp[name], grid.coords["tp"],
+                                                   grid.expert_coords["etp"] if experts else 0)
         # One schedule drives every module's param groups.
-        self.scheduler = lr_scheduler(ChainedOptimizer(list(self.optimizers.values())), tr)
+        self.scheduler = lr_scheduler(ChainedOptimizer(list(self.optimizers.values())
+                                                       + list(self.expert_optimizers.values())), tr)
 
     @property
     def lr(self) -> float:
@@ -251,7 +283,8 @@ class ModelOptimizer:
         with optimizer_scope(self.runtime):
             for name, ddp in self.ddp.items():
                 ddp.zero_grad_buffer()
-                self.optimizers[name].zero_grad()
+                for opt in self._module_optimizers(name):
+                    opt.zero_grad()
         self._finished, self._sq_norms = set(), {}
 
     def _local_sq_norm(self, name: str) -> torch.Tensor:
@@ -270,9 +303,13 @@ class ModelOptimizer:
         self._finished.add(name)
         with optimizer_scope(self.runtime):
             finalize_model_grads([self.ddp[name]], pg_collection=self.groups[name])
-            opt = self.optimizers[name]
-            opt.prepare_grads()
+            for opt in self._module_optimizers(name):
+                opt.prepare_grads()
             self._sq_norms[name] = self._local_sq_norm(name)
+
+    def _module_optimizers(self, name: str) -> List:
+        """Module `name`'s megatron optimizers: the dense one, then its expert one if any."""
+        return [self.optimizers[name]] + ([self.expert_optimizers[name]] if name in self.expert_optimizers else [])
 
     def clip(self) -> torch.Tensor:
         """One global gradient norm over every trainable module of the model (a world all-reduce, on
@@ -288,7 +325,7 @@ class ModelOptimizer:
             norm = total.sqrt()
             if self.clip_grad > 0:
                 coeff = (self.clip_grad / (norm + 1e-6)).clamp(max=1.0).float()
-                for opt in self.optimizers.values():
+                for opt in list(self.optimizers.values()) + list(self.expert_optimizers.values()):
                     grads = [p.grad for p in opt.get_parameters() if p.grad is not None]
                     if grads:
                         torch._foreach_mul_(grads, coeff)
@@ -296,7 +333,8 @@ class ModelOptimizer:
 
     def step_module(self, name: str) -> None:
         with optimizer_scope(self.runtime):
-            self.optimizers[name].step_with_ready_grads()
+            for opt in self._module_optimizers(name):
+                opt.step_with_ready_grads()
 
     def end_step(self) -> None:
         """Advance the learning-rate schedule, after every module stepped."""
@@ -305,7 +343,7 @@ class ModelOptimizer:
     def reload_model_params(self) -> None:
         """After the weights changed outside the optimizer (a checkpoint load): refresh the fp32 masters."""
         with optimizer_scope(self.runtime):
-            for opt in self.optimizers.values():
+            for opt in list(self.optimizers.values()) + list(self.expert_optimizers.values()):
                 opt.reload_model_params()
 
     # -- per-parameter state (checkpoints) ----------------------------------------------------

@@ -51,27 +51,41 @@ def record_run(trainer, steps: int) -> Dict:
         losses.append(trainer.train_step(s).loss)
         if s == 0:
             grads = step_grads(trainer)
-    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets)
+    params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets,
+                        experts=expert_shards(trainer))
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def expert_shards(trainer) -> Dict:
+    """module -> this rank's ExpertShard, for an MoE LLM part (routed experts by global index)."""
+    from mimo.config import LANGUAGE
+    from mimo.model.reference_init import expert_shard
+
+    if LANGUAGE not in trainer.parts:
+        return {}
+    shard = expert_shard(trainer.cfg.model.language, trainer.topo.grid(LANGUAGE))
+    return {LANGUAGE: shard} if shard is not None else {}
 
 
 def step_grads(trainer) -> Dict[str, torch.Tensor]:
     """`module.param` -> the full gradient the step just taken reduced over DP (x CP) and stepped with,
     on every rank holding the parameter. Collective over each module's DP x CP and TP groups, modules
     in the same (config) order on every rank."""
-    from .state import state_key, unshard
+    from .state import state_key, tp_group_of, unshard
 
     optim, out = trainer.optim, {}
+    experts = expert_shards(trainer)
     for module, part in trainer.parts.items():
         sharded = optim.cfg.training.use_distributed_optimizer and module in optim.ddp
         reduced = gather_owned_grads(optim, module) if sharded else {}
         tp_group = trainer.topo.grid(module).groups["tp"]
+        ex = experts.get(module)
         for name, p in part.named_parameters():
             # megatron-core's DDP accumulates (and reduces) gradients in `main_grad`.
             g = reduced.get(id(p), getattr(p, "main_grad", p.grad))
             if g is not None:
-                key = state_key(module, name, p, trainer.layer_offsets.get(module, 0))
-                out[key] = unshard(g, p, tp_group).cpu()
+                key = state_key(module, name, p, trainer.layer_offsets.get(module, 0), ex.offset if ex else 0)
+                out[key] = unshard(g, p, tp_group_of(name, tp_group, ex)).cpu()
     return out
 
 

@@ -18,7 +18,7 @@ from mimo.config import LANGUAGE, MimoConfig
 from mimo.hf import load_hf_part
 from mimo.model import build_encoder, build_llm
 from mimo.model.encoder_stages import build_encoder_stage
-from mimo.model.reference_init import load_shard
+from mimo.model.reference_init import expert_shard, load_shard
 from mimo.model.sharded_init import init_sharded
 from mimo.model.stages import build_llm_stage, stage_layer_offset
 from mimo.topology import Topology
@@ -63,14 +63,21 @@ def _init(cfg: MimoConfig, topo: Topology, name: str, build, pgs: ProcessGroupCo
     torch.manual_seed(seed)
     part = build(pgs)  # under `sharded` megatron leaves the weights unset (see initialized_by_megatron)
     grid = topo.grid(name)
+    if name == LANGUAGE and cfg.model.language.is_moe:
+        from .optimizer import mark_expert_grads
+
+        mark_expert_grads(part, grid.layout)  # expert gradients reduce over expert DP
     tp_rank, tp_size = grid.coords["tp"], grid.layout.tp
+    experts = expert_shard(cfg.model.language, grid) if name == LANGUAGE else None  # MoE: routed experts
+    if hf and experts is not None:
+        raise ValueError("model.language.hf / model.hf: Hugging Face weights for an MoE LLM are not imported yet")
     if not (hf and hf.complete):  # a module wholly loaded from HF needs no initial weights
         if cfg.training.init == "sharded":
-            init_sharded(part, cfg, name, layer_offset, tp_rank, tp_size)
+            init_sharded(part, cfg, name, layer_offset, tp_rank, tp_size, experts)
         elif cfg.training.init == "reference":
             torch.manual_seed(seed)
             full = _reference_module(cfg, topo, name)
-            load_shard(part, full.state_dict(keep_vars=False), layer_offset, tp_rank, tp_size)
+            load_shard(part, full.state_dict(keep_vars=False), layer_offset, tp_rank, tp_size, experts)
         else:  # local: megatron drew each stage's weights on its own
             _copy_tied_embedding(part, grid)
     if hf:

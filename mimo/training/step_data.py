@@ -43,6 +43,9 @@ class StepData:
     step_batch: Dict[str, "EncoderItems"] = field(default_factory=dict)  # whole step: items this rank encodes
     windows: Optional[StepWindows] = None                  # whole step: boundary windows
     bad_media: int = 0  # items replaced by zeros while loading this step, counted on one rank per item
+    # Whole step: each native-resolution encoder's item grids (t, h, w) by step item id, host metadata
+    # every rank holds, from which each pipeline stage derives its activation shape, masks and rotary table.
+    item_grids: Dict[str, List[Tuple[int, int, int]]] = field(default_factory=dict)
 
 
 def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype) -> Dict:
@@ -171,4 +174,6 @@ def whole_step(cfg: MimoConfig, step: int, samples: List, windows: StepWindows, 
         host = torch.stack(rows) if rows else torch.zeros((0,) + item_shape(cfg, name))
         step_batch[name] = EncoderItems(host.to(device, dtype, non_blocking=True), row_of)
     n_tokens = torch.tensor(float(total), dtype=torch.float64, device=device)
-    return StepData(n_tokens, llm_batches, step_batch, windows)
+    grids = {n: [g for s in samples for g in sample_grids(s, n)] for n, e in cfg.model.encoders.items()
+             if is_native(e)}
+    return StepData(n_tokens, llm_batches, step_batch, windows, item_grids=grids)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from mimo.attention import shard_microbatch
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.data.items import is_native
+from mimo.data.items import grid_patches, is_native
 from mimo.model import assemble_embeddings, encode, llm_loss
 from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len
@@ -134,8 +134,15 @@ class RankStep:
 
     def _defers(self, name: str, mb: Optional[int]) -> bool:
         """Whether encoder microbatch mb of `name` has deferred rows (decided by the step's data)."""
-        return (name != LANGUAGE and mb is not None and mb >= 0 and self.data.windows is not None
-                and self.data.windows.has_deferred(name, mb))
+        defers = (name != LANGUAGE and mb is not None and mb >= 0 and self.data.windows is not None
+                  and self.data.windows.has_deferred(name, mb))
+        if defers and is_native(self.cfg.model.encoders[name]) and self.cfg.parallelism[name].pp > 1:
+            # Between stages its kept and deferred rows would be two packed sequences (joined along
+            # the tokens, not the items); the config check refuses entrain for a pipelined native
+            # encoder. At pp 1 nothing crosses stages: the two halves are encoded and sent apart.
+            raise ValueError(f"data.balance: entrain cannot defer items of encoder {name!r} (resolution native, "
+                             f"pp > 1)")
+        return defers
 
     def _encoder_stage(self, name: str, stage: int, mb: Optional[int], part: str, xs: Dict, ys: Dict) -> None:
         """One forward of an encoder stage over one half (kept or deferred rows) of microbatch mb."""
@@ -146,25 +153,36 @@ class RankStep:
                 ys[key] = encode(model, self._items(name, mb, part))
                 return
             items = self._items(name, mb, part) if stage == 0 else None
-            count = len(items) if items is not None else len(self._item_ids(name, mb, part))
+            ids = self._item_ids(name, mb, part)
+            count = len(items) if items is not None else len(ids)
             if count == 0:  # nothing to encode: every stage skips, identically
                 last = stage == g.layout.pp - 1
                 ys[key] = (torch.zeros(0, self.cfg.model.language.hidden_size, dtype=self.dtype,
                                        device=self.device) if last else
-                           torch.zeros(self._stage_shape(name, 0), dtype=self.dtype, device=self.device))
+                           torch.zeros(self._stage_shape(name, []), dtype=self.dtype, device=self.device))
+                return
+            if stage == 0:
+                ys[key] = model(items)
                 return
             # A frozen edge runs no backward: its input is not kept for one.
-            x = None if stage == 0 else xs[key] if self.trainable[name] else xs.pop(key)
-            ys[key] = model(items if stage == 0 else x)
+            x = xs[key] if self.trainable[name] else xs.pop(key)
+            # A native ViT's later stages make their masks and rotary table from the items' grids.
+            ys[key] = model(x, self._grids(name, ids)) if is_native(self.cfg.model.encoders[name]) else model(x)
 
-    def _stage_shape(self, name: str, items: int):
-        """An encoder's activation between pipeline stages: this rank's sequence-parallel shard of each
-        item's tokens (a vision class token travels with the patches; the last stage drops it)."""
-        enc = self.cfg.model.encoders[name]
-        if is_native(enc):  # refused by the config check (mimo.config.validate); a guard for direct callers
-            raise ValueError(f"parallelism.{name}.pp: a native-resolution encoder runs as one pipeline stage")
-        tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), self.trainer.parts[name].encoder.config)
-        return (tokens, items, enc.hidden_size)
+    def _grids(self, name: str, ids: List[int]) -> List:
+        """Patch grids (t, h, w) of the given step items of native-resolution encoder `name` (host metadata)."""
+        return [self.data.item_grids[name][i] for i in ids]
+
+    def _stage_shape(self, name: str, ids: List[int]):
+        """An encoder's activation between pipeline stages for the step items `ids`: this rank's
+        sequence-parallel shard of each item's tokens (a vision class token travels with the patches;
+        the last stage drops it). A native ViT's items are one packed sequence of their patches."""
+        enc, config = self.cfg.model.encoders[name], self.trainer.parts[name].encoder.config
+        if is_native(enc):
+            patches = sum(grid_patches(g) for g in self._grids(name, ids))
+            return (shard_len(patches, config), 1, enc.hidden_size)
+        tokens = shard_len(enc.tokens_per_item + (1 if enc.class_token else 0), config)
+        return (tokens, len(ids), enc.hidden_size)
 
     def _modality_tokens(self, mb: int) -> Dict[str, torch.Tensor]:
         """The LLM first stage's inputs from every encoder for microbatch mb."""
@@ -224,6 +242,7 @@ class RankStep:
         with self.trainer.timer.span(a.module, "B", mb or 0):
             y, x, g = self.y.pop(key), self.x.pop(key, None), self.gy.pop(key, None)
             if a.module == LANGUAGE:
+                self._set_aux_loss_scale(mb)
                 if g is None:  # the last stage: y is the loss
                     y.backward()
                 else:
@@ -244,6 +263,27 @@ class RankStep:
                 self._route_boundary_grads(mb, x or {})
             elif a.stage > 0:
                 self.gx[key] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def _set_aux_loss_scale(self, mb: int) -> None:
+        """The weight of microbatch mb's MoE load-balancing losses in this step's objective, set before
+        its LLM backward as megatron-core's schedules set it after each forward (their
+        `MoEAuxLossAutoScaler.set_loss_scale`; its backward reads one process-wide scale, so it is set
+        per backward here, which also holds for microbatches whose backwards are interleaved).
+
+        mimo's language loss is the global batch's per-token mean, and DP ranks sum their gradients.
+        megatron-core's router computes each MoE layer's aux loss over one microbatch (its tokens on
+        the TP x CP ranks) with `moe_aux_loss_coeff` folded in. The step's objective is the
+        language loss plus the sample-weighted mean over the global batch's microbatches of those aux
+        losses: weight = samples in microbatch mb / global_batch_size (1 / number of microbatches
+        when they are equal, as megatron's own schedules average them over microbatches and DP
+        ranks). Layout-independent: the same microbatches carry the same weights at any DP / EP."""
+        if not self.cfg.model.language.is_moe:
+            return
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        samples = self.data.llm_batches[mb]["input_ids"].shape[0]
+        weight = samples / self.cfg.training.global_batch_size
+        MoEAuxLossAutoScaler.set_loss_scale(torch.full((), weight, dtype=torch.float32, device=self.device))
 
     def _route_boundary_grads(self, mb: int, tokens: Dict[str, torch.Tensor]) -> None:
         for name, t in tokens.items():
@@ -287,10 +327,10 @@ class RankStep:
             ids = self._llm_view(a.mb)["input_ids"]  # microbatches may differ in size (deferral)
             shape = (shard_len(ids.shape[1], llm.config), ids.shape[0], self.cfg.model.language.hidden_size)
         else:
-            items = len(self._item_ids(a.module, a.mb))
+            ids = self._item_ids(a.module, a.mb)
             if self._defers(a.module, a.mb):
-                items += len(self._item_ids(a.module, a.mb, DEFERRED))
-            shape = self._stage_shape(a.module, items)
+                ids = ids + self._item_ids(a.module, a.mb, DEFERRED)
+            shape = self._stage_shape(a.module, ids)
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
     def arrived(self, a: Action, t: torch.Tensor) -> None:

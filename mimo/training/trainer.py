@@ -47,11 +47,10 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
     boundary relies on, for configs built without `mimo.config.validate`."""
     problems = []
     par = cfg.parallelism
-    if par[LANGUAGE].ep != 1 and cfg.model.encoders:
-        problems.append("parallelism.language.ep: expert parallelism is not supported at the encoder boundary")
+    # The LLM's expert parallelism re-divides its own ranks (docs/moe.md): the boundary sees its dense grid.
     for name in cfg.model.encoders:
-        if par[name].cp != 1 or par[name].ep != 1:
-            problems.append(f"parallelism.{name}.cp: encoders must use cp = 1 and ep = 1")
+        if par[name].cp != 1 or par[name].ep != 1 or par[name].etp != 1:
+            problems.append(f"parallelism.{name}.cp: encoders must use cp = 1, ep = 1 and etp = 1")
     return problems
 
 
