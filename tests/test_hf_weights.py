@@ -240,16 +240,16 @@ def test_siglip_qwen2_tied_colocated_tp2_logits_and_exact_export(siglip_qwen2, t
     assert os.path.isfile(os.path.join(out, "config.json"))
 
 
-def test_siglip_qwen2_tied_noncolocated_llm_pp2_logits_and_exact_export(siglip_qwen2, tmp_path):
-    """Tied embeddings with the LLM over two pipeline stages (tower on a third rank): the last stage's
+def test_siglip_qwen2_tied_noncolocated_llm_tp2_pp2_logits_and_exact_export(siglip_qwen2, tmp_path):
+    """Tied embeddings with the LLM at TP2 x PP2 (tower on a fifth rank): the last stage's
     output weight is read from embed_tokens, the logits match transformers, and the export writes the
     tied weight once (embed_tokens, no lm_head), exactly the source tensors."""
     from mimo.training.hf_logits import logits_config, merge_logits
 
     inputs = llava_inputs()
     out = str(tmp_path / "exported")
-    raw = logits_config(llava_config(siglip_qwen2, language={"pp": 2}, images={"rank_offset": 2}), 2, 40)
-    got = merge_logits(run_on_ranks(_logits_then_export, 3, raw, inputs, out), 2)
+    raw = logits_config(llava_config(siglip_qwen2, language={"tp": 2, "pp": 2}, images={"rank_offset": 4}), 2, 40)
+    got = merge_logits(run_on_ranks(_logits_then_export, 5, raw, inputs, out), 2)
     ref = hf_reference(siglip_qwen2, inputs)
     assert rel_diff(got, ref) < TOL
 
