@@ -155,16 +155,12 @@ def test_balance_assignment_follows_image_sizes_and_a_swapped_pair_changes_it():
     assert all(len(h & {0, 1}) == 1 for h in holds), b.encoder
 
 
-def test_balance_with_native_encoders_is_accepted_and_entrain_with_a_pipelined_vit_refused():
+def test_balance_with_native_encoders_is_accepted_with_and_without_a_pipelined_vit():
     for policy in ("mmscale", "entrain"):
-        raw = native(language=dict(pp=2), images=dict(rank_offset=2))
-        raw["data"]["balance"] = policy
-        load_config(raw)
-    raw = native(language=dict(pp=2), images=dict(pp=2, rank_offset=2))
-    raw["data"]["balance"] = "entrain"
-    with pytest.raises(ConfigError, match=r"data.balance: entrain with a pipelined native-resolution encoder "
-                                          r"\(parallelism.images.pp > 1\)"):
-        load_config(raw)
+        for images in (dict(rank_offset=2), dict(pp=2, rank_offset=2)):
+            raw = native(language=dict(pp=2), images=images)
+            raw["data"]["balance"] = policy
+            load_config(raw)
 
 
 # -- FP32 parity ----------------------------------------------------------------------------------
@@ -241,9 +237,19 @@ def test_the_data_makes_mmscale_reorder_and_entrain_defer_native_images(data_dir
         assert moved and any(images[s] for s in moved), (a.encoder, a.llm)
 
 
-@pytest.mark.parametrize("policy", ["mmscale", "entrain"])
-def test_balanced_native_layout_equals_single_rank(data_dir, reference, policy):
-    parallelism, world = NONCOLOCATED
+# The LLM on rank 0, the ViT in two pipeline stages on ranks 1-2: entrain's deferred images travel
+# between the ViT stages behind the kept ones, as a second packed sequence.
+VIT_PIPELINED = ({"language": {}, "images": {"pp": 2, "rank_offset": 1}}, 3)
+
+
+@pytest.mark.parametrize("policy,layout", [("mmscale", NONCOLOCATED), ("entrain", NONCOLOCATED),
+                                           ("entrain", VIT_PIPELINED)],
+                         ids=["mmscale", "entrain", "entrain_vit_pp2"])
+def test_balanced_native_layout_equals_single_rank(data_dir, reference, policy, layout):
+    parallelism, world = layout
+    if layout is VIT_PIPELINED:  # without deferred images this case would not test the packed join
+        assert any(s not in a.encoder[0][k] for a, _ in assignments(config(data_dir, policy, parallelism))
+                   for k in range(1, a.microbatches) for s in a.llm[0][k])
     got = merge_ranks(run_on_ranks(_train, world, config(data_dir, policy, parallelism), STEPS, timeout_s=240))
     assert set(got["params"]) == set(reference["params"])
     assert_same_run(reference, got)

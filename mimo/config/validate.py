@@ -159,15 +159,6 @@ def _check_balance(cfg: MimoConfig, add) -> None:
         return
     if policy != "entrain":
         return
-    # Entrain's deferred items ride along with the kept ones between encoder pipeline stages, joined
-    # along the item dimension; a native-resolution ViT's stage activations are one packed sequence
-    # of patches, which that join does not split correctly.
-    native_pp = [n for n, e in cfg.model.encoders.items()
-                 if _native(e) and n in cfg.parallelism and isinstance(cfg.parallelism[n].pp, int)
-                 and cfg.parallelism[n].pp > 1]
-    if native_pp:
-        add(path, f"entrain with a pipelined native-resolution encoder (parallelism.{native_pp[0]}.pp > 1) is "
-                  "not supported; use mmscale, or pp 1 for that encoder")
     lang = cfg.parallelism.get(LANGUAGE, ParallelConfig())
     remote = [n for n in cfg.model.encoders
               if n in cfg.parallelism and placement(cfg.parallelism[n], lang) == "non-colocated"]

@@ -134,15 +134,15 @@ class RankStep:
 
     def _defers(self, name: str, mb: Optional[int]) -> bool:
         """Whether encoder microbatch mb of `name` has deferred rows (decided by the step's data)."""
-        defers = (name != LANGUAGE and mb is not None and mb >= 0 and self.data.windows is not None
-                  and self.data.windows.has_deferred(name, mb))
-        if defers and is_native(self.cfg.model.encoders[name]) and self.cfg.parallelism[name].pp > 1:
-            # Between stages its kept and deferred rows would be two packed sequences (joined along
-            # the tokens, not the items); the config check refuses entrain for a pipelined native
-            # encoder. At pp 1 nothing crosses stages: the two halves are encoded and sent apart.
-            raise ValueError(f"data.balance: entrain cannot defer items of encoder {name!r} (resolution native, "
-                             f"pp > 1)")
-        return defers
+        return (name != LANGUAGE and mb is not None and mb >= 0 and self.data.windows is not None
+                and self.data.windows.has_deferred(name, mb))
+
+    def _rows_dim(self, name: str) -> int:
+        """The dimension of an encoder's stage activation [tokens, items, hidden] along which the kept
+        and the deferred rows of a microbatch are joined between stages: the items, or for a native
+        ViT, whose items are one packed sequence each half, the tokens (each half is its own
+        sequence-parallel shard, so the halves stay apart on every rank)."""
+        return 0 if is_native(self.cfg.model.encoders[name]) else 1
 
     def _encoder_stage(self, name: str, stage: int, mb: Optional[int], part: str, xs: Dict, ys: Dict) -> None:
         """One forward of an encoder stage over one half (kept or deferred rows) of microbatch mb."""
@@ -305,12 +305,12 @@ class RankStep:
         keep = self._with_backward(a.module)
         if a.tensor == ACTIVATION:
             t = self.y[key] if keep else self.y.pop(key)
-            if self._defers(a.module, a.mb):  # encoder stages: the deferred rows ride along, items after
-                t = torch.cat([t, self.late_y[key] if keep else self.late_y.pop(key)], dim=1)
+            if self._defers(a.module, a.mb):  # encoder stages: the deferred rows ride along, after the kept
+                t = torch.cat([t, self.late_y[key] if keep else self.late_y.pop(key)], dim=self._rows_dim(a.module))
         else:
             t = self.gx.pop(key)
             if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
-                t = torch.cat([t, self.late_gx.pop((a.module, a.mb - 1))], dim=1)
+                t = torch.cat([t, self.late_gx.pop((a.module, a.mb - 1))], dim=self._rows_dim(a.module))
         return t.detach().contiguous()
 
     def _with_backward(self, module: str) -> bool:
@@ -321,30 +321,33 @@ class RankStep:
         if a.tensor != ACTIVATION:  # the gradient of this stage's output
             shape = list(self.y[key].shape)
             if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
-                shape[1] += self.late_y[(a.module, a.mb - 1)].shape[1]
+                d = self._rows_dim(a.module)
+                shape[d] += self.late_y[(a.module, a.mb - 1)].shape[d]
         elif a.module == LANGUAGE:
             llm = self.trainer.parts[LANGUAGE]
             ids = self._llm_view(a.mb)["input_ids"]  # microbatches may differ in size (deferral)
             shape = (shard_len(ids.shape[1], llm.config), ids.shape[0], self.cfg.model.language.hidden_size)
         else:
-            ids = self._item_ids(a.module, a.mb)
+            shape = list(self._stage_shape(a.module, self._item_ids(a.module, a.mb)))
             if self._defers(a.module, a.mb):
-                ids = ids + self._item_ids(a.module, a.mb, DEFERRED)
-            shape = self._stage_shape(a.module, ids)
+                d = self._rows_dim(a.module)
+                shape[d] += self._stage_shape(a.module, self._item_ids(a.module, a.mb, DEFERRED))[d]
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
     def arrived(self, a: Action, t: torch.Tensor) -> None:
         key = (a.module, a.mb)
         if a.tensor == ACTIVATION:
-            if self._defers(a.module, a.mb):  # encoder stages: split the kept and the deferred items
-                n = len(self._item_ids(a.module, a.mb))
-                t, late = t[:, :n].contiguous(), t[:, n:].contiguous()
-                self.late_x[key] = late.requires_grad_()
-            self.x[key] = t.requires_grad_()
+            if self._defers(a.module, a.mb):  # encoder stages: split the kept and the deferred rows
+                d = self._rows_dim(a.module)
+                n = self._stage_shape(a.module, self._item_ids(a.module, a.mb))[d]
+                t, late = t.split([n, t.shape[d] - n], dim=d)
+                self.late_x[key] = late.contiguous().requires_grad_()
+            self.x[key] = t.contiguous().requires_grad_()
         else:
             if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
-                n = self.y[key].shape[1]
-                t, self.late_gy[(a.module, a.mb - 1)] = t[:, :n], t[:, n:]
+                d = self._rows_dim(a.module)
+                n = self.y[key].shape[d]
+                t, self.late_gy[(a.module, a.mb - 1)] = t.split([n, t.shape[d] - n], dim=d)
             self.gy[key] = t
 
     # -- collectives and local work ------------------------------------------------------------
