@@ -111,3 +111,22 @@ def test_profile_file(smoke):
     assert profile["errors"] == {}
     assert profile["memory_bandwidth"] > 0
 
+
+
+def test_planner_reads_the_smoke_profile(smoke, tmp_path):
+    """The file the bench writes is the one `tools/plan.py --profile` reads (mimo.planner.profile):
+    the CPU smoke profile maps to the planner's cpu spec with the measured fp32 GEMM rate."""
+    from mimo.planner.profile import profile_gpu
+
+    _, _, profile, _ = smoke
+    gpu, info = profile_gpu(profile)
+    assert info["spec"] == gpu.name == "cpu" and info["precision"] == "fp32"
+    if profile["layer"].get("backward_ms"):  # the layer calibration needs both timings
+        assert info["calibration"] is not None and info["calibration"] > 0
+    else:
+        assert info["calibration"] is None
+        assert gpu.peak_flops * gpu.gemm_efficiency * 0.5 == pytest.approx(profile["gemm_tflops"] * 1e12)
+    from mimo.planner.profile import step_check
+
+    check = step_check(profile)  # predicted vs measured step of the profiled model (a CPU smoke: no bound)
+    assert check["predicted_step_ms"] > 0 and check["measured_step_ms"] == profile["step"]["mimo"]["step_ms"]

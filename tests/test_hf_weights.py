@@ -115,7 +115,7 @@ def test_unsupported_model_type_lists_the_supported_ones(tmp_path):
         load_config({"model": {"language": {"hf": str(d)}}, "parallelism": {"language": {}},
                      "training": {"global_batch_size": 1}})
     assert str(exc.value) == ("error: model.language.hf: language model type 'gpt2' is not supported "
-                              "(supported: llama, mistral, qwen2)")
+                              "(supported: llama, mistral, qwen2, qwen2_moe, qwen3_moe, mixtral)")
 
 
 # -- logits vs transformers ----------------------------------------------------------------------

@@ -531,7 +531,8 @@ def layer_timing(llm, cfg, device, iters: int) -> dict:
     a = lang.num_attention_heads
     # mimo.training.flops' counting: matmuls only; backward = 2x forward (input and weight gradients,
     # dQ/dK/dV), causal attention pairs.
-    flops = (b * s * layer_linear_flops(h, a, lang.num_query_groups, lang.ffn_hidden_size, is_gated(lang))
+    flops = (b * s * layer_linear_flops(h, a, lang.num_query_groups, lang.ffn_hidden_size, is_gated(lang),
+                                          lang.kv_channels)
              + attention_core_flops(b * s * (s + 1) // 2, a * (lang.kv_channels or h // a)))
     bwd_ms = fb_ms - f_ms  # null below when timing noise (tiny CPU shapes) makes it non-positive
     return {"micro_batch": b, "seq_length": s, "forward_ms": round(f_ms, 4),

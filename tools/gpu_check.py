@@ -3,6 +3,18 @@
 
     python tools/gpu_check.py                 # on a CUDA machine: all checks, one JSON object on stdout
     python tools/gpu_check.py --quick         # smaller sizes (a few seconds per check)
+    python tools/gpu_check.py --layouts       # multi-GPU bring-up: tiny-model layouts (NCCL) vs CPU FP32
+
+`--layouts` (the first thing to run on a new cluster, README "New cluster bring-up") trains a tiny
+two-encoder model for a few steps in each layout of LAYOUTS that fits the GPUs present (2: homogeneous
+TP2 and colocated; 4: non-colocated with LLM PP2 or CP2; 8: non-colocated with LLM PP2 x CP2) under
+torchrun with NCCL, one rank per GPU, FP32 with TF32 and fusions off, and compares the losses, the
+first step's gradients and the final parameters with the same config and seed run on one CPU rank
+(gloo) — one JSON line per layout (`ok`, `max_rel_diff`), then a summary line. Layouts needing more
+GPUs are listed as not checked (on one GPU or CPU-only: all of them; the CPU reference still runs);
+exit 0 unless a checked layout differs. `--cpu-self-check` runs the comparison on gloo CPU ranks
+instead, with a control run (another seed) that must be caught (tests/test_gpu_check_layouts.py also
+runs the torchrun launch on gloo CPU ranks with the hidden `--torchrun-cpu`).
 
 Checks, each reported with its figures and `ok`:
 
@@ -145,14 +157,221 @@ def check_offload(numel: int) -> dict:
             "released_bytes": int(released), "restored_bytes": int(restored), "bit_identical": bool(same)}
 
 
+# ---- --layouts: multi-GPU layouts (NCCL, torchrun) against the 1-rank CPU FP32 run ----------------
+
+# A tiny two-encoder model (tests/tiny.py's sizes); each layout differs only in `parallelism`.
+LAYOUT_MODEL = {
+    "model": {
+        "language": dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=128,
+                         max_sequence_length=64),
+        "encoders": {
+            "images": dict(kind="vision", num_layers=1, hidden_size=16, num_attention_heads=2, image_size=8,
+                           patch_size=4, frozen=False, projector={"kind": "mlp"}),
+            "audio": dict(kind="audio", num_layers=1, hidden_size=16, num_attention_heads=2, clip_frames=16,
+                          frames_per_token=4, num_mel_bins=8, frozen=True, projector={"kind": "linear"}),
+        },
+    },
+    "data": {"seq_length": 48, "seed": 3},
+    "training": {"global_batch_size": 8, "micro_batch_size": 2, "train_iters": 3, "optimizer": "sgd", "lr": 0.1,
+                 "seed": 7},
+}
+# name -> (GPUs, parallelism, LLM attention). Colocated: every module on the same ranks;
+# non-colocated: each module on its own ranks (rank_offset), the LLM pipelined and/or context-parallel.
+LAYOUTS = {
+    "homogeneous_tp2": (2, dict(language=dict(tp=2), images=dict(tp=2), audio=dict(tp=2)), "sdpa"),
+    "colocated_llm_tp2_encoders_dp2": (2, dict(language=dict(tp=2), images=dict(dp=2), audio=dict(dp=2)), "sdpa"),
+    "noncolocated_llm_pp2": (4, dict(language=dict(pp=2), images=dict(rank_offset=2), audio=dict(rank_offset=3)),
+                             "sdpa"),
+    "noncolocated_llm_cp2": (4, dict(language=dict(cp=2), images=dict(rank_offset=2), audio=dict(rank_offset=3)),
+                             "bitfield"),
+    "noncolocated_llm_pp2_cp2": (8, dict(language=dict(pp=2, cp=2), images=dict(dp=2, rank_offset=4),
+                                         audio=dict(tp=2, rank_offset=6)), "bitfield"),
+}
+LAYOUT_RTOL = 2e-3  # GPU FP32 (TF32 and fusions off) vs CPU FP32: other kernels, other summation orders
+
+
+def layout_config(name: str, steps: int) -> dict:
+    """The complete FP32 parity config of one layout (mimo.training.parity.parity_overrides)."""
+    import copy
+
+    from mimo.training.parity import parity_overrides
+
+    raw = copy.deepcopy(LAYOUT_MODEL)
+    gpus, par, attention = LAYOUTS[name]
+    raw["model"]["language"]["attention"] = attention
+    raw["parallelism"] = copy.deepcopy(par)
+    return parity_overrides(raw, steps)
+
+
+def reference_config(steps: int, attention: str = "sdpa") -> dict:
+    """The same model on one rank."""
+    import copy
+
+    from mimo.training.parity import parity_overrides
+
+    raw = copy.deepcopy(LAYOUT_MODEL)
+    raw["model"]["language"]["attention"] = attention
+    raw["parallelism"] = {m: {} for m in ("language", "images", "audio")}
+    return parity_overrides(raw, steps)
+
+
+def _worst(report: dict) -> float:
+    return max(report["max_rel_loss_diff"], report["max_rel_grad_diff"], report["max_rel_param_diff"])
+
+
+def layout_worker(name: str, steps: int, result: str, device: str = "cuda") -> int:
+    """One torchrun rank of a layout on its GPU (NCCL): train, gather every rank's record on rank 0.
+    `device` cpu (tests only, `--torchrun-cpu`): the same launch on gloo CPU ranks."""
+    import torch.distributed as dist
+
+    from mimo.config import load_config
+    from mimo.runtime import fusions, init_distributed, select_runtime, setup_megatron, shutdown
+    from mimo.training import Trainer
+    from mimo.training.parity import merge_ranks, placement_of, record_run
+
+    runtime = select_runtime(device)
+    if device == "cpu":
+        torch.set_num_threads(1)
+    init_distributed(runtime, 5.0)
+    setup_megatron(runtime, seed=0)
+    # The check is about the layouts' communication: FP32 as the CPU run computes it, no TF32, no fusions.
+    fusions.activate(None)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        cfg = load_config(layout_config(name, steps))
+        rec = record_run(Trainer(cfg, runtime), steps)
+        rec = {"losses": [float(x) for x in rec["losses"]],
+               "grads": {k: v.detach().cpu() for k, v in rec["grads"].items()},
+               "params": {k: v.detach().cpu() for k, v in rec["params"].items()}}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rec)
+        if dist.get_rank() == 0:
+            torch.save(merge_ranks(gathered, placement_of(cfg)), result)
+    finally:
+        shutdown()
+    return 0
+
+
+def _run_layout_on_gpus(name: str, steps: int, timeout_s: float, device: str = "cuda") -> dict:
+    gpus = LAYOUTS[name][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.pt")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               os.path.abspath(__file__), "--layout-worker", name, "--steps", str(steps), "--result", result,
+               "--worker-device", device]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout_s:.0f} s"}
+        if proc.returncode != 0 or not os.path.exists(result):
+            tail = (proc.stderr or proc.stdout)[-1500:]
+            return {"error": f"torchrun exit {proc.returncode}", "stderr_tail": tail}
+        return {"run": torch.load(result, weights_only=False)}
+
+
+def layouts_main(args) -> int:
+    """`--layouts` / `--cpu-self-check`: one JSON line per layout, then a summary line."""
+    names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
+    unknown = set(args.only.split(",")) - set(LAYOUTS) if args.only else set()
+    if unknown:
+        print(f"error: --only: unknown layout(s) {', '.join(sorted(unknown))} (known: {', '.join(LAYOUTS)})",
+              file=sys.stderr)
+        return 2
+    if args.steps < 1:
+        print("error: --steps: must be >= 1", file=sys.stderr)
+        return 2
+    from mimo.training.parity import compare, run_config
+
+    steps, rtol = args.steps, args.rtol
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.torchrun_cpu:  # tests: the torchrun launch, gather and comparison on gloo CPU ranks
+        gpus = max(g for g, _, _ in LAYOUTS.values())
+    refs = {}
+
+    def reference(attention):  # the 1-rank CPU FP32 run (gloo), once per LLM attention kind
+        if attention not in refs:
+            refs[attention] = run_config(reference_config(steps, attention), steps)
+        return refs[attention]
+
+    rows = []
+    if args.cpu_self_check:
+        # The comparison machinery on gloo CPU ranks: each layout vs the 1-rank run must agree (FP32,
+        # tight), and a deliberately wrong run (the first layout with another init seed) must not.
+        for name in names:
+            report = compare(reference(LAYOUTS[name][2]), run_config(layout_config(name, steps), steps), args.cpu_rtol)
+            rows.append({"layout": name, "ranks": LAYOUTS[name][0], "where": "cpu", "ok": report["ok"],
+                         "max_rel_diff": _worst(report)})
+        wrong = layout_config(names[0], steps)
+        wrong["training"]["seed"] += 1
+        report = compare(reference(LAYOUTS[names[0]][2]), run_config(wrong, steps), args.cpu_rtol)
+        rows.append({"layout": f"{names[0]} (control: another seed, must differ)", "ranks": LAYOUTS[names[0]][0],
+                     "where": "cpu", "ok": not report["ok"], "max_rel_diff": _worst(report)})
+    else:
+        for name in names:
+            need, _, attention = LAYOUTS[name]
+            row = {"layout": name, "gpus": need}
+            if gpus < need:
+                row.update(status="not checked", reason=f"needs {need} GPUs, {gpus} present")
+                rows.append(row)
+                continue
+            got = _run_layout_on_gpus(name, steps, args.timeout, "cpu" if args.torchrun_cpu else "cuda")
+            if "error" in got:
+                row.update(status="failed", ok=False, **got)
+            else:
+                report = compare(reference(attention), got["run"], rtol)
+                row.update(status="checked", ok=report["ok"], max_rel_diff=_worst(report),
+                           loss=report["loss"], cpu_loss=report["baseline_loss"])
+            rows.append(row)
+        if not refs and names:
+            # Nothing fits the GPUs present: still run the CPU reference so this side of the tool is exercised.
+            ref = reference(LAYOUTS[names[0]][2])
+            rows.append({"layout": "cpu_reference", "ranks": 1, "where": "cpu", "status": "ran",
+                         "losses": [round(x, 6) for x in ref["losses"]]})
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    checked = [r for r in rows if "ok" in r]
+    skipped = [r["layout"] for r in rows if r.get("status") == "not checked"]
+    summary = {"summary": True, "gpus": gpus, "checked": len(checked), "failed": sum(not r["ok"] for r in checked),
+               "not_checked": skipped, "ok": all(r["ok"] for r in checked)}
+    if args.cpu_self_check:
+        summary["mode"] = "cpu-self-check"
+    elif skipped:
+        summary["message"] = (f"{len(skipped)} of {len(names)} layouts need more GPUs than the {gpus} present "
+                              "(NCCL puts one rank on each GPU): not checked" +
+                              ("; nothing was compared on a GPU" if not checked else ""))
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller sizes: 4k and 8k tokens, 2 training steps")
+    p.add_argument("--layouts", action="store_true",
+                   help="tiny-model layouts under torchrun + NCCL vs the 1-rank CPU FP32 run (the layouts that fit "
+                        "the GPUs present; the rest are reported as not checked)")
+    p.add_argument("--cpu-self-check", action="store_true",
+                   help="with --layouts' machinery on gloo CPU ranks: each layout vs the 1-rank run, plus a control "
+                        "that must differ")
+    p.add_argument("--only", default="", help=f"comma list of layouts ({', '.join(LAYOUTS)})")
+    p.add_argument("--steps", type=int, default=2, help="training steps per layout run")
+    p.add_argument("--rtol", type=float, default=LAYOUT_RTOL, help="GPU vs CPU: largest relative difference")
+    p.add_argument("--cpu-rtol", type=float, default=1e-4, help="--cpu-self-check: largest relative difference")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun layout run")
+    p.add_argument("--layout-worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--torchrun-cpu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--seqlens", default="4096,8192,16384,32768,65536")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
+    if args.layout_worker:
+        return layout_worker(args.layout_worker, args.steps, args.result, args.worker_device)
+    if args.layouts or args.cpu_self_check:
+        return layouts_main(args)
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "message": "no CUDA device on this machine: nothing to check "
                           "(CPU behaviour is covered by the test suite)"}))

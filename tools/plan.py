@@ -3,6 +3,7 @@
 
     python tools/plan.py --config MODEL.yaml --gpus N [--gpu h100] [--samples S.json] [--json] [--top K] [--out FILE]
     python tools/plan.py --config FILE.yaml --evaluate [--homogeneous] [--gpu h100] [--samples S.json] [--json]
+    ... --profile gpu_profile.json [--no-calibrate]   # measured rates from tools/gpu_bench.py instead of --gpu's
 
 Search: prints the best candidate layouts (homogeneous, colocated,
 non-colocated; SP and recompute chosen per module), then a complete config
@@ -31,6 +32,7 @@ from mimo.planner.emit import to_yaml  # noqa: E402
 from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
 from mimo.planner.megatron import RECOMPUTE, Par  # noqa: E402
+from mimo.planner.profile import load_profile, profile_gpu  # noqa: E402
 from mimo.planner.spec import MAX_SIZE  # noqa: E402
 
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
@@ -81,10 +83,7 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
         for key in entry:
             if key not in PARALLEL_KEYS:
                 raise ValueError(f"{path}.{key}: unknown key (known: {', '.join(PARALLEL_KEYS)})")
-        for key in ("ep", "etp"):  # the planner does not cost expert parallelism yet
-            if entry.get(key, 1) != 1 or isinstance(entry.get(key), (bool, float)):
-                raise ValueError(f"{path}.{key}: must be 1, got {entry[key]!r}")
-        vals = {k: positive_int(entry.get(k, 1), f"{path}.{k}") for k in ("tp", "cp", "pp", "dp")}
+        vals = {k: positive_int(entry.get(k, 1), f"{path}.{k}") for k in ("tp", "cp", "pp", "dp", "ep", "etp")}
         off = entry.get("rank_offset", 0)
         if isinstance(off, bool) or not isinstance(off, int) or not 0 <= off <= MAX_SIZE:
             raise ValueError(f"{path}.rank_offset: expected a non-negative integer, got {off!r}")
@@ -95,7 +94,8 @@ def _read_pars(raw: dict, spec, homogeneous: bool) -> dict[str, Par]:
         if rec not in RECOMPUTE:
             raise ValueError(f"{path}.recompute: expected one of {', '.join(RECOMPUTE)}, got {rec!r}")
         out[mod.name] = Par(vals["tp"], vals["cp"], vals["pp"], vals["dp"], sp, rec, off,
-                            _stage_layers(entry.get("stage_layers"), vals["pp"], mod, path))
+                            _stage_layers(entry.get("stage_layers"), vals["pp"], mod, path),
+                            ep=vals["ep"], etp=vals["etp"])
     return out
 
 
@@ -130,7 +130,8 @@ def _split_hint(searcher: LayoutSearch, pars: dict, homogeneous: bool) -> str:
 def _short(p: Par, split: tuple[int, ...] = ()) -> str:
     extra = (" sp" if p.sp else "") + (f" rc-{p.recompute}" if p.recompute != "none" else "")
     layers = f" [{','.join(map(str, split))}]" if split else ""
-    return f"tp{p.tp} cp{p.cp} pp{p.pp}{layers} dp{p.dp}{extra}"
+    experts = f" ep{p.ep}" + (f" etp{p.etp}" if p.etp > 1 else "") if p.ep > 1 or p.etp > 1 else ""
+    return f"tp{p.tp} cp{p.cp} pp{p.pp}{layers} dp{p.dp}{experts}{extra}"
 
 
 def _layout(c, order) -> str:
@@ -145,6 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="model YAML (parallelism needed only for --evaluate)")
     p.add_argument("--gpus", type=int, help="GPU budget (search)")
     p.add_argument("--gpu", default="h100", help="h100 | h200 | a100 | cpu")
+    p.add_argument("--profile", help="a measured profile from tools/gpu_bench.py (schema mimo.gpu_profile/1): "
+                                     "its device and rates replace --gpu's defaults")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="with --profile: measured rates only, no per-layer calibration")
     p.add_argument("--samples", help="JSON list of [text_tokens, images, audio_clips] per sample")
     p.add_argument("--evaluate", action="store_true", help="cost the config's own layout")
     p.add_argument("--homogeneous", action="store_true", help="with --evaluate: Megatron's homogeneous baseline")
@@ -179,7 +184,15 @@ def main(argv=None) -> int:
             training["micro_batch_size"] = args.micro_batch
         raw["training"] = training
         samples = _load_samples(args.samples) if args.samples else None
-        searcher, spec = _searcher(raw, args.gpu, samples)
+        gpu = args.gpu
+        if args.no_calibrate and args.profile is None:
+            raise ValueError("--no-calibrate: only with --profile")
+        if args.profile is not None:
+            gpu, used = profile_gpu(load_profile(args.profile), calibrate=not args.no_calibrate)
+            args.gpu = f"{gpu.name} (profile)"
+            cal = f", layer calibration x{used['calibration']:.4g}" if used["calibration"] is not None else ""
+            print(f"# profile {args.profile}: {used['device']} as {gpu.name}, measured rates{cal}", file=sys.stderr)
+        searcher, spec = _searcher(raw, gpu, samples)
         order = [m.name for m in spec.modules]
         if args.evaluate:
             pars = _read_pars(raw, spec, args.homogeneous)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict
 
 import torch
@@ -49,6 +50,32 @@ def _size(n: int) -> str:
     return ""
 
 
+_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+
+
+def _experts(meta: dict, saved: Dict) -> list:
+    """An MoE LLM's routed experts: how many, the layout they were saved at, and their tensors (stored by
+    global expert index, so any `ep` loads them), one line per tensor name with its expert indices."""
+    lang = meta["config"]["model"]["language"]
+    if not lang.get("num_moe_experts"):
+        return []
+    lay = meta["layout"].get("language", {})
+    lines = [f"experts: {lang['num_moe_experts']} (saved at ep={lay.get('ep', 1)}, etp={lay.get('etp', 1)}), "
+             "stored by global expert index:"]
+    groups: Dict[tuple, list] = {}
+    for key, st in saved.items():
+        m = _EXPERT.match(key)
+        if m and not key.startswith(PREFIX):
+            groups.setdefault((m.group(1), m.group(3)), []).append((int(m.group(2)), tuple(st.global_shape)))
+    for (head, tail), found in sorted(groups.items()):
+        found.sort()
+        idx = [i for i, _ in found]
+        span = f"{idx[0]}-{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else ",".join(map(str, idx))
+        shapes = sorted({shape for _, shape in found})
+        lines.append(f"  {head}<{span}>{tail}  {len(idx)} x {list(shapes[0]) if len(shapes) == 1 else shapes}")
+    return lines
+
+
 def summary(path: str) -> str:
     from megatron.core import dist_checkpointing
 
@@ -76,6 +103,7 @@ def summary(path: str) -> str:
             entry[1] += numel
     for module, (weight_bytes, numel, opt_bytes) in modules.items():
         lines.append(f"  {module:10s} {numel:,} parameters ({_size(weight_bytes)}), optimizer state {_size(opt_bytes)}")
+    lines += _experts(meta, saved)
     data = meta.get("data")
     if data is not None:
         lines.append(f"data position: {data}")

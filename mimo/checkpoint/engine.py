@@ -43,12 +43,6 @@ FILE_PROBLEM = (-1, -1, -1)  # sorts before every parameter's problem (module, p
 
 class Checkpointer:
     def __init__(self, cfg, trainer, runtime):
-        lp = cfg.parallelism["language"]
-        if cfg.model.language.is_moe and not (lp.ep == 1 and lp.etp == lp.tp):  # on every rank alike
-            # Expert weights are named by their local index on each EP rank and stepped by a second
-            # optimizer; checkpoints that store experts by global index are not written yet (docs/moe.md).
-            raise ValueError("training.save / training.load: checkpoints of an expert-parallel MoE LLM "
-                             "are not supported yet")
         self.cfg, self.trainer, self.runtime = cfg, trainer, runtime
         self.rank = dist.get_rank()
         self.shards = param_shards(trainer)

@@ -1,4 +1,5 @@
-"""Random-number-generator states of one rank (python, numpy, torch, CUDA when present).
+"""Random-number-generator states of one rank (python, numpy, torch, CUDA when present, and
+megatron-core's RNG tracker streams, the expert-parallel one included).
 
 Each rank writes its own file `rng/rank_NNNNN.pt` inside the checkpoint. They are
 restored only on the layout they were saved with (same ranks, same roles); on
@@ -35,7 +36,17 @@ def capture() -> dict:
     gpu = gpu_rng_state()
     if gpu is not None:
         state["cuda"] = gpu
+    tracker = _tracker()
+    if tracker is not None:  # megatron's named streams: model-parallel and expert-parallel (MoE) dropout
+        state["tracker"] = {name: s.clone() for name, s in tracker.get_states().items() if torch.is_tensor(s)}
     return state
+
+
+def _tracker():
+    """megatron-core's RNG tracker where this process set one up (on CPU: mimo.runtime's), else None."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    return mcore_random.get_cuda_rng_tracker() if mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED else None
 
 
 def save_rng(ckpt: str, rank: int, state: dict) -> None:
@@ -56,3 +67,8 @@ def restore_rng(state: dict) -> None:
     np.random.set_state((algorithm, key.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     set_gpu_rng_state(state.get("cuda"))
+    tracker = _tracker()
+    if tracker is not None and state.get("tracker"):  # files written before it held the tracker lack it
+        states = dict(tracker.get_states())
+        states.update({k: v for k, v in state["tracker"].items() if k in states})
+        tracker.set_states(states)

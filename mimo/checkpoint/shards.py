@@ -9,6 +9,12 @@ strided shards (megatron's gated MLP: rank r holds piece r of each of the
 `stride` parts). Copies held by TP ranks (unsharded parameters), DP/CP ranks or
 a last pipeline stage's tied output layer are replicas: only the main replica
 (replica id all zeros) is written. A checkpoint therefore loads on any layout.
+
+Routed experts of an MoE LLM are stored by their global expert index
+(`...mlp.experts.local_experts.<global index>...`, whatever EP rank holds them),
+sliced over expert TP, with their copies over expert DP as replicas: an expert
+saved at one `ep` / `etp` loads at any other. Where the expert grid is the dense
+one (ep 1, etp = tp) these are exactly the dense names, shards and replicas.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from mimo.config import LANGUAGE
-from mimo.model.reference_init import global_name
+from mimo.model.reference_init import expert_shard, global_name, is_expert
 
 TIED_OUTPUT, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
 
@@ -98,21 +104,30 @@ def param_shards(trainer) -> List[ParamShard]:
         tp_rank, tp = c["tp"], lay.tp
         dp_cp = c["dp"] * lay.cp + c["cp"]
         offset = trainer.layer_offsets.get(module, 0)
+        experts = expert_shard(trainer.cfg.model.language, grid) if module == LANGUAGE else None
         for name, p in part.named_parameters():
             extra = 0
             if module == LANGUAGE and tied and name == TIED_OUTPUT:
                 # A later pipeline stage's copy of the tied embedding: stored once, as the embedding.
                 name, extra = EMBEDDING, 1
-            key = f"{module}.{global_name(name, offset)}"
-            split = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
-            shape = list(p.shape)
-            if split:
-                dim, stride = p.partition_dim, getattr(p, "partition_stride", 1)
-                shape[dim] *= tp
-                out.append(ParamShard(key, p, module, tuple(shape), dim, stride, tp_rank, tp, (0, dp_cp, extra)))
+            if experts is not None and is_expert(name):
+                # Global expert index; split over expert TP; copies over expert DP are replicas.
+                key = f"{module}.{global_name(name, offset, experts.offset)}"
+                out.append(_shard(key, p, module, experts.tp_rank, experts.tp_size, grid.expert_coords["edp"], 0))
             else:
-                out.append(ParamShard(key, p, module, tuple(shape), 0, 1, 0, 1, (tp_rank, dp_cp, extra)))
+                out.append(_shard(f"{module}.{global_name(name, offset)}", p, module, tp_rank, tp, dp_cp, extra))
     return out
+
+
+def _shard(key: str, p, module: str, tp_rank: int, tp: int, dp_index: int, extra: int) -> ParamShard:
+    """A parameter split over a TP group of size `tp` (where megatron marks it so) and held by the
+    replicas numbered `dp_index` (0: the one that writes)."""
+    shape = list(p.shape)
+    if bool(getattr(p, "tensor_model_parallel", False)) and tp > 1:
+        dim, stride = p.partition_dim, getattr(p, "partition_stride", 1)
+        shape[dim] *= tp
+        return ParamShard(key, p, module, tuple(shape), dim, stride, tp_rank, tp, (0, dp_index, extra))
+    return ParamShard(key, p, module, tuple(shape), 0, 1, 0, 1, (tp_rank, dp_index, extra))
 
 
 def _slot(s: ParamShard) -> str:

@@ -18,7 +18,9 @@ from typing import Any, Dict, List, Tuple
 
 Problem = Tuple[str, str]
 
-LLM_TYPES = ("llama", "mistral", "qwen2")
+LLM_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral")
+# Mixture-of-experts causal LMs (docs/moe.md): their routed experts become megatron-core MoE layers.
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 VISION_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
 AUDIO_TYPES = ("whisper",)
 LLAVA_TYPES = ("llava",)
@@ -104,13 +106,59 @@ def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
         "norm_eps": float(tc.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu",
         "add_bias_linear": False,
-        "qkv_bias": mt == "qwen2",
+        "qkv_bias": mt == "qwen2" or (mt == "qwen2_moe" and bool(tc.get("qkv_bias", True))),
         "tie_embeddings": bool(tc.get("tie_word_embeddings", False)),
     }
+    if mt == "qwen3_moe":
+        if tc.get("attention_bias"):
+            raise HFConfigProblem(field, "qwen3_moe with attention_bias is not supported")
+        out["qk_layernorm"] = True  # q_norm / k_norm: RMSNorm over each head's channels
+    if mt in MOE_TYPES:
+        out.update(moe_fields(tc, field))
     head_dim = tc.get("head_dim")
     if head_dim and head_dim != tc["hidden_size"] // heads:
         out["kv_channels"] = head_dim
     out.update(_rope(tc, field))
+    return out
+
+
+def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config.
+
+    transformers' routers softmax over all experts and take the top k; with `norm_topk_prob`
+    (Qwen3-MoE's usual setting; Mixtral always) they renormalise those k, which equals megatron's
+    top-k of the logits followed by a softmax over the k (`moe_router_pre_softmax: false`);
+    without it the k probabilities stay as they are (megatron's `moe_router_pre_softmax: true`).
+    """
+    mt = tc["model_type"]
+    n = tc.get("num_experts") or tc.get("num_local_experts")
+    if not n:
+        raise HFConfigProblem(field, f"{mt} config.json has no num_experts")
+    layers = tc["num_hidden_layers"]
+    if mt == "mixtral":
+        width, renorm, pattern = tc["intermediate_size"], True, [1] * layers
+    else:
+        width, renorm = tc["moe_intermediate_size"], bool(tc.get("norm_topk_prob", False))
+        # transformers: layer i is MoE unless listed in mlp_only_layers, and when (i + 1) % step == 0.
+        dense, step = set(tc.get("mlp_only_layers") or []), tc.get("decoder_sparse_step", 1) or 1
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        raise HFConfigProblem(field, f"{mt} config.json makes no layer a mixture-of-experts layer")
+    out = {
+        "num_moe_experts": int(n),
+        "moe_router_topk": int(tc.get("num_experts_per_tok", 2)),
+        "moe_ffn_hidden_size": int(width),
+        "moe_router_pre_softmax": not renorm,
+        "moe_layer_freq": 1 if all(pattern) else pattern,
+        # A training choice the weights do not fix: the YAML may override it.
+        "moe_aux_loss_coeff": float(tc.get("router_aux_loss_coef", 0.0) or 0.0),
+        "_overridable": ("moe_aux_loss_coeff",),
+    }
+    if mt == "qwen2_moe" and tc.get("shared_expert_intermediate_size"):
+        out["moe_shared_expert_intermediate_size"] = int(tc["shared_expert_intermediate_size"])
+        out["moe_shared_expert_gate"] = True
+    if mt == "mixtral" and tc.get("router_jitter_noise"):
+        raise HFConfigProblem(field, "mixtral with router_jitter_noise is not supported")
     return out
 
 
@@ -123,7 +171,7 @@ def sliding_window(tc: Dict[str, Any]):
     window, mt = tc.get("sliding_window"), tc.get("model_type")
     if window is None or mt == "llama":
         return None
-    if mt == "qwen2":
+    if mt in ("qwen2", "qwen2_moe", "qwen3_moe"):
         if not tc.get("use_sliding_window"):
             return None
         n = tc.get("num_hidden_layers", 0)
@@ -370,7 +418,7 @@ def multimodal_fields(hc: Dict[str, Any], field: str, directory: str):
         text_config = hc.get("text_config") or {}
     # transformers' LLaVA and Qwen-VL attend causally over image tokens too; a training choice
     # (the YAML may say bidirectional), but only causal computes the imported model's logits.
-    lang.update(modality_attention="causal", _overridable=("modality_attention",))
+    lang.update(modality_attention="causal", _overridable=tuple(lang.get("_overridable", ())) + ("modality_attention",))
     return lang, enc, text_config
 
 

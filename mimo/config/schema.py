@@ -60,7 +60,8 @@ class LanguageConfig:
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     frozen: bool = False
-    # A Hugging Face causal-LM directory (Llama, Mistral, Qwen2): architecture and weights come from it.
+    # A Hugging Face causal-LM directory (Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral): architecture
+    # and weights come from it.
     hf: Optional[str] = None
     attention: str = "sdpa"
     # Architecture details (set from the HF config when `hf` is given; these defaults are mimo's own).
@@ -70,6 +71,7 @@ class LanguageConfig:
     add_bias_linear: bool = True
     qkv_bias: Optional[bool] = None          # default: add_bias_linear
     kv_channels: Optional[int] = None        # head dim; default hidden_size / num_attention_heads
+    qk_layernorm: bool = False               # a norm over each head's q and k (Qwen3; set from the HF config)
     rope_theta: float = 10000.0
     # Llama-3 RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
     rope_scaling: Optional[Dict[str, float]] = None

@@ -78,6 +78,14 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
     _check_mrope(lang, add)
     _check_moe(lang, add)
+    lang_par = cfg.parallelism.get(LANGUAGE)
+    if (lang.is_moe and not lang.frozen and cfg.training.use_distributed_optimizer and lang_par is not None
+            and (lang_par.ep != 1 or lang_par.etp != lang_par.tp)):
+        # The experts then have their own gradient buffers over expert DP (mimo.training.optimizer
+        # mark_expert_grads); their gradient norm and full-state gathering assume whole buffers.
+        add("training.use_distributed_optimizer", "is not supported yet for an MoE LLM whose experts are split "
+            f"differently from its dense weights (parallelism.language ep {lang_par.ep}, etp {lang_par.etp}, "
+            f"tp {lang_par.tp}); set it to false (docs/moe.md)")
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
     if lang.position_embedding == "mrope" and lang.rope_scaling is not None:

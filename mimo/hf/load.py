@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from mimo.config import MimoConfig
-from mimo.model.reference_init import source_name
+from mimo.model.reference_init import ExpertShard, source_name, tp_of
 
 from .mapping import Entry, HFModule, hf_modules
 from .source import HFWeightsError, Source
@@ -74,18 +74,21 @@ def read_shard(src: Source, entry: Entry, param: torch.nn.Parameter, tp_rank: in
 
 
 def load_hf_part(part: torch.nn.Module, mod: HFModule, src: Source, layer_offset: int, tp_rank: int,
-                 tp_size: int) -> None:
-    """Copy this rank's shards of the HF tensors into `part` (one stage of one module)."""
+                 tp_size: int, experts: Optional[ExpertShard] = None) -> None:
+    """Copy this rank's shards of the HF tensors into `part` (one stage of one module). `experts`
+    (an MoE LLM): this rank's routed experts read the HF experts of their global index, split over
+    expert TP; nothing else is read."""
     by_name = {e.mimo: e for e in mod.entries}
     with torch.no_grad():
         for name, p in part.named_parameters():
-            gname = source_name(name, p, layer_offset)  # a tied copy reads the embedding's tensor
+            # a tied copy reads the embedding's tensor; a routed expert its global index's
+            gname = source_name(name, p, layer_offset, experts.offset if experts else 0)
             entry = by_name.get(gname)
             if entry is None:
                 if mod.complete:
                     raise HFWeightsError(mod.directory, f"no HF tensor maps to {mod.module}.{gname}")
                 continue
-            piece = read_shard(src, entry, p, tp_rank, tp_size)
+            piece = read_shard(src, entry, p, *tp_of(name, tp_rank, tp_size, experts))
             if tuple(piece.shape) != tuple(p.shape):
                 raise HFWeightsError(f"{src.directory}: {entry.hf[0]}",
                                      f"gives {list(piece.shape)} for {mod.module}.{gname}, which is {list(p.shape)}")

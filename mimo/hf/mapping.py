@@ -13,6 +13,11 @@ and how they combine:
 * `packed_qkv`: one HF tensor [q; k; v] (Qwen-VL's vision `attn.qkv`, all q
   heads, then all k, then all v) -> the same per-group layout as `qkv`.
 
+An MoE LLM's routed experts are entries by global expert index
+(`decoder.layers.L.mlp.experts.local_experts.<global>.linear_fc1.weight`, a
+`glu` of the HF expert's gate and up projections); a rank holding experts from
+`offset` on reads the entry of `offset + local index` (`load_hf_part`).
+
 HF names are written without their checkpoint prefix (`layers.0.mlp...`);
 `Source` finds the prefix the directory actually uses (transformers has saved
 LLaVA as `language_model.model.` and as `model.language_model.`).
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from mimo.config import LANGUAGE, MimoConfig
+from mimo.config.hf_arch import read_hf_config
 
 Shape = Tuple[int, ...]
 
@@ -67,12 +73,43 @@ def _qkv(mimo: str, role: str, names: Tuple[str, str, str], heads: int, groups: 
     return Entry(mimo, "qkv", role, names, shapes, (heads, groups, d))
 
 
-def language_entries(cfg: MimoConfig) -> List[Entry]:
+def _glu_mlp(m: str, p: str, f: int, h: int, names=("gate_proj", "up_proj", "down_proj")) -> List[Entry]:
+    """A gated MLP: HF gate / up / down projections -> megatron's linear_fc1 [gate; up] and linear_fc2."""
+    gate, up, down = names
+    return [Entry(m + "linear_fc1.weight", "glu", "llm", (p + gate + ".weight", p + up + ".weight"), ((f, h), (f, h))),
+            _copy(m + "linear_fc2.weight", "llm", p + down + ".weight", (h, f))]
+
+
+def _moe_layer_entries(lang, m: str, p: str, mixtral: bool) -> List[Entry]:
+    """One MoE layer: the router, every routed expert by its global index (megatron's SequentialMLP
+    names it `local_experts.<index>`; a rank holding experts from `offset` on reads the entries of
+    `offset + local index`), and Qwen2-MoE's shared expert and its sigmoid gate.
+
+    On disk transformers writes one tensor per expert: `mlp.experts.N.{gate,up,down}_proj`
+    (Qwen-MoE), `block_sparse_moe.experts.N.w1/w3/w2` (Mixtral: gate, up, down)."""
+    h, n = lang.hidden_size, lang.num_moe_experts
+    f = lang.moe_ffn_hidden_size or lang.ffn_hidden_size
+    block, names = (p + "block_sparse_moe.", ("w1", "w3", "w2")) if mixtral else (p + "mlp.", None)
+    out = [_copy(m + "mlp.router.weight", "llm", block + "gate.weight", (n, h))]
+    for e in range(n):
+        out += _glu_mlp(f"{m}mlp.experts.local_experts.{e}.", f"{block}experts.{e}.", f, h,
+                        *([names] if names else []))
+    shared = lang.moe_shared_expert_intermediate_size
+    if shared:
+        out += _glu_mlp(m + "mlp.shared_experts.", block + "shared_expert.", shared, h)
+        if lang.moe_shared_expert_gate:
+            out.append(_copy(m + "mlp.shared_experts.gate_weight", "llm", block + "shared_expert_gate.weight", (1, h)))
+    return out
+
+
+def language_entries(cfg: MimoConfig, hf_type: Optional[str] = None) -> List[Entry]:
+    """`hf_type`: the HF text model's model_type (names differ between MoE families)."""
     lang = cfg.model.language
     h, v, f = lang.hidden_size, lang.vocab_size, lang.ffn_hidden_size
     heads, groups = lang.num_attention_heads, lang.num_query_groups
     d = lang.kv_channels or h // heads
     out = [_copy("embedding.word_embeddings.weight", "llm", "embed_tokens.weight", (v, h))]
+    moe = lang.moe_layers()
     for i in range(lang.num_layers):
         m, p = f"decoder.layers.{i}.", f"layers.{i}."
         att = p + "self_attn."
@@ -82,10 +119,14 @@ def language_entries(cfg: MimoConfig) -> List[Entry]:
                  (att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"), heads, groups, d, h),
             _copy(m + "self_attention.linear_proj.weight", "llm", att + "o_proj.weight", (h, heads * d)),
             _copy(m + "pre_mlp_layernorm.weight", "llm", p + "post_attention_layernorm.weight", (h,)),
-            Entry(m + "mlp.linear_fc1.weight", "glu", "llm", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                  ((f, h), (f, h))),
-            _copy(m + "mlp.linear_fc2.weight", "llm", p + "mlp.down_proj.weight", (h, f)),
         ]
+        if moe[i]:
+            out += _moe_layer_entries(lang, m, p, hf_type == "mixtral")
+        else:
+            out += _glu_mlp(m + "mlp.", p + "mlp.", f, h)
+        if getattr(lang, "qk_layernorm", False):
+            out += [_copy(m + "self_attention.q_layernorm.weight", "llm", att + "q_norm.weight", (d,)),
+                    _copy(m + "self_attention.k_layernorm.weight", "llm", att + "k_norm.weight", (d,))]
         if lang.qkv_bias:
             out.append(_qkv(m + "self_attention.linear_qkv.bias", "llm",
                             (att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"), heads, groups, d, None))
@@ -230,12 +271,20 @@ class HFModule:
     complete: bool
 
 
+def _text_type(directory: str) -> Optional[str]:
+    """model_type of the directory's causal LM (a LLaVA directory's text_config)."""
+    hc = read_hf_config(directory, "model.hf")
+    tc = hc.get("text_config") if isinstance(hc.get("text_config"), dict) else hc
+    return tc.get("model_type")
+
+
 def hf_modules(cfg: MimoConfig) -> Dict[str, HFModule]:
     """The modules of `cfg` whose weights come from Hugging Face directories."""
     out: Dict[str, HFModule] = {}
     lang_dir = cfg.model.language.hf or cfg.model.hf
     if lang_dir:
-        out[LANGUAGE] = HFModule(LANGUAGE, lang_dir, language_entries(cfg), True)
+        out[LANGUAGE] = HFModule(LANGUAGE, lang_dir, language_entries(
+            cfg, _text_type(lang_dir) if cfg.model.language.is_moe else None), True)
     for name, enc in cfg.model.encoders.items():
         if enc.kind == "vision" and enc.resolution == "native":
             # The Qwen-VL tower and its merger live in one directory, the whole model's or the tower's.

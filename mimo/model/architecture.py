@@ -47,6 +47,8 @@ def architecture_kwargs(module_cfg) -> Dict:
         add_bias_linear=bias,
         add_qkv_bias=bias if qkv_bias is None else qkv_bias,
         kv_channels=getattr(module_cfg, "kv_channels", None),
+        # Qwen3's per-head q/k RMSNorm (megatron marks those weights for the TP gradient sum).
+        qk_layernorm=bool(getattr(module_cfg, "qk_layernorm", False)),
     )
 
 

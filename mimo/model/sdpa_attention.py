@@ -9,12 +9,22 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 
+# torch >= 2.5 takes K/V with fewer heads than Q (grouped-query attention) without copies.
+NATIVE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def expand_gqa(k, v, heads: int):
+    """K/V [b, groups, s, d] repeated to [b, heads, s, d] (query head h reads group h // (heads / groups))."""
+    rep = heads // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 class SDPACoreAttention(MegatronModule):
     """Drop-in for megatron's DotProductAttention (same constructor and forward signature).
 
     Causal for the LLM (mask type `causal`), bidirectional for encoders
-    (`no_mask`). GQA is expanded here because megatron hands over K/V with
-    query-group heads.
+    (`no_mask`). megatron hands over K/V with query-group heads: torch's native
+    GQA (`enable_gqa`) where this torch has it, else expanded here.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
@@ -34,15 +44,18 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # megatron: [s, b, heads, d] -> SDPA: [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        gqa = {}
         if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if NATIVE_GQA:
+                gqa = dict(enable_gqa=True)  # torch's kernels read each K/V head for its query group
+            else:
+                k, v = expand_gqa(k, v, q.shape[1])
         causal = mask_type == AttnMaskType.causal
         mask = None
         if attention_mask is not None and not causal:
             mask = ~attention_mask  # megatron masks mark *disallowed* positions with True
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              dropout_p=self.dropout if self.training else 0.0,
-                                             scale=self.softmax_scale)
+                                             scale=self.softmax_scale, **gqa)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -56,11 +56,16 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
 
 
 def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
-                   num_experts: Optional[int] = None) -> ModuleSpec:
+                   num_experts: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
     """megatron's local GPT layer with the core attention swapped for ours; with `num_experts` its
-    MLP is megatron-core's MoELayer (router, token dispatcher, SequentialMLP experts, shared expert)."""
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization)
-    spec.submodules.self_attention.submodules.core_attention = core_attention_class(attention)
+    MLP is megatron-core's MoELayer (router, token dispatcher, SequentialMLP experts, shared expert);
+    with `qk_layernorm` q and k are normalised per head (Qwen3) by our torch norm."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization,
+                                    qk_layernorm=qk_layernorm)
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = core_attention_class(attention)
+    if qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = TorchNorm
     # torch norms that may run sequence parallel (see mimo.model.norm)
     spec.submodules.input_layernorm = TorchNorm
     spec.submodules.pre_mlp_layernorm = TorchNorm
@@ -71,8 +76,9 @@ def llm_block_layer_specs(lang, first_layer: int, count: int) -> List[ModuleSpec
     """The layer specs of global LLM layers [first_layer, first_layer + count): MoE or dense per
     `lang.moe_layers()` (megatron-core's `moe_layer_freq`)."""
     moe = lang.moe_layers()[first_layer:first_layer + count]
-    dense = llm_layer_spec(lang.attention, lang.normalization)
+    qk = bool(getattr(lang, "qk_layernorm", False))
+    dense = llm_layer_spec(lang.attention, lang.normalization, qk_layernorm=qk)
     if not any(moe):
         return [dense] * count
-    sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts)
+    sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts, qk_layernorm=qk)
     return [sparse if m else dense for m in moe]

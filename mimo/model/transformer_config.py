@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mimo.runtime.fusions import FusionSupport, fusion_flags
+from mimo.runtime.fusions import active as active_fusions
 from mimo.topology import Layout
 
 from .architecture import architecture_kwargs, mrope_kwargs
@@ -82,13 +84,9 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         # Norm, activation, biases, head dim: the module's architecture fields.
         **architecture_kwargs(module_cfg),
         **mrope_kwargs(module_cfg),
-        # The fused kernels are CUDA-only; the unfused paths run everywhere.
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # megatron's fused kernels where this process's runtime has them (mimo.runtime.fusions):
+        # all off on CPU ranks, the jit_fuser ones (and TE / apex ones where installed) on CUDA.
+        **module_fusion_flags(module_cfg),
         # "native" is the cross-entropy that takes the module's own TP group
         # instead of megatron's global parallel state.
         cross_entropy_loss_fusion=True,
@@ -96,6 +94,17 @@ def transformer_config(module_cfg, layout: Layout, precision: str, num_layers: i
         **memory_knobs(par, layout.tp),
         **moe_kwargs(module_cfg, layout),
     )
+
+
+def module_fusion_flags(module_cfg, support: FusionSupport = None) -> dict:
+    """TransformerConfig's fusion fields for one module under `support` (default: the fusions of
+    the runtime `mimo.runtime.setup_megatron` activated; none before that and on CPU)."""
+    arch = architecture_kwargs(module_cfg)
+    return fusion_flags(active_fusions() if support is None else support,
+                        activation_func=arch["activation_func"], gated=arch["gated_linear_unit"],
+                        add_bias_linear=arch["add_bias_linear"],
+                        mrope=getattr(module_cfg, "position_embedding", None) == "mrope",
+                        moe=bool(getattr(module_cfg, "is_moe", False)))
 
 
 def moe_kwargs(module_cfg, layout: Layout) -> dict:

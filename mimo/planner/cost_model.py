@@ -40,7 +40,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class LayerWork:
-    kind: str                 # embedding | transformer | head | patch_embed | projector
+    kind: str                 # embedding | transformer | moe | head | patch_embed | projector
     frozen: bool
     fwd_flops: float
     bwd_input_flops: float
@@ -163,7 +163,11 @@ class CostModel:
             (lin_params + 4 * h) / tp,
             local * bpe * (5 * h + (h + q + 2 * kv + fc1 + f) / tp),
         )
-        layers.extend([transformer] * module.num_layers)
+        if module.is_moe:
+            moe = self._moe_work(module, tp, local, attn, layer_ar + cp_comm)
+            layers.extend(moe if m else transformer for m in module.moe_layers)
+        else:
+            layers.extend([transformer] * module.num_layers)
 
         if module.is_language:
             v = module.vocab_size
@@ -185,6 +189,29 @@ class CostModel:
                 "projector", module.projector_frozen, gemm, gemm, gemm,
                 params * bpe + local * (h + out) * bpe, 0.0, 0.0, params, local * (h + out) * bpe))
         return layers
+
+    def _moe_work(self, module: ModuleSpec, tp: int, local: float, attn: float, comm: float) -> LayerWork:
+        """A mixture-of-experts layer at ep = etp = 1 (this search does not split experts; the
+        layout search in ``layout_search`` does): FLOPs of the ACTIVE parameters (attention,
+        router, top-k experts, shared expert), every expert's weights on every rank (megatron-core
+        does not split experts over TP: each TP rank runs whole experts on its sequence shard)."""
+        h, q, bpe = module.hidden_size, module.attention_width, self.bpe
+        kv = module.num_query_groups * module.kv_channels
+        attention_params = h * (q + 2 * kv) + q * h
+        router, experts, shared = module.moe_mlp_params()
+        active = attention_params + router + experts * module.moe_topk / module.num_experts + shared
+        lin = 2 * local * active
+        gate = 2 if module.gated else 1
+        pairs = local * module.moe_topk
+        params = (attention_params + shared) / tp + router + experts + 4 * h
+        return LayerWork(
+            "moe", module.frozen,
+            (lin + attn) / tp,
+            (lin + ATTENTION_BACKWARD_RATIO * attn) / tp,
+            lin / tp,
+            params * bpe + local * bpe * (8 * h + (2 * q + 2 * kv) / tp) + 2 * pairs * bpe * (h + (gate + 1) * module.moe_ffn) / tp,
+            comm, comm, params,
+            local * bpe * (5 * h + (q + 2 * kv) / tp) + pairs * bpe * (2 * h + (gate + 1) * module.moe_ffn) / tp)
 
     # ---- time -----------------------------------------------------------
     def _roof(self, flops: float, nbytes: float) -> float:

@@ -75,7 +75,10 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
-def get_gpu(name: str) -> GpuSpec:
+def get_gpu(name) -> GpuSpec:
+    """The spec named `name`; a GpuSpec itself (e.g. from a measured profile, `planner.profile`) as is."""
+    if isinstance(name, GpuSpec):
+        return name
     key = name.strip().lower()
     if key not in GPUS:
         raise ValueError(f"unknown gpu type {name!r} (known: {', '.join(sorted(GPUS))})")

@@ -91,6 +91,17 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
             errs.append(f"{path}.cp: encoders run with cp 1")
         if p.pp > m.num_layers:
             errs.append(f"{path}.pp: {p.pp} > num_layers {m.num_layers}")
+        if p.ep != 1 or p.etp != 1:
+            if not m.is_language or not m.is_moe:
+                errs.append(f"{path}.ep: expert parallelism needs an MoE LLM (ep = etp = 1 here)")
+            elif m.num_experts % p.ep:
+                errs.append(f"{path}.ep: must divide num_moe_experts ({m.num_experts})")
+            elif (p.tp * p.cp * p.dp) % (p.ep * p.etp):
+                errs.append(f"{path}.ep: etp * ep must divide tp * cp * dp")
+            elif m.moe_ffn % p.etp:
+                errs.append(f"{path}.etp: must divide the experts' FFN width ({m.moe_ffn})")
+        if m.is_language and m.is_moe and p.tp > 1 and not p.sp:
+            errs.append(f"{path}.sp: an MoE LLM with tp > 1 needs sp")
         if p.sp and p.tp > 1 and not sp_ok(m, p.tp, p.cp, seq_length):
             what = (f"the sequence ({seq_length}) divisible by tp * cp" if m.is_language
                     else f"tokens per item ({m.tokens_per_item + m.class_token}, class token included) divisible by tp")
@@ -165,6 +176,28 @@ class LayoutSearch:
                         out.append((tp, cp, pp, dp))
         return out
 
+    def _with_ep(self, layouts):
+        """Each LLM layout with every expert-parallel degree it allows (ep 1 only for a dense
+        LLM): ep divides both tp * cp * dp (EP re-divides those ranks, etp = 1) and the number of
+        experts. An MoE LLM with TP needs SP (megatron-core routes each TP rank's shard)."""
+        lang = self.spec.language
+        # mimo's distributed optimizer does not take experts split unlike the dense weights yet
+        # (the config check refuses ep > 1, or etp != tp, with it): only tp 1, ep 1 then.
+        dense_experts_only = lang.is_moe and self.distributed_optimizer and not lang.frozen
+        for tp, cp, pp, dp in layouts:
+            if not lang.is_moe:
+                yield tp, cp, pp, dp, 1
+                continue
+            if dense_experts_only:
+                if tp == 1:
+                    yield tp, cp, pp, dp, 1
+                continue
+            if tp > 1 and not self._sp(lang, tp, cp):
+                continue
+            for ep in divisors_up_to(tp * cp * dp, lang.num_experts):
+                if lang.num_experts % ep == 0:
+                    yield tp, cp, pp, dp, ep
+
     def _sp(self, module, tp: int, cp: int) -> bool:
         """SP wherever TP > 1 and the sequence splits evenly (the config check's rule)."""
         return tp > 1 and sp_ok(module, tp, cp, self.work.seq_length)
@@ -198,11 +231,11 @@ class LayoutSearch:
         # With fused attention ``selective`` saves no memory, so the search
         # tries the LLM without recompute and, for each placement where
         # nothing fits that way, with ``full``.
-        for tp, cp, pp, dp in self.llm_layouts(gpus):
+        for tp, cp, pp, dp, ep in self._with_ep(self.llm_layouts(gpus)):
             sp = self._sp(spec.language, tp, cp)
             fitted: dict[str, Planned] = {}
             for rec in ("none", "full"):
-                lp = Par(tp, cp, pp, dp, sp, rec, 0)
+                lp = Par(tp, cp, pp, dp, sp, rec, 0, ep=ep)
                 if self.model.chain_memory(self.model.llm_chain(lp), 0, self.g // (self.m * dp),
                                            dp * cp) > self.limit:
                     continue    # not even the LLM alone fits
@@ -257,12 +290,12 @@ class LayoutSearch:
         encs = self.spec.encoders
         for n_e in self._islands(gpus):
             n_l = gpus - n_e
-            for tp, cp, pp, dp in self.llm_layouts(n_l):
+            for tp, cp, pp, dp, ep in self._with_ep(self.llm_layouts(n_l)):
                 # The LLM's memory does not depend on the encoders here:
                 # its fastest fitting recompute setting is chosen alone.
                 lp = None
                 for rec in ("none", "full"):
-                    cand = Par(tp, cp, pp, dp, self._sp(self.spec.language, tp, cp), rec, 0)
+                    cand = Par(tp, cp, pp, dp, self._sp(self.spec.language, tp, cp), rec, 0, ep=ep)
                     ch = self.model.llm_chain(cand)
                     if self.model.chain_memory(ch, 0, self.g // (self.m * dp), dp * cp) <= self.limit:
                         lp = cand

@@ -109,6 +109,15 @@ class Par:
     # Transformer layers per pipeline stage as the config gives them
     # (``stage_layers``); empty: the model's own balanced split.
     stage_layers: tuple[int, ...] = ()
+    # Expert parallelism of an MoE LLM (docs/moe.md): a second split of the same tp * cp * dp
+    # ranks, etp x ep x expert-DP; it adds no ranks.
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree: copies of each expert shard per pipeline stage."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
 
     @property
     def size(self) -> int:
@@ -119,8 +128,8 @@ class Par:
         return range(self.rank_offset, self.rank_offset + self.size)
 
     def as_dict(self) -> dict:
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "sp": self.sp,
-                "recompute": self.recompute, "rank_offset": self.rank_offset}
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "etp": self.etp,
+                "sp": self.sp, "recompute": self.recompute, "rank_offset": self.rank_offset}
 
 
 @dataclass(frozen=True)
@@ -264,7 +273,7 @@ class StepModel:
         """Per layer (pre, transformer x L, post): cost, params per rank,
         activation bytes per microbatch, transient bytes; for ``tokens`` tokens
         of one microbatch on one DP replica, attending ``span`` keys each."""
-        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, tokens, span, out_hidden)
+        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, par.ep, par.etp, tokens, span, out_hidden)
         if key in self._layers:
             return self._layers[key]
         tp, cp, bpe = par.tp, par.cp, self.bpe
@@ -327,10 +336,18 @@ class StepModel:
             weights.append(feats * h)
             acts.append(t * feats * bpe)
             trans.append(0.0)
-        costs += [layer] * mod.num_layers
-        weights += [params] * mod.num_layers
-        acts += [act] * mod.num_layers
-        trans += [transient] * mod.num_layers
+        if mod.is_moe:
+            moe = self._moe_layer(mod, par, t, attn_f, attn_b, tp_one, cp_f, cp_b)
+            layers = [moe if m else (layer, params, act, transient) for m in mod.moe_layers]
+            costs += [x[0] for x in layers]
+            weights += [x[1] for x in layers]
+            acts += [x[2] for x in layers]
+            trans += [x[3] for x in layers]
+        else:
+            costs += [layer] * mod.num_layers
+            weights += [params] * mod.num_layers
+            acts += [act] * mod.num_layers
+            trans += [transient] * mod.num_layers
         if mod.is_language:
             v = mod.vocab_size
             head = self._gemm(t, h, v / tp)
@@ -387,7 +404,8 @@ class StepModel:
         moves layers to later stages, the layer balance a tuned run sets
         (``decoder_first_pipeline_num_layers`` / ``..._last_...``) instead
         of running out of memory."""
-        key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods),
+        key = (tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, par.ep, par.etp, samples)
+                     for mod, par, samples in mods),
                pp, mods[-1][1].stage_layers)
         if key not in self._chains:
             self._chains[key] = self._chain(mods, pp)
@@ -418,12 +436,84 @@ class StepModel:
             self._chains[fitted] = balanced if sizes is None else self._cut(mods, layers, sizes)
         return self._chains[fitted]
 
+    def _moe_layer(self, mod: ModuleSpec, par: Par, t: float, attn_f: float, attn_b: float, tp_one: float,
+                   cp_f: float, cp_b: float) -> tuple[LayerCost, float, float, float]:
+        """One mixture-of-experts layer on one rank: (cost, params, kept activation bytes per
+        microbatch, transient bytes), for ``t`` tokens of the rank's CP chunk (attention's times
+        as the dense layer's).
+
+        The attention half is the dense layer's. The MLP half: the router on the rank's tokens
+        (its SP shard with TP), each token's ``topk`` (token, expert) pairs sent to the experts'
+        ranks and back by an all-to-all over the etp x ep group, forward and backward (on the
+        intra-node links when the group fits in a node), the rank's ``E / ep`` experts (each cut by
+        etp) on the pairs they receive (balanced routing: as many pairs as the rank sent, times
+        etp), and the shared expert as a dense TP-split MLP. FLOPs count the active parameters;
+        memory every expert the rank holds."""
+        tp, etp, ep, bpe, ko = par.tp, par.etp, par.ep, self.bpe, self.gpu.kernel_overhead
+        h, q = mod.hidden_size, mod.attention_width
+        kv = mod.num_query_groups * mod.kv_channels
+        seq_div = tp if par.sp else 1
+        routed = t / seq_div                         # tokens this rank routes
+        pairs = routed * mod.moe_topk * etp          # (token, expert) pairs this rank's experts run
+        local = mod.num_experts // ep
+        per_expert = pairs / local
+        gate = 2 if mod.gated else 1
+        fe, fs = mod.moe_ffn, mod.moe_shared_ffn
+        qkv = self._gemm(t, h, (q + 2 * kv) / tp)
+        attention_gemm = qkv + self._gemm(t, q / tp, h)
+        expert_gemm = local * (self._gemm(per_expert, h, gate * fe / etp) + self._gemm(per_expert, fe / etp, h))
+        shared_fc1 = self._gemm(t, h, gate * fs / tp) if fs else 0.0
+        shared_gemm = shared_fc1 + (self._gemm(t, fs / tp, h) if fs else 0.0)
+        router = self._gemm(routed, h, mod.num_experts)
+        gemm = attention_gemm + router + expert_gemm + shared_gemm
+        a2a = self.dispatch_time(routed * mod.moe_topk * h * bpe, etp * ep)
+        # Layer norms and residuals on the (SP) tokens, the experts' activations on their pairs,
+        # the permute / unpermute copies of the pairs, the shared expert's activation.
+        ew = bpe * (8 * t * h / seq_div + 2 * pairs * (gate + 1) * fe / etp + 4 * pairs * h
+                    + 2 * t * (gate + 1) * fs / tp) / self.hbm
+        tp_b = self._tp_backward(tp_one, par.sp, (qkv,) + ((shared_fc1,) if fs else ()), mod.frozen)
+        fwd = gemm + attn_f + ew + 4 * tp_one + cp_f + a2a + (30 + 4 * local) * ko
+        bwd_in = gemm + attn_b + 2 * ew + tp_b + cp_b + a2a + (30 + 4 * local) * ko
+        if par.recompute == "selective":
+            bwd_in += attn_f
+        elif par.recompute == "full":
+            bwd_in += fwd              # the recomputed forward dispatches its tokens again
+        router_p, experts_p, shared_p = mod.moe_mlp_params()
+        params = (h * (q + 2 * kv) + q * h + shared_p) / tp + router_p + experts_p / (ep * etp) + 4 * h
+        full_act = (t * ((4 * h * bpe + 2 * h) / seq_div + bpe * ((q + 2 * kv) + q + (gate + 1) * fs) / tp)
+                    + routed * mod.num_experts * 4 + pairs * bpe * (2 * h + (gate + 1) * fe / etp))
+        act = t * h * bpe / seq_div if par.recompute == "full" else full_act
+        transient = full_act if par.recompute == "full" else 0.0
+        return LayerCost(fwd, bwd_in, gemm + (15 + 2 * local) * ko, mod.frozen), params, act, transient
+
+    def dispatch_time(self, nbytes: float, group: int) -> float:
+        """One MoE layer's token dispatch and combine (forward, or the same again backward): two
+        all-to-alls of the ``nbytes`` of (token, expert) pairs a rank routes over an expert group of
+        ``group`` consecutive ranks, of which (group - 1) / group leave the rank; on the intra-node
+        links while the group fits in a node."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        return 2 * ((group - 1) / group * nbytes / self.gpu.bus_bandwidth(group) + self.gpu.latency(group))
+
+    def _expert_state(self, mod: ModuleSpec, par: Par) -> tuple[float, float]:
+        """(weights, trainable) to add per MoE layer so that ``state_bytes(..., shard = dp * cp)``
+        gives the rank's expert weights their true optimizer shard: megatron's distributed
+        optimizer shards expert state over expert DP (tp * cp * dp / (etp * ep)), not over DP x CP.
+        With r = (dp * cp) / edp, X local expert params cost X wb + X gb + X mb / edp when
+        counted as r X trainable and (1 - r) X gb / wb extra weights. Zero without the
+        distributed optimizer (no shard) or for frozen experts."""
+        if not (mod.is_moe and self.dist_opt) or mod.frozen:
+            return 0.0, 0.0
+        local = mod.moe_mlp_params()[1] / (par.ep * par.etp)
+        r = par.dp * par.cp / par.edp
+        return local * (1 - r) * self.grad_bytes / self.weight_bytes, local * (r - 1)
+
     def _module_lists(self, mod: ModuleSpec, par: Par, samples: float, upstream: bool):
         """One module's per-layer forward, backward, weights, trainable
         weights, kept activations and transient bytes (pre/post layers folded
         into their neighbours), and whether its output carries a gradient.
         Cached: a layout search reuses each module layout many times."""
-        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, samples, upstream)
+        key = (mod.name, par.tp, par.cp, par.sp, par.recompute, par.ep, par.etp, samples, upstream)
         hit = self._lists.get(key)
         if hit is not None:
             return hit
@@ -434,6 +524,13 @@ class StepModel:
         fwd = [c.forward for c in costs]
         keep = [a if b > 0 else 0.0 for a, b in zip(acts, bwd)]
         trainable = [0.0 if c.frozen else w for c, w in zip(costs, weights)]
+        extra_w, extra_tr = self._expert_state(mod, par)
+        if extra_tr:
+            weights = list(weights)
+            for i, moe in enumerate(mod.moe_layers, start=1):     # costs[0] is the embedding
+                if moe:
+                    weights[i] += extra_w
+                    trainable[i] += extra_tr
         pre, post = 1, 1 if len(costs) > mod.num_layers + 1 else 0
         lists = [_fold(vals, pre, post) for vals in (fwd, bwd, weights, trainable, keep, trans)]
         hit = self._lists[key] = (lists, output_requires_grad(costs, up))
@@ -441,7 +538,8 @@ class StepModel:
 
     def _concat(self, mods) -> Layers:
         """The modules' layers end to end (cached per module layouts)."""
-        key = tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, samples) for mod, par, samples in mods)
+        key = tuple((mod.name, par.tp, par.cp, par.sp, par.recompute, par.ep, par.etp, samples)
+                    for mod, par, samples in mods)
         if key in self._concats:
             return self._concats[key]
         f_all, b_all, w_all, tr_all, a_all, x_all = [], [], [], [], [], []

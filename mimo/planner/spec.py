@@ -40,6 +40,34 @@ class ModuleSpec:
     native: NativeViT | None = None
     # Keys per query, when set: the balancers fit per-patch and per-pair costs with it.
     attention_keys: float | None = None
+    # Mixture of experts (language only; docs/moe.md): experts per MoE layer (0: dense), experts
+    # per token, each expert's FFN width, the shared expert's (0: none), and which layers are MoE.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn: int = 0
+    moe_shared_ffn: int = 0
+    moe_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_mlp_params(self) -> tuple[int, int, int]:
+        """Parameters of one MoE layer's MLP: (router, ALL routed experts, shared expert)."""
+        per = (3 if self.gated else 2) * self.hidden_size
+        return self.hidden_size * self.num_experts, self.num_experts * per * self.moe_ffn, per * self.moe_shared_ffn
+
+    def layer_linear_flops(self, i: int) -> float:
+        """Forward matmul FLOPs per token of transformer layer ``i``: QKV and the attention
+        output projection, then the dense MLP or, in an MoE layer, its ACTIVE parameters (router,
+        the top-k experts, the shared expert). Equal to mimo.training.flops' count."""
+        h, q = self.hidden_size, self.attention_width
+        kv = self.num_query_groups * self.kv_channels
+        attention = 2 * h * (q + 2 * kv) + 2 * q * h
+        if self.moe_layers and self.moe_layers[i]:
+            router, experts, shared = self.moe_mlp_params()
+            return attention + 2 * (router + experts * self.moe_topk / self.num_experts + shared)
+        return attention + 2 * (self.mlp_in_width + self.ffn_hidden_size) * h
 
     @property
     def is_language(self) -> bool:
@@ -213,16 +241,35 @@ def _native(obj: Any, path: str, num_layers: int) -> NativeViT:
     return NativeViT(num_layers, patch, window_size=window, full_attention_layers=tuple(full), **ints)
 
 
+def _moe(obj: Any, path: str, common: dict) -> dict:
+    """The LLM's mixture-of-experts fields (defaults as the config's); {} for a dense LLM."""
+    if _get(obj, "num_moe_experts") is None:
+        return {}
+    experts = _int(obj, "num_moe_experts", path)
+    topk = _int(obj, "moe_router_topk", path, default=2, maximum=experts)
+    ffn = _int(obj, "moe_ffn_hidden_size", path, default=common["ffn_hidden_size"])
+    shared = _int(obj, "moe_shared_expert_intermediate_size", path, default=0, minimum=0)
+    freq, n = _get(obj, "moe_layer_freq", 1), common["num_layers"]
+    if isinstance(freq, (list, tuple)) and len(freq) == n and all(x in (0, 1) for x in freq):
+        layers = tuple(bool(x) for x in freq)
+    elif isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        layers = tuple(i % freq == 0 for i in range(n))
+    else:
+        raise ValueError(f"{path}.moe_layer_freq: expected a positive integer or one 0/1 per layer, got {freq!r}")
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn=ffn, moe_shared_ffn=shared, moe_layers=layers)
+
+
 def read_model(model: Any) -> ModelSpec:
     if model is None:
         raise ValueError("model: required")
     lang_obj = _get(model, "language")
     if lang_obj is None:
         raise ValueError("model.language: required")
+    common = _transformer(lang_obj, "model.language")
     lang = ModuleSpec(name="language", kind="language",
                       vocab_size=_int(lang_obj, "vocab_size", "model.language"),
                       tie_embeddings=_bool(lang_obj, "tie_embeddings", "model.language"),
-                      **_transformer(lang_obj, "model.language"))
+                      **common, **_moe(lang_obj, "model.language", common))
     encoders_obj = _get(model, "encoders") or {}
     if isinstance(encoders_obj, Mapping):
         items = list(encoders_obj.items())

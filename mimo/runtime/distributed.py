@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 
-from . import megatron_cpu
+from . import fusions, megatron_cpu
 from .device import Runtime
 
 
@@ -40,8 +40,10 @@ def setup_megatron(runtime: Runtime, seed: int) -> None:
 
     mimo never calls ``initialize_model_parallel`` (each module has its own
     groups), so the RNG tracker and the global memory buffer it would create
-    are created here.
+    are created here. It also makes `runtime`'s fused kernels the ones TransformerConfigs built
+    from now on use (`mimo.runtime.fusions`).
     """
+    fusions.activate(runtime)
     if not runtime.is_cuda:
         megatron_cpu.adapt_for_cpu(seed)
         return
@@ -81,4 +83,5 @@ def collective_device() -> torch.device:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    fusions.activate(None)
     megatron_cpu.restore()

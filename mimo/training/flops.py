@@ -7,7 +7,11 @@ query groups g, head dim d = h / a, FFN width f):
 
 * dense transformer layer, forward: 2 n h (a d + 2 g d)  (QKV)  +  2 n a d h  (output
   projection)  +  4 n h f  (MLP, two matrices), or 6 n h f for a gated MLP (activation swiglu:
-  gate, up and down matrices; Llama / Qwen2 LLMs, the Qwen2.5-VL ViT);
+  gate, up and down matrices; Llama / Qwen2 LLMs, the Qwen2.5-VL ViT); d is kv_channels when set;
+* mixture-of-experts layer (`num_moe_experts`, the layers `moe_layers()` marks), forward: the same
+  attention, then the ACTIVE parameters of its MLP: the router 2 n h E, the top-k routed experts
+  k (4 or 6) n h f_e and the shared expert (4 or 6) n h f_s. The other experts' weights cost
+  memory (the planner counts them), not FLOPs;
 * attention core, forward: 4 P a d, where P is the number of (query, key) pairs the
   mask allows: s (s + 1) / 2 per sample for causal SDPA, the real count of the
   bitfield mask for `attention: bitfield` (modality tokens see their whole span,
@@ -223,11 +227,47 @@ def rank_work(cfg: MimoConfig, llm_coords: Optional[Mapping[str, int]], llm_batc
     return RankWork(llm_coords["dp"], total)
 
 
-def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int, gated: bool = False) -> int:
+def layer_linear_flops(hidden: int, heads: int, groups: int, ffn: int, gated: bool = False,
+                       head_dim: Optional[int] = None) -> int:
     """Forward matmul FLOPs of one dense transformer layer, per position (`gated`: the MLP's
-    first linear is two ffn-wide halves, gate and up, as swiglu runs it)."""
-    d = hidden // heads
+    first linear is two ffn-wide halves, gate and up, as swiglu runs it; `head_dim`: kv_channels,
+    default hidden / heads)."""
+    d = head_dim or hidden // heads
     return 2 * hidden * (heads * d + 2 * groups * d) + 2 * heads * d * hidden + (6 if gated else 4) * hidden * ffn
+
+
+def moe_mlp_flops(hidden: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int = 0,
+                  gated: bool = False) -> int:
+    """Forward matmul FLOPs of one mixture-of-experts MLP, per position: the ACTIVE parameters only,
+    the router (hidden -> experts), the `topk` routed experts' MLPs (each `expert_ffn` wide) and the
+    shared expert (`shared_ffn` wide, 0: none), each MLP two matrices or three when `gated`. The
+    experts a token is not routed to cost it nothing; a shared expert's sigmoid gate (hidden -> 1)
+    is left out like biases."""
+    mlp = (6 if gated else 4) * hidden
+    return 2 * hidden * experts + topk * mlp * expert_ffn + mlp * shared_ffn
+
+
+def llm_layers_linear_flops(lang) -> int:
+    """Forward matmul FLOPs per position summed over the LLM's layers: dense layers as
+    `layer_linear_flops`, mixture-of-experts layers (`lang.moe_layers()`) with the same attention
+    and `moe_mlp_flops` in place of the dense MLP."""
+    gated = is_gated(lang)
+    dense = layer_linear_flops(lang.hidden_size, lang.num_attention_heads, lang.num_query_groups,
+                               lang.ffn_hidden_size, gated, getattr(lang, "kv_channels", None))
+    if not getattr(lang, "is_moe", False):
+        return lang.num_layers * dense
+    attention = layer_linear_flops(lang.hidden_size, lang.num_attention_heads, lang.num_query_groups, 0,
+                                   gated, getattr(lang, "kv_channels", None))
+    moe = attention + moe_mlp_flops(lang.hidden_size, lang.num_moe_experts, lang.moe_router_topk,
+                                    lang.moe_ffn_hidden_size or lang.ffn_hidden_size,
+                                    lang.moe_shared_expert_intermediate_size, gated)
+    return sum(moe if m else dense for m in lang.moe_layers())
+
+
+def attention_width(module) -> int:
+    """Heads times head dim (kv_channels when set): the width QK^T and PV run at."""
+    return module.num_attention_heads * (getattr(module, "kv_channels", None)
+                                         or module.hidden_size // module.num_attention_heads)
 
 
 def is_gated(module) -> bool:
@@ -301,11 +341,10 @@ def module_flops(cfg: MimoConfig, work: StepWork) -> Dict[str, ModuleFlops]:
         out[name] = walk(parts, upstream_trains=False)
     lang = cfg.model.language
     h, P = lang.hidden_size, work.positions
-    layer = layer_linear_flops(h, lang.num_attention_heads, lang.num_query_groups, lang.ffn_hidden_size,
-                               is_gated(lang))
     trains = not lang.frozen
     parts = [Part(0, 0, trains),  # embedding lookup: free, but its weights want gradients
-             Part(lang.num_layers * P * layer, lang.num_layers * attention_core_flops(work.llm_attention_pairs, h),
+             Part(P * llm_layers_linear_flops(lang),
+                  lang.num_layers * attention_core_flops(work.llm_attention_pairs, attention_width(lang)),
                   trains),
              Part(2 * P * h * lang.vocab_size, 0, trains)]
     upstream = any(encoder_trains(cfg, n) for n in cfg.model.encoders)

@@ -4,20 +4,23 @@ Streaming: the module stages take turns (a world barrier between turns); in
 each turn the TP ranks of one stage (DP rank 0) gather one parameter at a
 time and the TP-rank-0 rank converts it to HF tensors in host memory and
 writes the stage's safetensors file. No rank ever holds more than one stage
-of one module, and the device never holds more than one full parameter.
+of one module, and the device never holds more than one full parameter. An
+MoE LLM's routed experts are written, after each stage's dense tensors, by the
+EP ranks that hold them (one file per EP rank, under global expert indices).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from mimo.config import MimoConfig, load_config
+from mimo.config import LANGUAGE, MimoConfig, load_config
 from mimo.hf.convert import finish_directory, split_entry
-from mimo.model.reference_init import global_name
+from mimo.model.reference_init import expert_shard, global_name, is_expert
+from mimo.model.stages import stage_layer_counts
 from mimo.runtime import run_on_ranks, select_runtime
 
 from .state import unshard
@@ -63,6 +66,7 @@ def export_hf(trainer, out_dir: str) -> None:
     for name in cfg.modules:
         grid = trainer.topo.grid(name)
         by_name = {e.mimo: e for e in mods[name].entries}
+        experts = expert_shard(cfg.model.language, grid) if name == LANGUAGE else None
         for stage in range(grid.layout.pp):
             fname = f"model-{name}-{stage:03d}.safetensors"
             written.append(fname)
@@ -71,6 +75,8 @@ def export_hf(trainer, out_dir: str) -> None:
                 part, tp = trainer.parts[name], grid.groups["tp"]
                 tensors = {}
                 for pname, p in part.named_parameters():
+                    if experts is not None and is_expert(pname):
+                        continue  # routed experts: their EP ranks write them below
                     if getattr(p, "tied_copy", False):
                         # A last pipeline stage's copy of the tied embedding (equal to it): transformers
                         # ties lm_head to embed_tokens, which the first stage writes.
@@ -83,10 +89,38 @@ def export_hf(trainer, out_dir: str) -> None:
                     save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
                 del tensors
             dist.barrier()
+            if name == LANGUAGE and cfg.model.language.is_moe:  # on every rank alike (a barrier inside)
+                written += _export_experts(trainer, name, stage, by_name, src, out_dir, experts)
     if dist.get_rank() == 0:
         tied = cfg.model.language.tie_embeddings
         finish_directory(out_dir, src, written, skip_extra=lambda k: tied and k.endswith("lm_head.weight"))
     dist.barrier()
+
+
+def _export_experts(trainer, name: str, stage: int, by_name: Dict, src, out_dir: str, experts) -> List[str]:
+    """One stage's routed experts (collective over the module's ranks): each EP rank of expert-DP
+    rank 0 gathers its experts over expert TP, and its expert-TP rank 0 writes them under their
+    global indices, one file per EP rank. Returns every file name (the same on all ranks)."""
+    grid = trainer.topo.grid(name)
+    lang = trainer.cfg.model.language
+    counts = stage_layer_counts(lang.num_layers, trainer.cfg.parallelism[name])
+    if not any(lang.moe_layers()[sum(counts[:stage]):sum(counts[:stage + 1])]):
+        return []  # a stage of dense layers only (e.g. Qwen2-MoE's mlp_only_layers)
+    files = [f"model-{name}-{stage:03d}-experts-{e:03d}.safetensors" for e in range(grid.layout.ep)]
+    ec = grid.expert_coords if experts is not None else None  # None: not one of the module's ranks
+    if ec is not None and ec["pp"] == stage and ec["edp"] == 0:
+        tensors = {}
+        for pname, p in trainer.parts[name].named_parameters():
+            if not is_expert(pname):
+                continue
+            full = unshard(p, p, experts.tp_group).cpu()
+            if ec["etp"] == 0:
+                gname = global_name(pname, trainer.layer_offsets[name], experts.offset)
+                tensors.update(split_entry(by_name[gname], full, src))
+        if ec["etp"] == 0:
+            save_file(tensors, os.path.join(out_dir, files[ec["ep"]]), metadata={"format": "pt"})
+    dist.barrier()
+    return files
 
 
 def _rank_export(raw: Dict, out_dir: str) -> str:

@@ -172,7 +172,17 @@ def human_line(rec: dict, train_iters: int, positions: int, world_size: int) -> 
     return (f"step {rec['step']}/{train_iters} | loss {rec['loss']:.4f} | tokens/s {tps:.0f} | "
             f"step_time {rec['step_time_s'] * 1e3:.1f} ms | tokens/s/rank {tps / world_size:.0f} | "
             f"grad_norm {rec['grad_norm']:.3f} | TFLOPS/GPU {rec['tflops_per_gpu']:.3g} | MFU {mfu} | "
-            f"mem {rec['max_memory_gb']:.2f} GB")
+            f"mem {rec['max_memory_gb']:.2f} GB" + _moe_fields(rec))
+
+
+def _moe_fields(rec: dict) -> str:
+    """An MoE LLM's step-line fields (nothing for a dense one)."""
+    if "expert_load_max_over_mean" not in rec:
+        return ""
+    aux = rec.get("moe_aux_loss")
+    load = rec["expert_load_max_over_mean"]
+    return (f" | moe_aux_loss {'n/a' if aux is None else f'{aux:.4f}'}"
+            f" | expert_load_max/mean {'n/a' if load is None else f'{load:.2f}'}")
 
 
 class Progress:
@@ -331,6 +341,8 @@ class StepReporter:
                           res.times, self.world, self.peak)
         rec["packing_efficiency"] = self.trainer.dataset.metrics(step)["packing_efficiency"]
         rec["bad_media"] = res.bad_media  # media that failed to decode after a good header, replaced by zeros
+        if getattr(res, "moe", None) is not None:  # an MoE LLM (mimo.training.moe_metrics); absent for dense
+            rec.update(res.moe)
         self.writers.write(rec)
         show = step % tr.log_interval == 0 or step == tr.train_iters - 1
         line = human_line(rec, tr.train_iters, res.tokens, self.world) if show else None

@@ -351,8 +351,15 @@ class ModelOptimizer:
     def _owned(self, name: str) -> Dict[int, tuple]:
         """id(model param) -> (the inner optimizer's param for it, its flat range in the model param or
         None for all of it). With the distributed optimizer only the params this DP rank owns a
-        piece of appear; bf16 params map to their fp32 master copies."""
-        opt = self.optimizers[name]
+        piece of appear; bf16 params map to their fp32 master copies. Routed experts stepped by the
+        module's expert optimizer are included (that one is never distributed: see `__init__`)."""
+        out = {}
+        for opt in self._module_optimizers(name):
+            out.update(self._owned_by(opt))
+        return out
+
+    @staticmethod
+    def _owned_by(opt) -> Dict[int, tuple]:
         out = {}
         if isinstance(opt, DistributedOptimizer):
             for models, shards in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
@@ -380,16 +387,22 @@ class ModelOptimizer:
         the module's DP x CP group with the distributed optimizer: each owner contributes its piece and
         one DP rank per parameter (its writer) gets the whole state; the others get no entry for it."""
         opt, owned = self.optimizers[name], self._owned(name)
-        inner, dist_opt = opt.optimizer, isinstance(opt, DistributedOptimizer)
+        dist_opt = isinstance(opt, DistributedOptimizer)
+        inners = [o.optimizer for o in self._module_optimizers(name)]  # dense, then experts'
         group = self.topo.grid(name).groups["dp_cp"]
-        states = [inner.state.get(key, {}) for key, _ in owned.values()]
+
+        def state_of(key) -> dict:
+            return next((i.state[key] for i in inners if key in i.state), {})
+
+        states = [state_of(key) for key, _ in owned.values()]
         # Adam's moments exist once the module has stepped; with the distributed optimizer a DP rank
         # may own no piece of the module, so the owners tell it.
         seen = torch.tensor([max([float("exp_avg" in st) for st in states], default=0.0),
                              # torch's Adam counts steps per parameter; fused Adams (Transformer Engine,
                              # apex) per param group.
                              max([float(st["step"]) for st in states if "step" in st]
-                                 + [float(g["step"]) for g in inner.param_groups if "step" in g], default=0.0)],
+                                 + [float(g["step"]) for i in inners for g in i.param_groups if "step" in g],
+                                 default=0.0)],
                             device=self.runtime.device)
         if dist_opt:
             dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
@@ -399,7 +412,7 @@ class ModelOptimizer:
         members, me = dist.get_process_group_ranks(group), dist.get_rank()
         for i, p in enumerate(trainable(self.ddp[name].module.parameters())):
             key, rng = owned.get(id(p), (None, None))
-            state = inner.state.get(key, {}) if key is not None else {}
+            state = state_of(key) if key is not None else {}
             # With the distributed optimizer one DP rank per parameter (in turn) gathers and writes it,
             # so a rank holds about 1/DP of the module part's state while saving.
             writer = members[i % len(members)]
@@ -425,11 +438,15 @@ class ModelOptimizer:
         """Install this rank's part of `param_state`-named entries into module `name`'s optimizer: whole
         tensors shaped like each param, or with the distributed optimizer the flat piece of its
         `owned_ranges` range (the checkpoint loads only that)."""
-        opt, owned = self.optimizers[name], self._owned(name)
+        owned = self._owned(name)
+        # Which megatron optimizer steps each inner param (an MoE module's experts have their own).
+        opt_of = {id(q): o for o in self._module_optimizers(name)
+                  for g in o.optimizer.param_groups for q in g["params"]}
         for p in trainable(self.ddp[name].module.parameters()):
             if id(p) not in states or id(p) not in owned:
                 continue
             key, _ = owned[id(p)]
+            opt = opt_of[id(key)]
             full = states[id(p)]
             state = {s: t.to(key.device, torch.float32).reshape(key.shape).clone() for s, t in full.items()
                      if s != "step"}

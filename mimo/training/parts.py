@@ -69,8 +69,6 @@ def _init(cfg: MimoConfig, topo: Topology, name: str, build, pgs: ProcessGroupCo
         mark_expert_grads(part, grid.layout)  # expert gradients reduce over expert DP
     tp_rank, tp_size = grid.coords["tp"], grid.layout.tp
     experts = expert_shard(cfg.model.language, grid) if name == LANGUAGE else None  # MoE: routed experts
-    if hf and experts is not None:
-        raise ValueError("model.language.hf / model.hf: Hugging Face weights for an MoE LLM are not imported yet")
     if not (hf and hf.complete):  # a module wholly loaded from HF needs no initial weights
         if cfg.training.init == "sharded":
             init_sharded(part, cfg, name, layer_offset, tp_rank, tp_size, experts)
@@ -81,7 +79,7 @@ def _init(cfg: MimoConfig, topo: Topology, name: str, build, pgs: ProcessGroupCo
         else:  # local: megatron drew each stage's weights on its own
             _copy_tied_embedding(part, grid)
     if hf:
-        load_hf_part(part, hf, hf_sources[hf.directory], layer_offset, tp_rank, tp_size)
+        load_hf_part(part, hf, hf_sources[hf.directory], layer_offset, tp_rank, tp_size, experts)
     return part
 
 

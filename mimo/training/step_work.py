@@ -71,6 +71,9 @@ class RankStep:
         self.trainable = {n: trainable_edge(cfg, n) for n in cfg.model.encoders}
         self.views: Dict[int, Dict] = {}
         self.comm_calls = {n: 0 for n in cfg.model.encoders}  # timeline span ids, per edge
+        self.moe_metrics = getattr(trainer, "moe_metrics", None)
+        if self.moe_metrics is not None:
+            self.moe_metrics.reset()  # this step's expert loads and aux losses only
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -371,6 +374,8 @@ class RankStep:
             # The same sum carries the step's bad-media count (host ints, each counted on one rank).
             bad = torch.full((), float(self.data.bad_media), dtype=torch.float64, device=self.device)  # no copy
             self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad])
+            if self.moe_metrics is not None:  # and an MoE LLM's metrics (mimo.training.moe_metrics)
+                self.loss = torch.cat([self.loss, self.moe_metrics.slots()])
             dist.all_reduce(self.loss)
         elif a.name.startswith(GRAD_SYNC):
             self.trainer.optim.finish_grads(a.module)

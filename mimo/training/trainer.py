@@ -74,6 +74,7 @@ class StepResult:
     times: Optional[StepTimes] = None  # per-module times, peak memory, skipped samples (max over ranks)
     lr: float = 0.0                    # the learning rate this step trained with (the schedule's)
     bad_media: int = 0                 # media items replaced by zeros so far in this run (all ranks)
+    moe: Optional[dict] = None         # an MoE LLM's moe_aux_loss, expert_load_max_over_mean (moe_metrics)
 
 
 class Trainer:
@@ -105,6 +106,12 @@ class Trainer:
             m.to(runtime.device)
         self.params = {name: trainable(m.parameters()) for name, m in self.parts.items()}
         self.optim = ModelOptimizer(cfg, self.parts, self.topo, runtime)
+        self.moe_metrics = None
+        if cfg.model.language.is_moe:  # on every rank: the loss all-reduce carries its slots
+            from .moe_metrics import MoEMetrics
+
+            self.moe_metrics = MoEMetrics(cfg.model.language, lang_par.tp, lang_par.cp, llm,
+                                          self.layer_offsets.get(LANGUAGE, 0), runtime.device)
 
         self.dataset = build_dataset(cfg)
         self.balancer = StepBalancer(cfg)
@@ -225,6 +232,7 @@ class Trainer:
         self.optim.end_step()
         loss, norm, n_tokens = float(work.loss[0]), float(work.grad_norm), int(data.n_tokens)
         self.bad_media += int(work.loss[1])
+        moe = self.moe_metrics.summarize(work.loss[2:].tolist()) if self.moe_metrics is not None else None
         check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
@@ -232,4 +240,4 @@ class Trainer:
         # Records the data side skipped so far (cumulative; mock data skips none).
         times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"], share)
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          elapsed, times, lr, self.bad_media)
+                          elapsed, times, lr, self.bad_media, moe)

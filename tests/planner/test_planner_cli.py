@@ -153,7 +153,7 @@ MALFORMED = {
                        "error: parallelism.video: not a module"),
     "unknown_key": (lambda: _eval_tiny(tensor_parallel=2), ["--evaluate"],
                     "error: parallelism.language.tensor_parallel: unknown key"),
-    "ep": (lambda: _eval_tiny(ep=2), ["--evaluate"], "error: parallelism.language.ep: must be 1"),
+    "ep": (lambda: _eval_tiny(ep=2), ["--evaluate"], "error: parallelism.language.ep: expert parallelism needs an MoE LLM"),
     "stage_layers_sum": (lambda: _eval_tiny(pp=2, dp=1, stage_layers=[1, 1]), ["--evaluate"],
                          "error: parallelism.language.stage_layers: must sum to num_layers"),
     "stage_layers_type": (lambda: _eval_tiny(pp=2, dp=1, stage_layers="x"), ["--evaluate"],

@@ -590,7 +590,8 @@ def test_search_json_keys_and_types(tmp_path):
         assert c["peak_memory_gb"] <= get_gpu("h100").memory_bytes / 1e9
         assert list(c["parallelism"]) == ["language", "images"]
         for entry in c["parallelism"].values():
-            assert set(entry) == {"tp", "cp", "pp", "dp", "sp", "recompute", "rank_offset"}
+            assert set(entry) == {"tp", "cp", "pp", "dp", "ep", "etp", "sp", "recompute", "rank_offset"}
+            assert entry["ep"] == entry["etp"] == 1     # a dense model: no expert parallelism
             assert isinstance(entry["sp"], bool) and entry["recompute"] in ("none", "selective", "full")
             assert entry["rank_offset"] + entry["tp"] * entry["cp"] * entry["pp"] * entry["dp"] <= 16
 

@@ -1,0 +1,167 @@
+"""`tools/plan.py --profile FILE`: the planner's GPU constants from a tools/gpu_bench.py profile
+(schema mimo.gpu_profile/1, mimo.planner.profile), on CPU with synthetic profiles.
+
+* the measured rates replace the device's defaults; halving them slows the predicted step
+  (negative control: the profile is really read);
+* the per-layer calibration closes the loop: a profile whose layer and step were measured on a
+  device the planner's rates misjudge (here: every rate 0.55x what the profile's GEMM/attention
+  table says) is predicted within 15% of its measured one-GPU step after calibration, and not
+  before (the acceptance "predicted within 15% of measured", checkable without a GPU);
+* a bad file, a wrong schema or an unknown device is one `error:` line, exit 2.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mimo.planner.best import searcher
+from mimo.planner.hardware import GPUS
+from mimo.planner.megatron import Par
+from mimo.planner.profile import (SCHEMA, load_profile, measured_gpu, predicted_layer_ms, profile_gpu, scaled,
+                                  spec_name)
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# tools/gpu_bench.py's GPU step model (the LLM of gpu_llava_8gpu.yaml)
+MODEL = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=8192,
+             vocab_size=32000, max_sequence_length=2048)
+MB, SEQ, GBS = 1, 2048, 8
+
+
+def _raw():
+    return {"model": {"language": dict(MODEL), "encoders": {}}, "parallelism": {"language": {"tp": 1, "dp": 1}},
+            "data": {"kind": "mock", "seq_length": SEQ},
+            "training": {"global_batch_size": GBS, "micro_batch_size": MB, "precision": "bf16"}}
+
+
+def _step_s(gpu) -> float:
+    search, _ = searcher(_raw(), gpu, None)
+    return search.evaluate({"language": Par()}).step_time
+
+
+def _profile(gemm=600.0, attn_fwd=400.0, attn_bwd=340.0, bandwidth=3.0e12, layer=None, device="NVIDIA H100 80GB HBM3"):
+    prof = {"schema": SCHEMA, "device": device, "peak_tflops": 989.0, "dtype": "bfloat16",
+            "gemm_tflops": gemm, "memory_bandwidth": bandwidth, "attention_impl": "sdpa",
+            "attention": [{"tokens": t, "mask": m, "impl": i, "fwd_tflops": attn_fwd * (1 if i == "sdpa" else 0.5),
+                           "bwd_tflops": attn_bwd} for t in (8192, 16384) for m in ("causal", "multimodal")
+                          for i in ("sdpa", "flex")]}
+    if layer is not None:
+        prof["layer"] = dict(layer, model=dict(MODEL, attention="sdpa"), micro_batch=MB, seq_length=SEQ)
+    return prof
+
+
+def test_device_names_map_to_the_planner_specs():
+    assert spec_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert spec_name("NVIDIA H200") == "h200"
+    assert spec_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert spec_name("cpu") == "cpu"
+    with pytest.raises(ValueError, match="no planner GPU spec"):
+        spec_name("Some Other Accelerator")
+
+
+def test_measured_rates_replace_the_defaults():
+    gpu = measured_gpu(_profile())
+    assert gpu.name == "h100" and gpu.intra_node_bandwidth == GPUS["h100"].intra_node_bandwidth
+    assert gpu.peak_flops * gpu.gemm_efficiency == pytest.approx(600e12)
+    assert gpu.peak_flops * gpu.attention_efficiency == pytest.approx(400e12)  # the step's impl, causal rows
+    assert gpu.attention_backward_rate == pytest.approx(340 / 400)
+    assert gpu.memory_bandwidth == 3.0e12
+    # an fp32 profile (the CPU smoke run): rates are the planner's fp32 rate, half its bf16 one
+    cpu = measured_gpu({"schema": SCHEMA, "device": "cpu", "peak_tflops": None, "dtype": "float32",
+                        "gemm_tflops": 0.05})
+    assert cpu.name == "cpu" and cpu.peak_flops * cpu.gemm_efficiency * 0.5 == pytest.approx(0.05e12)
+
+
+def test_halved_rates_slow_the_predicted_step():
+    fast, _ = profile_gpu(_profile(), calibrate=False)
+    slow, _ = profile_gpu(_profile(gemm=300.0, attn_fwd=200.0, attn_bwd=170.0, bandwidth=1.5e12), calibrate=False)
+    t_fast, t_slow = _step_s(fast), _step_s(slow)
+    assert 1.5 < t_slow / t_fast <= 2.0 + 1e-9
+
+
+def test_calibration_closes_the_loop():
+    # The "real" device: every rate 0.55x what the profile's tables say (e.g. the model's shapes run
+    # slower than the bench's); its measured layer and one-GPU step are what the planner predicts on it.
+    table = measured_gpu(_profile())
+    real = scaled(table, 0.55)
+    f, b = predicted_layer_ms(real, *_layer_model(), "bf16")
+    measured_step = _step_s(real)
+    prof = _profile(layer={"forward_ms": f, "backward_ms": b})
+
+    raw_rates, _ = profile_gpu(prof, calibrate=False)
+    calibrated, info = profile_gpu(prof)
+    assert info["calibration"] == pytest.approx(0.55, rel=1e-6)
+    assert sum(predicted_layer_ms(calibrated, *_layer_model(), "bf16")) == pytest.approx(f + b, rel=1e-9)
+    assert abs(_step_s(calibrated) / measured_step - 1) < 0.15
+    assert abs(_step_s(raw_rates) / measured_step - 1) > 0.15  # without calibration the loop stays open
+
+
+def test_step_check_predicts_the_profiled_step():
+    """`python -m mimo.planner.profile FILE`: the planner's one-GPU step for the profile's own model
+    next to its measured step (the acceptance's 15%), from the calibrated rates."""
+    from mimo.planner.profile import step_check
+
+    real = scaled(measured_gpu(_profile()), 0.55)
+    f, b = predicted_layer_ms(real, *_layer_model(), "bf16")
+    step = {"step_ms": _step_s(real) * 1e3, "global_batch": GBS, "micro_batch": MB, "seq_length": SEQ,
+            "precision": "bf16", "distributed_optimizer": True}
+    prof = dict(_profile(layer={"forward_ms": f, "backward_ms": b}), step={"mimo": step})
+    out = step_check(prof)
+    assert out["within_15_percent"] and out["ratio"] == pytest.approx(1.0, abs=0.15)
+    assert not step_check(prof, calibrate=False)["within_15_percent"]
+    with pytest.raises(ValueError, match="no measured mimo step"):
+        step_check(_profile())
+
+
+def _layer_model():
+    from mimo.planner.spec import read_model
+
+    return read_model({"language": dict(MODEL), "encoders": {}}), MB, SEQ
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_plan_cli_reads_the_profile(tmp_path):
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text(yaml.safe_dump(_raw()))
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    fast.write_text(json.dumps(_profile()))
+    slow.write_text(json.dumps(_profile(gemm=300.0, attn_fwd=200.0, attn_bwd=170.0, bandwidth=1.5e12)))
+    steps = []
+    for path in (fast, slow):
+        r = _plan("--config", str(cfg), "--evaluate", "--json", "--profile", str(path))
+        assert r.returncode == 0, r.stderr
+        assert "NVIDIA H100 80GB HBM3 as h100" in r.stderr
+        steps.append(json.loads(r.stdout)["step_time_s"])
+    assert steps[1] > 1.5 * steps[0]
+    default = _plan("--config", str(cfg), "--evaluate", "--json")
+    assert json.loads(default.stdout)["step_time_s"] != steps[0]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "invalid JSON"),
+    (json.dumps({"schema": "mimo.gpu_profile/0", "device": "cpu"}), "expected 'mimo.gpu_profile/1'"),
+    (json.dumps([1, 2]), "expected a JSON object"),
+    (json.dumps({"schema": SCHEMA, "device": "TPU v5"}), "no planner GPU spec"),
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "gemm_tflops": -1}), "gemm_tflops: expected a positive"),
+])
+def test_bad_profile_is_one_error_line(tmp_path, content, message):
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text(yaml.safe_dump(_raw()))
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    r = _plan("--config", str(cfg), "--evaluate", "--profile", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_missing_profile_file():
+    with pytest.raises(ValueError, match="cannot read"):
+        load_profile("/nonexistent/profile.json")
