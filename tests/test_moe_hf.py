@@ -2,7 +2,8 @@
 equal transformers' within 1e-4 at 1 rank and with the experts spread over EP ranks (colocated
 DP2·EP2, and the LLM at DP2·EP2 beside a vision tower on its own rank), with both token
 dispatchers; one perturbed expert changes them beyond the tolerance; `export` writes per-expert
-tensors that transformers loads with the same logits.
+tensors that transformers loads with the same logits, and `export --load` of a checkpoint saved at
+EP2 writes the same trained tensors at EP1 and EP2.
 
 Tiny random models are built and saved in the test (no download).
 """
@@ -281,3 +282,46 @@ def test_qwen2_moe_pp2_ep2_logits_and_export(models, tmp_path):
         "model-language-001-experts-000.safetensors", "model-language-001-experts-001.safetensors"]
     src, exported = _tensors(models["qwen2_moe"]), _tensors(out)
     assert set(src) == set(exported) and all(torch.equal(exported[k], src[k]) for k in src)
+
+
+def test_export_of_an_ep2_checkpoint_is_the_same_at_ep1_and_ep2(models, tmp_path):
+    """Qwen3-MoE imported at DP2·EP2 and trained 2 Adam steps with `training.save`; `export --load`
+    of that checkpoint at EP2 (2 ranks) and at EP1 (1 rank) writes bit-identical tensors under the
+    same names, transformers loads the export, and the experts and routers are the trained ones
+    (they differ from the source's)."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_harness import train
+    from mimo.checkpoint import paths
+    from mimo.hf.__main__ import main
+
+    source, ckpt = models["qwen3_moe"], str(tmp_path / "ckpt")
+    raw = causal_config(source, dp=2, ep=2)
+    raw["data"] = {"seq_length": 32, "seed": 0}
+    raw["training"].update(micro_batch_size=1, train_iters=2, optimizer="adam", lr=0.01, seed=5, save=ckpt)
+    train(raw)
+    assert paths.read_latest(ckpt) == 2
+
+    outs = {}
+    for ep, language in [(2, {"dp": 2, "ep": 2}), (1, {})]:
+        cfg = tmp_path / f"export_ep{ep}.yaml"
+        cfg.write_text(yaml.safe_dump(causal_config(source, **language)))
+        outs[ep] = str(tmp_path / f"ep{ep}")
+        assert main(["export", "--config", str(cfg), "--load", ckpt, "--out", outs[ep]]) == 0
+    ep2, ep1, src = _tensors(outs[2]), _tensors(outs[1]), _tensors(source)
+    assert set(ep2) == set(ep1) == set(src)
+    for k in src:
+        assert ep2[k].dtype == ep1[k].dtype and torch.equal(ep2[k], ep1[k]), k
+    moe = [k for k in src if ".mlp.experts." in k or k.endswith(".mlp.gate.weight")]
+    assert len(moe) == 2 * (8 * 3 + 1)
+    assert [k for k in moe if torch.equal(ep2[k], src[k])] == []  # the trained model, not the source
+    # transformers stacks the per-expert tensors it reads (gate and up concatenated per expert)
+    reloaded = AutoModelForCausalLM.from_pretrained(outs[2]).state_dict()
+    mlp = "model.layers.1.mlp"
+    assert torch.equal(reloaded[f"{mlp}.gate.weight"], ep1[f"{mlp}.gate.weight"])
+    for e in range(8):
+        x = f"{mlp}.experts.{e}"
+        assert torch.equal(reloaded[f"{mlp}.experts.down_proj"][e], ep1[f"{x}.down_proj.weight"]), e
+        gate_up = torch.cat([ep1[f"{x}.gate_proj.weight"], ep1[f"{x}.up_proj.weight"]])
+        assert torch.equal(reloaded[f"{mlp}.experts.gate_up_proj"][e], gate_up), e
