@@ -268,7 +268,7 @@ def _run_layout_on_gpus(name: str, steps: int, timeout_s: float, device: str = "
         if proc.returncode != 0 or not os.path.exists(result):
             tail = (proc.stderr or proc.stdout)[-1500:]
             return {"error": f"torchrun exit {proc.returncode}", "stderr_tail": tail}
-        return {"run": torch.load(result, weights_only=False)}
+        return {"run": torch.load(result, weights_only=True)}  # plain tensors, floats and dicts only
 
 
 def layouts_main(args) -> int:
