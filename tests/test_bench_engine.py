@@ -14,7 +14,7 @@ def test_every_layout_is_a_valid_config_of_its_rank_count():
     from mimo.config import load_config
 
     sizes = {key: load_config(bench.layout_config(key)).world_size for key in bench.LAYOUTS}
-    assert sizes == {"a": 2, "b": 2, "c": 3, "d": 2, "e": 2, "f": 2}
+    assert sizes == {"a": 2, "b": 2, "c": 3, "d": 2, "e": 2, "f": 2, "g": 2, "h": 2, "i": 2}
     assert bench.layout_config("b")["model"]["encoders"] == {}
 
 

@@ -342,3 +342,22 @@ def test_reference_init_cuts_experts_by_global_index():
                          ids=["pp2dp2ep2", "tp2sp_ep2_recompute_full"])
 def test_more_expert_parallel_layouts_equal_single_rank(layout, world):
     assert_same_run(reference("alltoall"), merged(run_on_ranks(_train, world, moe(**layout), STEPS)))
+
+
+@pytest.mark.parametrize("layout,world", [(dict(cp=2, ep=2), 2), (dict(cp=2, dp=2, ep=2), 4)],
+                         ids=["cp2ep2", "cp2dp2ep2"])
+def test_context_parallel_moe_equals_single_rank(layout, world):
+    # EP carved out of CP (and DP): each CP rank routes its own query blocks' tokens; expert DP is
+    # 1 at cp2ep2 and 2 at cp2dp2ep2. Context parallelism needs the bitfield attention.
+    ref = run_on_ranks(_train, 1, _lang(moe(), attention="bitfield"), STEPS)[0]
+    assert_same_run(ref, merged(run_on_ranks(_train, world, _lang(moe(**layout), attention="bitfield"), STEPS)))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_tp_with_ep_equals_single_rank(dispatcher):
+    # Expert TP 2 x EP 2 over TP2+SP x DP2: each expert's fc1/fc2 cut over an expert-TP pair, 4 experts
+    # per EP rank. The all-to-all dispatcher then gathers a different token count from each expert-TP
+    # rank (uneven gathers, which gloo runs through mimo.runtime.megatron_cpu, adaptation 9).
+    results = run_on_ranks(_train, 4, moe(dispatcher, tp=2, sp=True, dp=2, ep=2, etp=2), STEPS)
+    assert_same_run(reference(dispatcher), merged(results))
+    assert results[0]["groups"]["expt_tp"] == [0, 1] and results[0]["groups"]["ep"] == [0, 2]

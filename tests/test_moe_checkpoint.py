@@ -128,3 +128,20 @@ def test_experts_by_global_index_resume_at_other_expert_layouts(tmp_path):
     # Negative control: experts read under a wrong global offset are not the saved ones.
     bad = _merged(run_on_ranks(_run, 2, _raw(load=step2, dp=2, ep=2), True, daemon=False))
     assert not _equal(bad["loaded"], full, expert_keys)
+
+
+def test_experts_cut_over_expert_tp_and_ep_resume_whole_on_one_rank(tmp_path):
+    """Saved at TP2+SP x DP2 with EP2 and expert TP2 (each expert's fc1/fc2 cut over 2 ranks, 4 experts
+    per EP rank; the gated fc1 strided), resumed at EP1 on one rank: the loaded experts are the
+    checkpoint's full tensors, and the run continues as the saving run did."""
+    src = str(tmp_path / "etp2")
+    base = _merged(run_on_ranks(_run, 4, _raw(save=src, tp=2, sp=True, dp=2, ep=2, etp=2), daemon=False))
+    step2 = paths.iter_dir(src, 2)
+    one = _merged(run_on_ranks(_run, 1, _raw(load=step2), False, step2, daemon=False))
+    full = one["converted"]
+    expert_keys = sorted(k for k in full if ".local_experts." in k)
+    assert len(expert_keys) == 2 * EXPERTS
+    assert _equal(one["loaded"], full, sorted(set(full) & set(one["loaded"])))
+    assert "experts: 8 (saved at ep=2, etp=2)" in one["inspect"]
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(base["losses"][2:]), rtol=1e-4, atol=0)
+    assert max_rel_diff(one["params"], base["params"]) <= 1e-4

@@ -16,6 +16,13 @@ rank single-threaded:
   e  pp2-colocated  LLM PP2 with the encoder DP2 on the same 2 ranks
   f  pp2-pipelined  LLM PP2 with the encoder PP2 on the same 2 ranks (not in the default set)
 
+and, text only, the LLM made mixture-of-experts (8 experts of FFN 128, top 2, SwiGLU, RMSNorm,
+no biases; not in the default set):
+
+  g  moe-dp2              DP2, every rank holds all 8 experts (EP1)
+  h  moe-dp2-ep2          DP2 with EP2 carved out of it: 4 experts per rank, tokens all-to-all
+  i  moe-dp2-ep2-grouped  as h, the experts' GEMMs grouped (model.language.moe_grouped_gemm: true)
+
 The trainer comes from `build_trainer`, so the same tool measures the engine of
 whatever mimo is on the path. Each rank runs 1 warm-up step and `--steps` timed
 steps and reports the median (and the minimum: on a shared machine, the least
@@ -56,7 +63,11 @@ BASE = {
                  "lr": 1.0e-3, "seed": 7, "precision": "fp32"},
 }
 
-# name -> (description, parallelism); a parallelism without "images" is a text-only model.
+# The LLM fields that make it mixture-of-experts (layouts g-i).
+MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, activation="swiglu",
+           normalization="RMSNorm", add_bias_linear=False)
+
+# name -> (description, parallelism[, LLM fields]); a parallelism without "images" is a text-only model.
 LAYOUTS = {
     "a": ("tp2", {"language": dict(tp=2), "images": dict(tp=2)}),
     "b": ("text-pp2", {"language": dict(pp=2)}),
@@ -64,6 +75,9 @@ LAYOUTS = {
     "d": ("colocated", {"language": dict(tp=2), "images": dict(dp=2)}),
     "e": ("pp2-colocated", {"language": dict(pp=2), "images": dict(dp=2)}),
     "f": ("pp2-pipelined", {"language": dict(pp=2), "images": dict(pp=2)}),
+    "g": ("moe-dp2", {"language": dict(dp=2)}, MOE),
+    "h": ("moe-dp2-ep2", {"language": dict(dp=2, ep=2)}, MOE),
+    "i": ("moe-dp2-ep2-grouped", {"language": dict(dp=2, ep=2)}, dict(MOE, moe_grouped_gemm=True)),
 }
 DEFAULT_LAYOUTS = "a,b,c,d,e"
 TINY_MODEL = {
@@ -85,6 +99,7 @@ def layout_config(key: str, tiny: bool = False) -> dict:
     par = copy.deepcopy(LAYOUTS[key][1])
     if "images" not in par:
         raw["model"]["encoders"] = {}
+    raw["model"]["language"].update(LAYOUTS[key][2] if len(LAYOUTS[key]) > 2 else {})
     raw["parallelism"] = par
     return raw
 

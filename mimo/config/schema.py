@@ -100,6 +100,9 @@ class LanguageConfig:
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: str = "alltoall"
+    # Routed experts' GEMMs: auto (grouped where the runtime has torch's grouped GEMM: CUDA, compute
+    # capability >= 9.0, and the shapes allow it), true (always, CPU included), false (one per expert).
+    moe_grouped_gemm: Any = "auto"
 
     def __post_init__(self):
         if self.num_query_groups is None:

@@ -78,14 +78,6 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
     _check_mrope(lang, add)
     _check_moe(lang, add)
-    lang_par = cfg.parallelism.get(LANGUAGE)
-    if (lang.is_moe and not lang.frozen and cfg.training.use_distributed_optimizer and lang_par is not None
-            and (lang_par.ep != 1 or lang_par.etp != lang_par.tp)):
-        # The experts then have their own gradient buffers over expert DP (mimo.training.optimizer
-        # mark_expert_grads); their gradient norm and full-state gathering assume whole buffers.
-        add("training.use_distributed_optimizer", "is not supported yet for an MoE LLM whose experts are split "
-            f"differently from its dense weights (parallelism.language ep {lang_par.ep}, etp {lang_par.etp}, "
-            f"tp {lang_par.tp}); set it to false (docs/moe.md)")
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
     if lang.position_embedding == "mrope" and lang.rope_scaling is not None:
@@ -563,6 +555,10 @@ def _check_expert_layout(name, par: ParallelConfig, mod, path: str, add) -> None
     if par.etp > 1 and mod.add_bias_linear:
         add(f"{path}.etp", "must be 1 with model.language.add_bias_linear: true (megatron-core's MoE biases "
                            "need expert tensor parallelism 1)")
+    if mod.moe_grouped_gemm is True and isinstance(ffn, int) and isinstance(mod.hidden_size, int):
+        problem = grouped_gemm_problem(mod.hidden_size, ffn, par.etp, mod.add_bias_linear)
+        if problem:
+            add("model.language.moe_grouped_gemm", f"true {problem}")
     if par.tp > 1 and par.sp is not True:
         add(f"{path}.sp", f"must be true for an MoE LLM with tp > 1 (megatron-core's MoE layer routes the "
                           f"sequence-parallel shard of each TP rank), got tp {par.tp}")
@@ -576,7 +572,7 @@ def _check_moe(lang: LanguageConfig, add) -> None:
     path = "model.language"
     fields = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
               "moe_shared_expert_gate", "moe_layer_freq", "moe_router_pre_softmax", "moe_aux_loss_coeff",
-              "moe_token_dispatcher_type")
+              "moe_token_dispatcher_type", "moe_grouped_gemm")
     if not lang.is_moe:
         defaults = LanguageConfig(num_layers=1, hidden_size=1, num_attention_heads=1, vocab_size=1,
                                   max_sequence_length=1)
@@ -605,6 +601,20 @@ def _check_moe(lang: LanguageConfig, add) -> None:
                                                            "(megatron-core's shared experts have no biases)")
     if lang.moe_shared_expert_gate and not (isinstance(shared, int) and shared > 0):
         add(f"{path}.moe_shared_expert_gate", "needs a shared expert (moe_shared_expert_intermediate_size > 0)")
+    if lang.moe_grouped_gemm not in ("auto", True, False):
+        add(f"{path}.moe_grouped_gemm", f"must be auto, true or false, got {lang.moe_grouped_gemm!r}")
+
+
+def grouped_gemm_problem(hidden_size: int, expert_ffn: int, etp: int, add_bias_linear: bool) -> Optional[str]:
+    """Why routed experts cannot run as grouped GEMMs (mimo.model.grouped_experts), or None: they
+    have no biases, and every GEMM dimension (hidden, each expert-TP rank's FFN width, twice that for
+    a gated MLP) is a multiple of 8 elements (torch's grouped GEMM wants 16-byte-aligned rows)."""
+    if add_bias_linear:
+        return "needs add_bias_linear: false (grouped experts have no biases)"
+    if hidden_size % 8 or (expert_ffn // max(etp, 1)) % 8:
+        return (f"needs hidden_size ({hidden_size}) and the experts' FFN width per expert-TP rank "
+                f"({expert_ffn} / etp {etp}) to be multiples of 8")
+    return None
 
 
 def _check_sequence_parallel(cfg: MimoConfig, name: str, par: ParallelConfig, mod, path: str, add) -> None:

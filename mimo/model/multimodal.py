@@ -77,7 +77,7 @@ def build_llm(cfg: MimoConfig, layout: Layout, pg_collection) -> GPTModel:
     lang = cfg.model.language
     config = transformer_config(lang, layout, cfg.training.precision, par=cfg.parallelism[LANGUAGE],
                                 initialize=initialized_by_megatron(cfg.training))
-    spec = block_spec(llm_block_layer_specs(lang, 0, config.num_layers), config.num_layers)
+    spec = block_spec(llm_block_layer_specs(lang, 0, config.num_layers, config), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=True, post_process=True, parallel_output=True,

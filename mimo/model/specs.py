@@ -13,6 +13,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from mimo.config.validate import grouped_gemm_problem
+from mimo.runtime.fusions import active as active_fusions
+
+from .grouped_experts import GroupedExperts
 from .norm import TorchNorm
 from .sdpa_attention import SDPACoreAttention
 
@@ -72,13 +76,26 @@ def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
     return spec
 
 
-def llm_block_layer_specs(lang, first_layer: int, count: int) -> List[ModuleSpec]:
+def grouped_experts(lang, config) -> bool:
+    """Whether an MoE LLM's routed experts run as `GroupedExperts` (docs/moe.md): with
+    `moe_grouped_gemm: true` always (the config check vouched for the shapes), with `auto` where this
+    process's runtime has torch's grouped GEMM and the shapes allow it."""
+    if lang.moe_grouped_gemm != "auto":
+        return lang.moe_grouped_gemm is True
+    fits = grouped_gemm_problem(config.hidden_size, config.moe_ffn_hidden_size,
+                                config.expert_tensor_parallel_size, config.add_bias_linear) is None
+    return active_fusions().grouped_gemm and fits and not (config.fp8 or config.fp4)
+
+
+def llm_block_layer_specs(lang, first_layer: int, count: int, config) -> List[ModuleSpec]:
     """The layer specs of global LLM layers [first_layer, first_layer + count): MoE or dense per
-    `lang.moe_layers()` (megatron-core's `moe_layer_freq`)."""
+    `lang.moe_layers()` (megatron-core's `moe_layer_freq`); `config` the LLM's TransformerConfig."""
     moe = lang.moe_layers()[first_layer:first_layer + count]
     qk = bool(getattr(lang, "qk_layernorm", False))
     dense = llm_layer_spec(lang.attention, lang.normalization, qk_layernorm=qk)
     if not any(moe):
         return [dense] * count
     sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts, qk_layernorm=qk)
+    if grouped_experts(lang, config):
+        sparse.submodules.mlp.submodules.experts.module = GroupedExperts
     return [sparse if m else dense for m in moe]

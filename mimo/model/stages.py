@@ -59,7 +59,7 @@ def build_llm_stage(cfg: MimoConfig, par: ParallelConfig, layout, stage: int, pg
     stage_layout = dataclasses.replace(layout, pp=1)
     config = transformer_config(lang, stage_layout, cfg.training.precision, num_layers=counts[stage], par=par,
                                 initialize=initialized_by_megatron(cfg.training))
-    spec = block_spec(llm_block_layer_specs(lang, sum(counts[:stage]), counts[stage]), config.num_layers)
+    spec = block_spec(llm_block_layer_specs(lang, sum(counts[:stage]), counts[stage], config), config.num_layers)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=lang.vocab_size, max_sequence_length=lang.max_sequence_length,
                      pre_process=stage == 0, post_process=stage == par.pp - 1, parallel_output=True,

@@ -112,7 +112,8 @@ def moe_kwargs(module_cfg, layout: Layout) -> dict:
 
     `expert_model_parallel_size` > 1 makes megatron-core mark expert weights `allreduce=False`
     (reduced over the expert-DP group by its DDP). The CUDA-only or TE-only paths stay off:
-    permute / router fusion, shared-expert overlap, grouped GEMM (mimo builds SequentialMLP experts).
+    permute / router fusion, shared-expert overlap, megatron's grouped GEMM modules (mimo builds
+    SequentialMLP experts, or its own GroupedExperts with the same parameters: mimo.model.specs).
     """
     if not getattr(module_cfg, "is_moe", False):
         return {}

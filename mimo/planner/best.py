@@ -30,8 +30,8 @@ def searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
     precision = training.get("precision", "fp32" if hw.name == "cpu" else "bf16")
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"training.precision: expected bf16 or fp32, got {precision!r}")
-    # Default on, except for an MoE LLM: with it mimo cannot split the experts yet (docs/moe.md).
-    dist_opt = training.get("use_distributed_optimizer", spec.language.num_experts == 0)
+    # Default on (an MoE LLM's experts are then sharded over expert DP).
+    dist_opt = training.get("use_distributed_optimizer", True)
     if not isinstance(dist_opt, bool):
         raise ValueError("training.use_distributed_optimizer: expected true/false")
     fp32_grads = training.get("grad_reduce_in_fp32", True)

@@ -181,16 +181,9 @@ class LayoutSearch:
         LLM): ep divides both tp * cp * dp (EP re-divides those ranks, etp = 1) and the number of
         experts. An MoE LLM with TP needs SP (megatron-core routes each TP rank's shard)."""
         lang = self.spec.language
-        # mimo's distributed optimizer does not take experts split unlike the dense weights yet
-        # (the config check refuses ep > 1, or etp != tp, with it): only tp 1, ep 1 then.
-        dense_experts_only = lang.is_moe and self.distributed_optimizer and not lang.frozen
         for tp, cp, pp, dp in layouts:
             if not lang.is_moe:
                 yield tp, cp, pp, dp, 1
-                continue
-            if dense_experts_only:
-                if tp == 1:
-                    yield tp, cp, pp, dp, 1
                 continue
             if tp > 1 and not self._sp(lang, tp, cp):
                 continue

@@ -14,6 +14,9 @@ all-off until one is activated and on CPU ranks, so CPU runs stay exact and unch
   apex on the machines this was built and measured on).
 * masked-softmax fusion: apex's `scaled_masked_softmax_cuda` — only where it is importable (mimo's
   own core attention, SDPA or bitfield, does not read it).
+* grouped GEMM for routed experts (`model.language.moe_grouped_gemm: auto`): torch's
+  `_grouped_mm` — on CUDA devices of compute capability 9.0 or newer (Hopper, Blackwell), where
+  torch ships its grouped kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 
 from .device import Runtime
@@ -30,12 +34,14 @@ from .device import Runtime
 @dataclass(frozen=True)
 class FusionSupport:
     """What a runtime can fuse: `jit` megatron's jit_fuser kernels (CUDA), `rope` TE's fused RoPE,
-    `grad_accum` the fused weight-gradient accumulation, `masked_softmax` apex's softmax kernels."""
+    `grad_accum` the fused weight-gradient accumulation, `masked_softmax` apex's softmax kernels,
+    `grouped_gemm` torch's grouped GEMM for routed experts."""
 
     jit: bool = False
     rope: bool = False
     grad_accum: bool = False
     masked_softmax: bool = False
+    grouped_gemm: bool = False
 
 
 NONE = FusionSupport()
@@ -65,7 +71,13 @@ def fusion_support(runtime: Runtime) -> FusionSupport:
         return NONE
     return FusionSupport(jit=True, rope=_te_rope_available(),
                          grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
-                         masked_softmax=_importable("scaled_masked_softmax_cuda"))
+                         masked_softmax=_importable("scaled_masked_softmax_cuda"),
+                         grouped_gemm=_grouped_gemm_available(runtime))
+
+
+def _grouped_gemm_available(runtime: Runtime) -> bool:
+    return (hasattr(torch, "_grouped_mm") and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(runtime.device) >= (9, 0))
 
 
 def activate(runtime: Optional[Runtime]) -> None:

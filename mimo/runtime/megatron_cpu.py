@@ -53,6 +53,16 @@ optimizer stack in `optimizer_on_cpu`):
    Transformer Engine is installed, is defined (None) where it is missing, on
    any device (`define_missing_te_gemm`).
 
+9. Uneven sequence-parallel gathers and reduce-scatters (``tensor_parallel.mappings``,
+   ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with split sizes): the
+   all-to-all dispatcher with expert TP > 1 gathers each expert-TP rank's received tokens, a
+   different count per rank. megatron passes a list of differently sized tensors to
+   ``all_gather`` / ``reduce_scatter``, which NCCL takes and gloo refuses. Inside `megatron_on_cpu`
+   the uneven case becomes equal-sized collectives gloo runs: a gather of row blocks padded to the
+   largest split, then the padding cut; a reduce-scatter as an all-reduce of the whole tensor, then
+   this rank's rows (the same sums; CPU ranks only, where the extra volume does not matter).
+   The equal-split case is megatron's own.
+
 Everything is idempotent and undone by :func:`restore` (used by tests).
 
 5. megatron-core's DDP grad buffers and optimizers (``optimizer_on_cpu``, a
@@ -70,9 +80,13 @@ import types
 import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.tensor_parallel import mappings as mcore_mappings
 from megatron.core.tensor_parallel import random as mcore_random
 
 _saved = {}
+# megatron's own sequence-parallel gather / reduce-scatter (adaptation 9 wraps them)
+_MEGATRON_GATHER = mcore_mappings._gather_along_first_dim
+_MEGATRON_REDUCE_SCATTER = mcore_mappings._reduce_scatter_along_first_dim
 
 
 class CPURNGStatesTracker(mcore_random.CudaRNGStatesTracker):
@@ -129,6 +143,28 @@ def _dispatcher_host_splits(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
+def _gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """Adaptation 9: megatron's `_gather_along_first_dim` with gloo-friendly uneven splits."""
+    if output_split_sizes is None or group.size() == 1:
+        return _MEGATRON_GATHER(input_, group, output_split_sizes, use_global_buffer)
+    rows, tail = max(output_split_sizes), tuple(input_.shape[1:])
+    padded = input_.new_zeros((rows,) + tail)
+    padded[:input_.shape[0]] = input_
+    gathered = input_.new_empty((rows * group.size(),) + tail)
+    torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+    return torch.cat([gathered[i * rows:i * rows + n] for i, n in enumerate(output_split_sizes)])
+
+
+def _reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Adaptation 9: megatron's `_reduce_scatter_along_first_dim` with gloo-friendly uneven splits."""
+    if input_split_sizes is None or group.size() == 1:
+        return _MEGATRON_REDUCE_SCATTER(input_, group, input_split_sizes, use_global_buffer)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(input_split_sizes[:group.rank()])
+    return total[start:start + input_split_sizes[group.rank()]].clone()
+
+
 def _moe_dispatcher():
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -137,20 +173,24 @@ def _moe_dispatcher():
 
 @contextlib.contextmanager
 def megatron_on_cpu():
-    """Adaptations 1 and 8, scoped: inside, ``torch.cuda.current_device()`` answers the CPU device and
-    the all-to-all MoE dispatcher uses no CUDA stream."""
+    """Adaptations 1, 8 and 9, scoped: inside, ``torch.cuda.current_device()`` answers the CPU device,
+    the all-to-all MoE dispatcher uses no CUDA stream and uneven gathers run on gloo."""
     saved = torch.cuda.current_device
     dispatcher = _moe_dispatcher()
     saved_moe = (dispatcher.cuda_dtoh_stream, dispatcher.__dict__["_maybe_dtoh_and_synchronize"])
+    saved_maps = (mcore_mappings._gather_along_first_dim, mcore_mappings._reduce_scatter_along_first_dim)
     torch.cuda.current_device = _cpu_device
     if dispatcher.cuda_dtoh_stream is None:
         dispatcher.cuda_dtoh_stream = _NoStream()
     dispatcher._maybe_dtoh_and_synchronize = _dispatcher_host_splits
+    mcore_mappings._gather_along_first_dim = _gather_uneven
+    mcore_mappings._reduce_scatter_along_first_dim = _reduce_scatter_uneven
     try:
         yield
     finally:
         torch.cuda.current_device = saved
         dispatcher.cuda_dtoh_stream, dispatcher._maybe_dtoh_and_synchronize = saved_moe
+        mcore_mappings._gather_along_first_dim, mcore_mappings._reduce_scatter_along_first_dim = saved_maps
 
 
 def define_missing_te_gemm() -> None:

@@ -261,9 +261,6 @@ class ModelOptimizer:
                 experts = bool(self.ddp[name].expert_parallel_buffers)
                 if len(inner) != 1 + experts:
                     raise RuntimeError(f"{name}: expected {1 + experts} megatron optimizer(s), got {len(inner)}")
-                if experts and tr.use_distributed_optimizer:
-                    raise NotImplementedError(f"{name}: training.use_distributed_optimizer with expert-parallel "
-                                              "MoE weights is not supported yet (docs/moe.md)")
                 self.optimizers[name] = inner[0]  # megatron lists the dense optimizer first
                 if experts:
                     self.expert_optimizers[name] = inner[1]
@@ -352,7 +349,7 @@ class ModelOptimizer:
         """id(model param) -> (the inner optimizer's param for it, its flat range in the model param or
         None for all of it). With the distributed optimizer only the params this DP rank owns a
         piece of appear; bf16 params map to their fp32 master copies. Routed experts stepped by the
-        module's expert optimizer are included (that one is never distributed: see `__init__`)."""
+        module's expert optimizer are included (sharded over expert DP with the distributed optimizer)."""
         out = {}
         for opt in self._module_optimizers(name):
             out.update(self._owned_by(opt))
@@ -375,6 +372,13 @@ class ModelOptimizer:
         else:
             out.update({id(p): (p, None) for g in opt.optimizer.param_groups for p in g["params"]})
         return out
+
+    def grad_group(self, name: str, param: torch.nn.Parameter):
+        """The group module `name`'s DDP reduces `param`'s gradient over (and, with the distributed
+        optimizer, shards its state over): the expert-DP group for routed experts that
+        `mark_expert_grads` sent to the expert buffers (megatron's `allreduce=False`), else DP x CP."""
+        key = "dp_cp" if getattr(param, "allreduce", True) else "expt_dp"
+        return self.topo.grid(name).groups[key]
 
     def owned_ranges(self, name: str) -> Dict[int, Optional[tuple]]:
         """id(model param) -> the flat range (start, end) of it this rank's optimizer steps, None for
@@ -409,12 +413,16 @@ class ModelOptimizer:
         stepped, step = bool(seen[0]), seen[1].reshape(()).float().cpu()
         names = (["exp_avg", "exp_avg_sq"] if stepped else []) + (["master"] if opt.config.bf16 else [])
         out = {}
-        members, me = dist.get_process_group_ranks(group), dist.get_rank()
+        me = dist.get_rank()
         for i, p in enumerate(trainable(self.ddp[name].module.parameters())):
             key, rng = owned.get(id(p), (None, None))
             state = state_of(key) if key is not None else {}
-            # With the distributed optimizer one DP rank per parameter (in turn) gathers and writes it,
-            # so a rank holds about 1/DP of the module part's state while saving.
+            # With the distributed optimizer one rank of the parameter's reduction group (`grad_group`)
+            # per parameter (in turn) gathers and writes it, so a rank holds about 1/DP of the module
+            # part's state while saving. Every rank walks the same parameter list (EP ranks hold the
+            # same number of experts), so the groups' reductions come in one order everywhere.
+            param_group = self.grad_group(name, p)
+            members = dist.get_process_group_ranks(param_group)
             writer = members[i % len(members)]
             tensors = {}
             for s in names:
@@ -425,7 +433,7 @@ class ModelOptimizer:
                 full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
                 if rng is not None:
                     full[rng[0]:rng[1]] = local.detach().view(-1)
-                dist.reduce(full, dst=writer, group=group)  # the owners' pieces are disjoint
+                dist.reduce(full, dst=writer, group=param_group)  # the owners' pieces are disjoint
                 if me == writer:  # to host memory at once: the device holds one parameter's state at a time
                     tensors[s] = full.view(p.shape).cpu()
             if stepped and (not dist_opt or me == writer):

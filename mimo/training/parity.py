@@ -97,17 +97,24 @@ def gather_owned_grads(optim, module: str) -> Dict[int, torch.Tensor]:
     gradient elsewhere. The owners' ranges are disjoint and cover every parameter, so summing them,
     zero elsewhere, over the module's DP x CP group gives what an all-reduce would have. One
     all-reduce of the module part's concatenated gradients; the buffer itself is left as it is."""
-    params = trainable(optim.ddp[module].module.parameters())
-    ranges = optim.owned_ranges(module)
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=optim.runtime.device)
-    offset = 0
-    for p in params:
-        if id(p) in ranges:
-            start, end = ranges[id(p)] or (0, p.numel())  # None: all of it
-            flat[offset + start:offset + end] = p.main_grad.detach().view(-1)[start:end]
-        offset += p.numel()
-    dist.all_reduce(flat, group=optim.topo.grid(module).groups["dp_cp"])
-    return {id(p): g.view_as(p) for p, g in zip(params, flat.split([p.numel() for p in params]))}
+    ranges, out = optim.owned_ranges(module), {}
+    grid = optim.topo.grid(module)
+    # Routed experts of an expert-parallel MoE LLM are reduced and sharded over expert DP instead.
+    for key in ("dp_cp", "expt_dp"):
+        params = [p for p in trainable(optim.ddp[module].module.parameters())
+                  if optim.grad_group(module, p) is grid.groups.get(key)]
+        if not params:
+            continue
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=optim.runtime.device)
+        offset = 0
+        for p in params:
+            if id(p) in ranges:
+                start, end = ranges[id(p)] or (0, p.numel())  # None: all of it
+                flat[offset + start:offset + end] = p.main_grad.detach().view(-1)[start:end]
+            offset += p.numel()
+        dist.all_reduce(flat, group=grid.groups[key])
+        out.update({id(p): g.view_as(p) for p, g in zip(params, flat.split([p.numel() for p in params]))})
+    return out
 
 
 def _run_rank(raw: Dict, steps: int):
