@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         resolved = cfg.resolve(d)
         inp = check_inputs(q, k, v, mask, mask, q_document_ids=docs, k_document_ids=docs)
         plan = get_plan(inp, (mask, mask, None, None, docs, docs), resolved.block_m, resolved.block_n,
-                        resolved.split_tiles, kernels(backend_for(device) == "interpret"))
+                        resolved.split_tiles or 0, kernels(backend_for(device) == "interpret"))
         tiles = plan.counts()["partial"] + plan.counts()["full"]
         fwd_flops = 4.0 * d * hq * tiles * resolved.block_m * resolved.block_n
         for name, make in _implementations(q, k, v, mask, docs, cfg).items():

@@ -5,9 +5,10 @@
     python tools/tune_attention.py --seqlens 8192 --head-dim 64
     python tools/tune_attention.py --device cpu --tiny            # smoke run (Triton interpreter)
 
-The forward and the backward are tuned apart (they take separate `KernelConfig` fields): each
-candidate forward is timed alone, each candidate backward alone (repeated `autograd.grad` over one
-retained forward). Every candidate's output and gradients are compared with the default
+The forward and the two backward kernels are tuned apart (they take separate `KernelConfig` fields:
+forward, `bwd_*` for dK/dV, `dq_*` for dQ): each candidate forward is timed alone, each candidate
+dK/dV kernel alone (repeated `autograd.grad` over one retained forward whose queries need no
+gradient) and each dQ kernel alone (keys and values need none). Every candidate's output and gradients are compared with the default
 configuration's, so a setting that computes something else is reported, never picked. The mask is
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
 markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths.
@@ -51,6 +52,16 @@ def backward_config(c) -> "KernelConfig":
     return KernelConfig(bwd_block_m=c[0], bwd_block_n=c[1], bwd_num_warps=c[2], bwd_num_stages=c[3])
 
 
+def dq_config(c) -> "KernelConfig":
+    from mimo.attention import KernelConfig
+
+    return KernelConfig(dq_block_m=c[0], dq_block_n=c[1], dq_num_warps=c[2], dq_num_stages=c[3])
+
+
+# phase -> (KernelConfig of a candidate, which of q, k, v need gradients)
+BACKWARD_PHASES = {"dkdv": (backward_config, (False, True, True)), "dq": (dq_config, (True, False, False))}
+
+
 def _max_err(got, want) -> float:
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
 
@@ -63,8 +74,8 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
                for h in (args.heads, args.kv_heads, args.kv_heads))
     mask, docs = mixed_layout(1, s, device)
     go = torch.randn_like(q)
-    out = {"forward": {}, "backward": {}}
-    want_out = want_grads = None
+    out = {"forward": {}, "dkdv": {}, "dq": {}}
+    want_out = None
     for c in forward:
         try:
             with torch.no_grad():
@@ -78,23 +89,28 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
                 out["forward"][c] = (time_fn(fwd), err)
         except Exception as exc:  # a setting the GPU cannot launch (shared memory) is reported, not fatal
             out["forward"][c] = (None, _short(exc))
-    for c in backward:
-        try:
-            o = bitfield_attention(q, k, v, mask, docs, kernel_config=backward_config(c))
-            got = torch.autograd.grad(o, (q, k, v), go, retain_graph=True)
-            want_grads = got if want_grads is None else want_grads
-            err = _max_err(got, want_grads)
-            scale = max(1.0, max(float(g.float().abs().max()) for g in want_grads))
+    for phase, (config, needs) in BACKWARD_PHASES.items():
+        # Only the inputs this kernel differentiates need gradients: the other kernel never runs.
+        inputs = [t if need else t.detach() for t, need in zip((q, k, v), needs)]
+        wrt = [t for t in inputs if t.requires_grad]
+        want_grads = None
+        for c in backward:
+            try:
+                o = bitfield_attention(*inputs, mask, docs, kernel_config=config(c))
+                got = torch.autograd.grad(o, wrt, go, retain_graph=True)
+                want_grads = got if want_grads is None else want_grads
+                err = _max_err(got, want_grads)
+                scale = max(1.0, max(float(g.float().abs().max()) for g in want_grads))
 
-            def bwd(o=o):
-                torch.autograd.grad(o, (q, k, v), go, retain_graph=True)
+                def bwd(o=o):
+                    torch.autograd.grad(o, wrt, go, retain_graph=True)
 
-            out["backward"][c] = (time_fn(bwd), err / scale)
-            del o
-        except Exception as exc:
-            out["backward"][c] = (None, _short(exc))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+                out[phase][c] = (time_fn(bwd), err / scale)
+                del o
+            except Exception as exc:
+                out[phase][c] = (None, _short(exc))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return out
 
 
@@ -118,7 +134,8 @@ def main(argv=None) -> int:
                               lambda fn: _time(fn, args.iters, device)) for s in seqlens}
     best = {}
     for phase, cands, fields in (("forward", forward, "block_m, block_n, num_warps, num_stages"),
-                                 ("backward", backward, "bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages")):
+                                 ("dkdv", backward, "bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages"),
+                                 ("dq", backward, "dq_block_m, dq_block_n, dq_num_warps, dq_num_stages")):
         print(f"\n{phase} ({fields}); ms, and max difference from the first row (the reference)")
         print("| config | " + " | ".join(f"{s} tokens" for s in seqlens) + " | total ms |")
         print("|---|" + "---|" * (len(seqlens) + 1))
@@ -142,10 +159,11 @@ def main(argv=None) -> int:
             best[phase] = min(totals, key=totals.get)
             gain = totals[cands[0]] / totals[best[phase]] if cands[0] in totals else float("nan")
             print(f"fastest {phase}: {best[phase]} ({gain:.2f}x the first row)")
-    if len(best) == 2:
-        f, b = best["forward"], best["backward"]
+    if len(best) == 3:
+        f, b, d = best["forward"], best["dkdv"], best["dq"]
         print(f"\nKernelConfig(block_m={f[0]}, block_n={f[1]}, num_warps={f[2]}, num_stages={f[3]}, "
-              f"bwd_block_m={b[0]}, bwd_block_n={b[1]}, bwd_num_warps={b[2]}, bwd_num_stages={b[3]})")
+              f"bwd_block_m={b[0]}, bwd_block_n={b[1]}, bwd_num_warps={b[2]}, bwd_num_stages={b[3]}, "
+              f"dq_block_m={d[0]}, dq_block_n={d[1]}, dq_num_warps={d[2]}, dq_num_stages={d[3]})")
     return 0
 
 

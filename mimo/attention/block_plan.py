@@ -4,7 +4,9 @@ Every (query block, key block) tile is EMPTY (never launched), FULL (no
 per-element mask) or PARTIAL (mask materialised from the bits). From the
 classification we build, per query block, the ordered list of non-empty key
 blocks (forward and dQ), per key block the list of non-empty query blocks
-(dK/dV), and the forward work items: rows longer than ``split_tiles`` are cut
+(dK/dV) — each list holds its partial tiles first, then its full ones, each in
+ascending order, so the kernels run them as two loops specialised at compile
+time — and the forward work items: rows longer than ``split_tiles`` are cut
 into several items whose partial results are merged (intra-GPU balancing).
 
 Plans are cached, keyed on the identity of the caller's mask tensors (storage,
@@ -38,9 +40,11 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 class TileLists:
     """Compacted non-empty tiles along one axis of the [b, n_rows, n_cols] grid."""
 
-    idx: torch.Tensor      # int32 [b*n_rows, n_cols]; first cnt[r] entries are the non-empty columns, ascending
+    idx: torch.Tensor      # int32 [b*n_rows, n_cols]; first cnt[r] entries are the non-empty columns:
+    #                        the npart[r] partial ones ascending, then the full ones ascending
     full: torch.Tensor     # int8  [b*n_rows, n_cols]; 1 where that tile is FULL
     cnt: torch.Tensor      # int32 [b*n_rows]
+    npart: torch.Tensor    # int32 [b*n_rows]; how many of the listed tiles are PARTIAL
     nonempty: torch.Tensor  # int32 [k]; rows with cnt > 0 (the only ones launched)
 
 
@@ -166,11 +170,14 @@ def classify(inp: AttentionInputs, block_m: int, block_n: int, kernels) -> torch
 def _compact(status_rows: torch.Tensor) -> TileLists:
     nonzero = status_rows != EMPTY
     cnt = nonzero.sum(dim=1).to(torch.int32)
-    # Stable sort on "is empty" moves the non-empty columns first, in ascending order.
-    order = torch.sort((~nonzero).to(torch.int32), dim=1, stable=True).indices
+    npart = (status_rows == PARTIAL).sum(dim=1).to(torch.int32)
+    # A stable sort on (partial 0, full 1, empty 2) lists the partial columns, then the full ones,
+    # each in ascending order, then the empty ones (never read).
+    rank = torch.where(status_rows == PARTIAL, 0, torch.where(status_rows == FULL, 1, 2)).to(torch.int32)
+    order = torch.sort(rank, dim=1, stable=True).indices
     full = (torch.gather(status_rows, 1, order) == FULL).to(torch.int8)
     nonempty = torch.nonzero(cnt > 0).flatten().to(torch.int32)
-    return TileLists(order.to(torch.int32).contiguous(), full.contiguous(), cnt, nonempty)
+    return TileLists(order.to(torch.int32).contiguous(), full.contiguous(), cnt, npart, nonempty)
 
 
 def _forward_items(rows: TileLists, split_tiles: int) -> ForwardItems:

@@ -6,13 +6,25 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+# split_tiles=None: split rows into items of this many tiles where the forward launches fewer than
+# FILL_WAVES programs per SM (one program per query block and head).
+AUTO_SPLIT_TILES = 16
+FILL_WAVES = 2
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """``None`` fields take a default chosen from head_dim (see ``resolve``).
 
     split_tiles: a query block with more non-empty key tiles than this is split
     into work items of at most ``split_tiles`` tiles each, run as separate
-    programs and merged (intra-GPU balancing); 0 disables splitting.
+    programs and merged (intra-GPU balancing); 0 disables splitting; None (the
+    default) splits, at AUTO_SPLIT_TILES, only where the forward has too few
+    programs to fill the GPU (`split_for`): otherwise the partial outputs' extra
+    traffic and the merge kernel cost more than the balance gains.
+    bwd_*: the dK/dV kernel's tiles and launch settings; dq_*: the dQ kernel's
+    (default: the dK/dV kernel's). Each backward kernel has its own plan when
+    their tiles differ.
     The launch settings for head_dim 65-128 were tuned on an H200 (tools/tune_attention.py);
     the tile sizes, and the settings for other head dims, are untuned choices.
     """
@@ -24,8 +36,12 @@ class KernelConfig:
     split_tiles: Optional[int] = None
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
-    bwd_num_warps: Optional[int] = None     # the two backward kernels' own (defaults: see resolve)
+    bwd_num_warps: Optional[int] = None     # the dK/dV kernel's own (defaults: see resolve)
     bwd_num_stages: Optional[int] = None
+    dq_block_m: Optional[int] = None
+    dq_block_n: Optional[int] = None
+    dq_num_warps: Optional[int] = None
+    dq_num_stages: Optional[int] = None
 
     def resolve(self, head_dim: int) -> "KernelConfig":
         big = head_dim > 128
@@ -35,21 +51,38 @@ class KernelConfig:
         tuned = 64 < head_dim <= 128
         num_warps = self.num_warps or (4 if head_dim <= 64 else 8)
         num_stages = self.num_stages or (3 if tuned else 1 if big else 2)
+        bwd_block_m = self.bwd_block_m or (32 if big else 64)
+        bwd_block_n = self.bwd_block_n or (32 if big else 64)
+        bwd_num_warps = self.bwd_num_warps or (4 if tuned else num_warps)
+        bwd_num_stages = self.bwd_num_stages or (1 if big else 2)
         out = KernelConfig(
             block_m=self.block_m or (64 if big else 128),
             block_n=self.block_n or (32 if big else 64),
-            bwd_block_m=self.bwd_block_m or (32 if big else 64),
-            bwd_block_n=self.bwd_block_n or (32 if big else 64),
-            split_tiles=16 if self.split_tiles is None else self.split_tiles,
+            bwd_block_m=bwd_block_m,
+            bwd_block_n=bwd_block_n,
+            split_tiles=self.split_tiles,
             num_warps=num_warps,
             num_stages=num_stages,
-            bwd_num_warps=self.bwd_num_warps or (4 if tuned else num_warps),
-            bwd_num_stages=self.bwd_num_stages or (1 if big else 2),
+            bwd_num_warps=bwd_num_warps,
+            bwd_num_stages=bwd_num_stages,
+            dq_block_m=self.dq_block_m or bwd_block_m,
+            dq_block_n=self.dq_block_n or bwd_block_n,
+            dq_num_warps=self.dq_num_warps or bwd_num_warps,
+            dq_num_stages=self.dq_num_stages or bwd_num_stages,
         )
-        for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n"):
+        for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             value = getattr(out, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
-        if out.split_tiles < 0:
+        if out.split_tiles is not None and out.split_tiles < 0:
             raise ValueError(f"KernelConfig.split_tiles must be >= 0, got {out.split_tiles}")
         return out
+
+    def split_for(self, programs: int, multiprocessors: Optional[int]) -> int:
+        """The forward's split_tiles for a launch of `programs` unsplit programs (query blocks x
+        heads) on a device with `multiprocessors` SMs (None: not a GPU, never split by default)."""
+        if self.split_tiles is not None:
+            return self.split_tiles
+        if multiprocessors is None or programs >= FILL_WAVES * multiprocessors:
+            return 0
+        return AUTO_SPLIT_TILES

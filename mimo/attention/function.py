@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from mimo.runtime.device import multiprocessor_count
+
 from .block_plan import BlockPlan, get_plan
 from .config import KernelConfig
 from .inputs import AttentionInputs, check_inputs
@@ -31,18 +33,27 @@ def _mask_args(inp: AttentionInputs):
     return (inp.q_mask, inp.q_positions, qd, inp.k_mask, inp.k_positions, kd), has_doc
 
 
-def _launch_opts(cfg: KernelConfig, interpret: bool, backward: bool = False) -> dict:
+def _launch_opts(cfg: KernelConfig, interpret: bool, kernel: str = "fwd") -> dict:
     if interpret:
         return {}
-    if backward:
+    if kernel == "dkdv":
         return {"num_warps": cfg.bwd_num_warps, "num_stages": cfg.bwd_num_stages}
+    if kernel == "dq":
+        return {"num_warps": cfg.dq_num_warps, "num_stages": cfg.dq_num_stages}
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _shape_constants(bm: int, bn: int, d: int, s_q: int, s_k: int) -> dict:
+    """The kernels' compile-time shape arguments: tiles, head dim, and which bounds masks can go."""
+    bd = _pow2(d)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, HEAD_DIM=d, D_EVEN=d == bd, M_EVEN=s_q % bm == 0,
+                N_EVEN=s_k % bn == 0)
 
 
 def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cfg: KernelConfig):
     b, s_q, hq, d = q.shape
     s_k, hkv = k.shape[1], k.shape[2]
-    bm, bn, bd = plan.block_m, plan.block_n, _pow2(d)
+    bm, bd = plan.block_m, _pow2(d)
     out = torch.zeros_like(q, memory_format=torch.preserve_format)
     out = _lastdim_contiguous(out)
     lse = torch.full((b, hq, s_q), float("-inf"), dtype=torch.float32, device=q.device)
@@ -56,58 +67,62 @@ def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cf
     opts = _launch_opts(cfg, interpret)
     kern.fwd_kernel[(n_items, hq)](
         q, k, v, out, lse, part_o, part_lse, *masks,
-        items.row, items.start, items.length, items.slot, plan.rows.idx, plan.rows.full,
-        inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv, d,
+        items.row, items.start, items.length, items.slot, plan.rows.idx, plan.rows.npart,
+        inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **opts,
+        HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret,
+        **_shape_constants(bm, plan.block_n, d, s_q, s_k), **opts,
     )
     n_agg = items.agg_row.numel()
     if n_agg:
         kern.merge_kernel[(n_agg, hq)](
             out, lse, part_o, part_lse, items.agg_row, items.agg_slot, items.agg_len,
-            s_q, plan.n_qb, hq, d, *out.stride()[:3], BLOCK_M=bm, BLOCK_D=bd, **opts,
+            s_q, plan.n_qb, hq, *out.stride()[:3], BLOCK_M=bm, BLOCK_D=bd, HEAD_DIM=d, **opts,
         )
     return out, lse
 
 
-def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plan: BlockPlan, cfg, need):
+def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, need):
+    """dQ, dK, dV; `plans` = (the dK/dV kernel's plan, the dQ kernel's plan), each with its own tiles."""
     b, s_q, hq, d = q.shape
     s_k, hkv = k.shape[1], k.shape[2]
-    bm, bn, bd = plan.block_m, plan.block_n, _pow2(d)
     masks, has_doc = _mask_args(inp)
-    opts = _launch_opts(cfg, interpret, backward=True)
-    common = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **opts)
-    scalars = (inp.softmax_scale, inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv, d)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     dq = dk = dv = None
-    if need[1] or need[2]:
-        dk = _lastdim_contiguous(torch.zeros_like(k, memory_format=torch.preserve_format))
-        dv = _lastdim_contiguous(torch.zeros_like(v, memory_format=torch.preserve_format))
-        cols = plan.cols
-        if cols.nonempty.numel():
-            kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
-                q, k, v, dout, dk, dv, lse, delta, *masks,
-                cols.nonempty, cols.idx, cols.full, cols.cnt, *scalars, *strides,
-                *dk.stride()[:3], *dv.stride()[:3], **common,
-            )
-    if need[0]:
-        dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
-        rows = plan.rows
-        if rows.nonempty.numel():
-            kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
-                q, k, v, dout, dq, lse, delta, *masks,
-                rows.nonempty, rows.idx, rows.full, rows.cnt, *scalars, *strides,
-                *dq.stride()[:3], **common,
-            )
+    for kernel, plan in zip(("dkdv", "dq"), plans):
+        if plan is None:
+            continue
+        common = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret,
+                      **_shape_constants(plan.block_m, plan.block_n, d, s_q, s_k), **_launch_opts(cfg, interpret, kernel))
+        scalars = (inp.softmax_scale, inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv)
+        if kernel == "dkdv" and (need[1] or need[2]):
+            dk = _lastdim_contiguous(torch.zeros_like(k, memory_format=torch.preserve_format))
+            dv = _lastdim_contiguous(torch.zeros_like(v, memory_format=torch.preserve_format))
+            cols = plan.cols
+            if cols.nonempty.numel():
+                kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
+                    q, k, v, dout, dk, dv, lse, delta, *masks,
+                    cols.nonempty, cols.idx, cols.npart, cols.cnt, *scalars, *strides,
+                    *dk.stride()[:3], *dv.stride()[:3], **common,
+                )
+        if kernel == "dq" and need[0]:
+            dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
+            rows = plan.rows
+            if rows.nonempty.numel():
+                kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
+                    q, k, v, dout, dq, lse, delta, *masks,
+                    rows.nonempty, rows.idx, rows.npart, rows.cnt, *scalars, *strides,
+                    *dq.stride()[:3], **common,
+                )
     return dq, dk, dv
 
 
 class _BitfieldAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, inp, fwd_plan, bwd_plan, cfg, kern, interpret):
+    def forward(ctx, q, k, v, inp, fwd_plan, bwd_plans, cfg, kern, interpret):
         out, lse = _forward(kern, interpret, q, k, v, inp, fwd_plan, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.inp, ctx.bwd_plan, ctx.cfg, ctx.kern, ctx.interpret = inp, bwd_plan, cfg, kern, interpret
+        ctx.inp, ctx.bwd_plans, ctx.cfg, ctx.kern, ctx.interpret = inp, bwd_plans, cfg, kern, interpret
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -126,7 +141,7 @@ class _BitfieldAttention(torch.autograd.Function):
             delta = delta - dlse.float()
         delta = delta.contiguous()
         dq, dk, dv = _backward(ctx.kern, ctx.interpret, q, k, v, out, lse, dout, delta, ctx.inp,
-                               ctx.bwd_plan, ctx.cfg, ctx.needs_input_grad[:3])
+                               ctx.bwd_plans, ctx.cfg, ctx.needs_input_grad[:3])
         return (dq, dk, dv) + none
 
 
@@ -161,14 +176,19 @@ def bitfield_attention_general(
            if getattr(inp, f) is not None},
     )
     key_tensors = (q_mask, k_mask, q_positions, k_positions, q_document_ids, k_document_ids)
-    fwd_plan = get_plan(inp, key_tensors, cfg.block_m, cfg.block_n, cfg.split_tiles, kern)
-    bwd_plan = None
+    programs = q.shape[0] * -(-q.shape[1] // cfg.block_m) * q.shape[2]
+    split = cfg.split_for(programs, None if interpret else multiprocessor_count(q.device))
+    fwd_plan = get_plan(inp, key_tensors, cfg.block_m, cfg.block_n, split, kern)
+    bwd_plans = (None, None)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        if (cfg.bwd_block_m, cfg.bwd_block_n) == (cfg.block_m, cfg.block_n):
-            bwd_plan = fwd_plan
-        else:
-            bwd_plan = get_plan(inp, key_tensors, cfg.bwd_block_m, cfg.bwd_block_n, None, kern)
-    out, lse = _BitfieldAttention.apply(q, k, v, inp, fwd_plan, bwd_plan, cfg, kern, interpret)
+        # The dK/dV and dQ kernels each with their own tiles; a plan is shared where the tiles agree.
+        plans = {(cfg.block_m, cfg.block_n): fwd_plan}
+        for tiles in ((cfg.bwd_block_m, cfg.bwd_block_n), (cfg.dq_block_m, cfg.dq_block_n)):
+            if tiles not in plans:
+                plans[tiles] = get_plan(inp, key_tensors, *tiles, None, kern)
+        bwd_plans = (plans[(cfg.bwd_block_m, cfg.bwd_block_n)] if k.requires_grad or v.requires_grad else None,
+                     plans[(cfg.dq_block_m, cfg.dq_block_n)] if q.requires_grad else None)
+    out, lse = _BitfieldAttention.apply(q, k, v, inp, fwd_plan, bwd_plans, cfg, kern, interpret)
     return (out, lse) if return_lse else out
 
 

@@ -9,8 +9,23 @@ Layouts: q/k/v/o/do/dq/dk/dv are [b, s, heads, d] with arbitrary strides
 (last dim contiguous); masks, positions and document ids are contiguous
 [b, s] int64; lse and delta are contiguous [b, hq, s_q] fp32. Tiles are
 (BLOCK_M queries) x (BLOCK_N keys); the block plan lists, per query block, its
-non-empty key blocks and whether each is full (no per-element mask needed),
-and the transposed lists for the dK/dV kernel.
+non-empty key blocks, the partial ones (per-element mask needed) before the full
+ones, and how many are partial; and the transposed lists for the dK/dV kernel.
+
+Specialisation at compile time (each is a `tl.constexpr`, so a kernel compiles
+once per combination actually used):
+* full and partial tiles run in two loops of one inlined tile function, with
+  `MASKED` True or False: a full tile loads no mask bits, builds no mask and
+  guards no empty row;
+* `HEAD_DIM` is a constant, and `D_EVEN` (head_dim equals the padded BLOCK_D),
+  `M_EVEN` / `N_EVEN` (the sequence lengths are multiples of the tiles) drop
+  the bounds masks of loads and stores where they hold. A full tile's keys and
+  queries are all in range (FULL means every pair is in range and allowed), so
+  its loads never need row masks.
+The dK/dV kernel works in the transposed orientation (S^T = K Q^T), so P^T and
+dS^T come out of the MMAs in the shape the next MMA consumes: no transposes of
+computed tiles inside its loop (only of loaded tiles, which the compiler folds
+into how it stages them).
 """
 
 import triton
@@ -79,16 +94,115 @@ def classify_kernel(
 
 
 @triton.jit
+def _load(ptr, rows_in, d_in, ROWS_EVEN: tl.constexpr, D_EVEN: tl.constexpr):
+    """A [rows, BLOCK_D] tile; bounds masks only where the sizes do not divide."""
+    if ROWS_EVEN:
+        if D_EVEN:
+            t = tl.load(ptr)
+        else:
+            t = tl.load(ptr, mask=d_in[None, :], other=0.0)
+    else:
+        if D_EVEN:
+            t = tl.load(ptr, mask=rows_in[:, None], other=0.0)
+        else:
+            t = tl.load(ptr, mask=rows_in[:, None] & d_in[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _load_t(ptr, rows_in, d_in, ROWS_EVEN: tl.constexpr, D_EVEN: tl.constexpr):
+    """A [BLOCK_D, rows] tile (a transposed view of the rows)."""
+    if ROWS_EVEN:
+        if D_EVEN:
+            t = tl.load(ptr)
+        else:
+            t = tl.load(ptr, mask=d_in[:, None], other=0.0)
+    else:
+        if D_EVEN:
+            t = tl.load(ptr, mask=rows_in[None, :], other=0.0)
+        else:
+            t = tl.load(ptr, mask=d_in[:, None] & rows_in[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _store(ptr, value, rows_in, d_in, ROWS_EVEN: tl.constexpr, D_EVEN: tl.constexpr):
+    if ROWS_EVEN:
+        if D_EVEN:
+            tl.store(ptr, value)
+        else:
+            tl.store(ptr, value, mask=d_in[None, :])
+    else:
+        if D_EVEN:
+            tl.store(ptr, value, mask=rows_in[:, None])
+        else:
+            tl.store(ptr, value, mask=rows_in[:, None] & d_in[None, :])
+
+
+@triton.jit
+def _load_vec(ptr, rows_in, ROWS_EVEN: tl.constexpr, other):
+    if ROWS_EVEN:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=rows_in, other=other)
+    return x
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, t0, t1,
+               bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
+               MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_N: tl.constexpr, D_EVEN: tl.constexpr, N_EVEN: tl.constexpr):
+    """Online softmax over the listed key tiles t0..t1-1 of one query block (all partial, or all full)."""
+    for t in range(t0, t1):
+        kb = tl.load(KV_IDX + list_base + t)
+        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n < s_k
+        k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
+                  n_in, d_in, N_EVEN, D_EVEN)
+        v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
+                  n_in, d_in, N_EVEN, D_EVEN)
+        s = _dot(q, tl.trans(k), IEEE, UPCAST)
+        s = s * scale_log2
+        if MASKED:
+            km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
+            kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
+            if HAS_DOC:
+                kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
+            else:
+                kd = kp
+            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+            ok = ok & m_in[:, None] & n_in[None, :]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # Rows that have seen no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            # A full tile gives every row an allowed key: m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_shift = m_new
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def fwd_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     QM, QP, QD, KM, KP, KD,
-    ITEM_ROW, ITEM_START, ITEM_LEN, ITEM_SLOT, KV_IDX, KV_FULL,
-    scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
+    ITEM_ROW, ITEM_START, ITEM_LEN, ITEM_SLOT, KV_IDX, KV_NPART,
+    scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
 ):
-    """One work item = one query block x a run of its non-empty key blocks.
+    """One work item = one query block x a run of its non-empty key blocks (list positions
+    ITEM_START .. + ITEM_LEN; the row's first KV_NPART are partial).
 
     Items covering a whole row write O and LSE directly; split rows write a
     normalised partial output and its lse into slot ITEM_SLOT for merge_kernel.
@@ -97,7 +211,8 @@ def fwd_kernel(
     h = tl.program_id(1)
     row = tl.load(ITEM_ROW + item)
     start = tl.load(ITEM_START + item)
-    n_tiles = tl.load(ITEM_LEN + item)
+    end = start + tl.load(ITEM_LEN + item)
+    npart = tl.load(KV_NPART + row)
     slot = tl.load(ITEM_SLOT + item)
     bi = (row // n_qb).to(tl.int64)
     qb = row % n_qb
@@ -106,61 +221,38 @@ def fwd_kernel(
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_in = offs_m < s_q
-    d_in = offs_d < head_dim
-    q_ptr = Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :]
-    q = tl.load(q_ptr, mask=m_in[:, None] & d_in[None, :], other=0.0)
-    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
-    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
+    d_in = offs_d < HEAD_DIM
+    q = _load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :], m_in, d_in,
+              M_EVEN, D_EVEN)
+    qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
+    qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
     if HAS_DOC:
-        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
+        qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
     else:
         qd = qp
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    list_base = row.to(tl.int64) * n_kb + start
-    for t in range(0, n_tiles):
-        kb = tl.load(KV_IDX + list_base + t)
-        full = tl.load(KV_FULL + list_base + t)
-        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_in = offs_n < s_k
-        kv_mask = n_in[:, None] & d_in[None, :]
-        k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST)
-        s = s * scale_log2
-        if full == 0:
-            # Partial tile: materialise the mask from the bits (full tiles skip this).
-            km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
-            kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
-            if HAS_DOC:
-                kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
-            else:
-                kd = kp
-            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
-            ok = ok & m_in[:, None] & n_in[None, :]
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows that have seen no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    list_base = row.to(tl.int64) * n_kb
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base,
+                               start, tl.minimum(end, npart), bi, hk, s_k, skb, sks, skh, svb, svs, svh,
+                               scale_log2, offs_d, d_in, True, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, N_EVEN)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base,
+                               tl.maximum(start, npart), end, bi, hk, s_k, skb, sks, skh, svb, svs, svh,
+                               scale_log2, offs_d, d_in, False, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, True)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     if slot < 0:
-        o_ptr = O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
-        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_in[:, None] & d_in[None, :])
-        tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse, mask=m_in)
+        _store(O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :],
+               out.to(O.dtype.element_ty), m_in, d_in, M_EVEN, D_EVEN)
+        if M_EVEN:
+            tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse)
+        else:
+            tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse, mask=m_in)
     else:
         part = slot.to(tl.int64) * hq + h
         tl.store(PART_O + part * BLOCK_M * BLOCK_D + tl.arange(0, BLOCK_M)[:, None] * BLOCK_D + offs_d[None, :], out)
@@ -170,8 +262,8 @@ def fwd_kernel(
 @triton.jit
 def merge_kernel(
     O, LSE, PART_O, PART_LSE, AGG_ROW, AGG_SLOT, AGG_LEN,
-    s_q, n_qb, hq, head_dim, sob, sos, soh,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_q, n_qb, hq, sob, sos, soh,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Merge the partial outputs of one split query block (one program per row and head)."""
     agg = tl.program_id(0)
@@ -204,20 +296,61 @@ def merge_kernel(
     offs_m = qb * BLOCK_M + r
     m_in = offs_m < s_q
     o_ptr = O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :]
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_in[:, None] & (offs_d < head_dim)[None, :])
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=m_in[:, None] & (offs_d < HEAD_DIM)[None, :])
     tl.store(LSE + (bi * hq + h) * s_q + offs_m, lse, mask=m_in)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, km, kp, kd, n_in, Q, DO, LSE, DELTA, QM, QP, QD, Q_IDX, list_base, t0, t1,
+                bi, h, hq, s_q, sqb, sqs, sqh, sdob, sdos, sdoh, scale_log2, offs_d, d_in,
+                MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, D_EVEN: tl.constexpr, M_EVEN: tl.constexpr):
+    """dK, dV contributions of query head h over the listed query tiles t0..t1-1 of one key block,
+    in the transposed orientation: S^T = K Q^T [N, M]."""
+    for t in range(t0, t1):
+        qb = tl.load(Q_IDX + list_base + t)
+        offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_in = offs_m < s_q
+        q_t = _load_t(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[None, :] * sqs + offs_d[:, None],
+                      m_in, d_in, M_EVEN, D_EVEN)                                        # [D, M]
+        do = _load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :],
+                   m_in, d_in, M_EVEN, D_EVEN)                                           # [M, D]
+        lse = _load_vec(LSE + (bi * hq + h) * s_q + offs_m, m_in, M_EVEN, 0.0)
+        delta = _load_vec(DELTA + (bi * hq + h) * s_q + offs_m, m_in, M_EVEN, 0.0)
+        s_t = _dot(k, q_t, IEEE, UPCAST)                                                  # [N, M]
+        s_t = s_t * scale_log2
+        if MASKED:
+            # Rows with no allowed key have lse = -inf; every entry of theirs is masked,
+            # so any finite shift keeps p at exactly 0.
+            lse = tl.where(lse == float("-inf"), 0.0, lse)
+            qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
+            qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
+            if HAS_DOC:
+                qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
+            else:
+                qd = qp
+            ok = _allowed(qm[None, :], qp[None, :], qd[None, :], km[:, None], kp[:, None], kd[:, None], HAS_DOC)
+            ok = ok & m_in[None, :] & n_in[:, None]
+            s_t = tl.where(ok, s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - (lse * 1.4426950408889634)[None, :])                    # [N, M]
+        dv += _dot(p_t.to(do.dtype), do, IEEE, UPCAST)
+        dp_t = _dot(v, tl.trans(do), IEEE, UPCAST)                                       # [N, M]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), IEEE, UPCAST)
+    return dk, dv
 
 
 @triton.jit
 def bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA,
     QM, QP, QD, KM, KP, KD,
-    COLS, Q_IDX, Q_FULL, Q_CNT,
-    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
+    COLS, Q_IDX, Q_NPART, Q_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
     sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
 ):
     """dK, dV of one key block and one kv head, summed over its query heads and
     non-empty query blocks inside the program: no atomics, so deterministic."""
@@ -226,20 +359,20 @@ def bwd_dkdv_kernel(
     bi = (col // n_kb).to(tl.int64)
     kb = col % n_kb
     n_tiles = tl.load(Q_CNT + col)
+    npart = tl.load(Q_NPART + col)
 
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_in = offs_n < s_k
-    d_in = offs_d < head_dim
-    kv_mask = n_in[:, None] & d_in[None, :]
-    k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
-    kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+    d_in = offs_d < HEAD_DIM
+    k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :], n_in, d_in,
+              N_EVEN, D_EVEN)
+    v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :], n_in, d_in,
+              N_EVEN, D_EVEN)
+    km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
+    kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
     if HAS_DOC:
-        kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+        kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
     else:
         kd = kp
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -247,101 +380,41 @@ def bwd_dkdv_kernel(
     list_base = col.to(tl.int64) * n_qb
     for g in range(0, group):
         h = hk * group + g
-        for t in range(0, n_tiles):
-            qb = tl.load(Q_IDX + list_base + t)
-            full = tl.load(Q_FULL + list_base + t)
-            offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_in = offs_m < s_q
-            row_mask = m_in[:, None] & d_in[None, :]
-            q = tl.load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :],
-                        mask=row_mask, other=0.0)
-            do = tl.load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :],
-                         mask=row_mask, other=0.0)
-            lse = tl.load(LSE + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
-            # Rows with no allowed key have lse = -inf; every entry of theirs is masked,
-            # so any finite shift keeps p at exactly 0.
-            lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-            delta = tl.load(DELTA + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
-            s = _dot(q, tl.trans(k), IEEE, UPCAST)
-            s = s * scale_log2
-            if full == 0:
-                qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
-                qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
-                if HAS_DOC:
-                    qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
-                else:
-                    qd = qp
-                ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
-                ok = ok & m_in[:, None] & n_in[None, :]
-                s = tl.where(ok, s, float("-inf"))
-            p = tl.math.exp2(s - lse[:, None])                       # [M, N]
-            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-            dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-            ds = p * (dp - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, km, kp, kd, n_in, Q, DO, LSE, DELTA, QM, QP, QD, Q_IDX, list_base,
+                             0, npart, bi, h, hq, s_q, sqb, sqs, sqh, sdob, sdos, sdoh, scale_log2, offs_d, d_in,
+                             True, HAS_DOC, IEEE, UPCAST, BLOCK_M, D_EVEN, M_EVEN)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, km, kp, kd, n_in, Q, DO, LSE, DELTA, QM, QP, QD, Q_IDX, list_base,
+                             npart, n_tiles, bi, h, hq, s_q, sqb, sqs, sqh, sdob, sdos, sdoh, scale_log2, offs_d,
+                             d_in, False, HAS_DOC, IEEE, UPCAST, BLOCK_M, D_EVEN, True)
     dk = dk * scale
-    tl.store(DK + bi * sdkb + hk * sdkh + offs_n.to(tl.int64)[:, None] * sdks + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + bi * sdvb + hk * sdvh + offs_n.to(tl.int64)[:, None] * sdvs + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    _store(DK + bi * sdkb + hk * sdkh + offs_n.to(tl.int64)[:, None] * sdks + offs_d[None, :],
+           dk.to(DK.dtype.element_ty), n_in, d_in, N_EVEN, D_EVEN)
+    _store(DV + bi * sdvb + hk * sdvh + offs_n.to(tl.int64)[:, None] * sdvs + offs_d[None, :],
+           dv.to(DV.dtype.element_ty), n_in, d_in, N_EVEN, D_EVEN)
 
 
 @triton.jit
-def bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
-    QM, QP, QD, KM, KP, KD,
-    ROWS, KV_IDX, KV_FULL, KV_CNT,
-    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group, head_dim,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
-    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """dQ of one query block and one query head over its non-empty key blocks."""
-    row = tl.load(ROWS + tl.program_id(0))
-    h = tl.program_id(1)
-    hk = h // group
-    bi = (row // n_qb).to(tl.int64)
-    qb = row % n_qb
-    n_tiles = tl.load(KV_CNT + row)
-
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_in = offs_m < s_q
-    d_in = offs_d < head_dim
-    row_mask = m_in[:, None] & d_in[None, :]
-    q = tl.load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :],
-                mask=row_mask, other=0.0)
-    do = tl.load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :],
-                 mask=row_mask, other=0.0)
-    lse = tl.load(LSE + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
-    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
-    delta = tl.load(DELTA + (bi * hq + h) * s_q + offs_m, mask=m_in, other=0.0)
-    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
-    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
-    if HAS_DOC:
-        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
-    else:
-        qd = qp
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    list_base = row.to(tl.int64) * n_kb
-    for t in range(0, n_tiles):
+def _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, t0, t1,
+              bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
+              MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_N: tl.constexpr, D_EVEN: tl.constexpr, N_EVEN: tl.constexpr):
+    """dQ contributions of the listed key tiles t0..t1-1 of one query block."""
+    for t in range(t0, t1):
         kb = tl.load(KV_IDX + list_base + t)
-        full = tl.load(KV_FULL + list_base + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         n_in = offs_n < s_k
-        kv_mask = n_in[:, None] & d_in[None, :]
-        k = tl.load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
+                  n_in, d_in, N_EVEN, D_EVEN)
+        v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
+                  n_in, d_in, N_EVEN, D_EVEN)
         s = _dot(q, tl.trans(k), IEEE, UPCAST)
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         s = s * scale_log2
-        if full == 0:
-            km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
-            kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
+        if MASKED:
+            km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
+            kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
             if HAS_DOC:
-                kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
+                kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
             else:
                 kd = kp
             ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
@@ -350,6 +423,56 @@ def bwd_dq_kernel(
         p = tl.math.exp2(s - lse[:, None])
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    return dq
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    ROWS, KV_IDX, KV_NPART, KV_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+):
+    """dQ of one query block and one query head over its non-empty key blocks."""
+    row = tl.load(ROWS + tl.program_id(0))
+    h = tl.program_id(1)
+    hk = h // group
+    bi = (row // n_qb).to(tl.int64)
+    qb = row % n_qb
+    n_tiles = tl.load(KV_CNT + row)
+    npart = tl.load(KV_NPART + row)
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_in = offs_m < s_q
+    d_in = offs_d < HEAD_DIM
+    q = _load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :], m_in, d_in,
+              M_EVEN, D_EVEN)
+    do = _load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :], m_in, d_in,
+               M_EVEN, D_EVEN)
+    lse = _load_vec(LSE + (bi * hq + h) * s_q + offs_m, m_in, M_EVEN, 0.0)
+    # Rows with no allowed key have lse = -inf; every entry of theirs is masked (they have only
+    # partial tiles), so any finite shift keeps p at exactly 0.
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
+    delta = _load_vec(DELTA + (bi * hq + h) * s_q + offs_m, m_in, M_EVEN, 0.0)
+    qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
+    qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
+    if HAS_DOC:
+        qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
+    else:
+        qd = qp
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    list_base = row.to(tl.int64) * n_kb
+    dq = _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, 0, npart,
+                   bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
+                   True, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, N_EVEN)
+    dq = _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, npart, n_tiles,
+                   bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
+                   False, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, True)
     dq = dq * scale
-    tl.store(DQ + bi * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqs + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_mask)
+    _store(DQ + bi * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqs + offs_d[None, :],
+           dq.to(DQ.dtype.element_ty), m_in, d_in, M_EVEN, D_EVEN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,13 @@ class Runtime:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+
+def multiprocessor_count(device: torch.device) -> Optional[int]:
+    """The streaming multiprocessors of a CUDA device; None for any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cuda_available() -> bool:

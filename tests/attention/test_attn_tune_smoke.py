@@ -18,11 +18,11 @@ def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| (")]
-    assert len(rows) == len(tool.TINY_FORWARD) + len(tool.TINY_BACKWARD)
+    assert len(rows) == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)  # dK/dV and dQ apart
     for row in rows:
         cell = row.split("|")[2]
         assert "diff" in cell and "WRONG" not in cell and float(cell.split()[0]) > 0, row
-    assert out.count("fastest ") == 2 and "\nKernelConfig(block_m=" in out
+    assert out.count("fastest ") == 3 and "\nKernelConfig(block_m=" in out and "dq_num_stages=" in out
 
 
 def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
@@ -30,7 +30,7 @@ def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
     monkeypatch.setattr(tool, "TOLERANCE", -1.0)  # every candidate, the reference included, now "differs"
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
-    assert out.count("WRONG") == len(tool.TINY_FORWARD) + len(tool.TINY_BACKWARD)
+    assert out.count("WRONG") == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)
     assert "fastest" not in out and "KernelConfig(" not in out
 
 
@@ -44,8 +44,12 @@ def test_backward_kernels_take_their_own_launch_settings():
     tuned = KernelConfig().resolve(128)
     assert (tuned.num_warps, tuned.num_stages, tuned.bwd_num_warps, tuned.bwd_num_stages) == (8, 3, 4, 2)
     assert _launch_opts(tuned, False) == {"num_warps": 8, "num_stages": 3}
-    assert _launch_opts(tuned, False, backward=True) == {"num_warps": 4, "num_stages": 2}
-    assert _launch_opts(tuned, True, backward=True) == {}  # the interpreter takes none
+    assert _launch_opts(tuned, False, "dkdv") == {"num_warps": 4, "num_stages": 2}
+    assert _launch_opts(tuned, False, "dq") == {"num_warps": 4, "num_stages": 2}  # the dK/dV kernel's by default
+    assert _launch_opts(tuned, True, "dkdv") == {}  # the interpreter takes none
+    own = KernelConfig(dq_block_m=32, dq_num_warps=8, dq_num_stages=3).resolve(128)
+    assert _launch_opts(own, False, "dq") == {"num_warps": 8, "num_stages": 3}
+    assert (own.dq_block_m, own.dq_block_n, own.bwd_block_m) == (32, own.bwd_block_n, 64)
     # Untuned widths keep their settings; the backward follows the forward's there.
     small, big = KernelConfig().resolve(64), KernelConfig().resolve(256)
     assert (small.num_warps, small.num_stages, small.bwd_num_warps, small.bwd_num_stages) == (4, 2, 4, 2)

@@ -1,0 +1,124 @@
+"""The kernels' compile-time specialisation and launch choices (interpreted on CPU).
+
+* Full and partial tiles run in two loops specialised at compile time; the plan lists each row's
+  partial tiles first. Telling the kernels a partial tile is full (no mask) changes the result,
+  so the two loops are really taken apart.
+* Shapes that divide the tiles (no bounds masks: M_EVEN, N_EVEN, D_EVEN) match the reference,
+  alone and with split rows whose items straddle the partial/full boundary.
+* The dK/dV and dQ kernels each run with their own tiles and plan.
+* The forward splits rows only where it launches too few programs to fill the GPU.
+"""
+
+import pytest
+import torch
+from attn_scenarios import qkv, scenario
+from test_attn_kernel import FP32, assert_match, run_both
+
+from mimo.attention import (
+    CAUSAL, TEXT, KernelConfig, bitfield_attention, cache_stats, clear_block_cache, reference_attention,
+)
+from mimo.attention.block_plan import FULL, PARTIAL, get_plan
+from mimo.attention.config import AUTO_SPLIT_TILES
+from mimo.attention.inputs import check_inputs
+from mimo.attention.kernel_loader import kernels
+
+
+def _even_layout():
+    """s = 64 (four 16-row tiles): causal text with a bidirectional image filling tokens 16-31, two
+    packed documents in the second sample. Full tiles below the diagonal and on the image, partial
+    ones on the diagonal and across the document boundary."""
+    from attn_scenarios import IMG, PAD, PLACEHOLDERS, _ids
+
+    from mimo.attention import build_bitfield_mask
+
+    ids = _ids(2, 64, 7)
+    ids[:, 16:32] = IMG
+    docs = torch.zeros(2, 64, dtype=torch.int64)
+    docs[1, 40:] = 1
+    return build_bitfield_mask(ids, PLACEHOLDERS, pad_id=PAD), docs
+
+
+@pytest.mark.parametrize("split", [0, 1, 3])
+def test_even_shapes_and_full_tiles_match_the_reference(split):
+    mask, docs = _even_layout()
+    b, s = mask.shape
+    inputs = qkv(b, s, hq=4, hkv=2, d=32)  # head_dim equals BLOCK_D: no head-dim mask
+    cfg = KernelConfig(16, 16, 16, 16, split_tiles=split)
+    x = torch.zeros(b, s, 1, 32)
+    plan = get_plan(check_inputs(x, x, x, mask, mask, q_document_ids=docs, k_document_ids=docs),
+                    (mask, mask, None, None, docs, docs), 16, 16, split, kernels(interpret=True))
+    counts = plan.counts()
+    assert counts["full"] > 0 and counts["partial"] > 0 and s % 16 == 0
+    results = run_both(lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
+                       lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
+    assert_match(results, **FP32)
+
+
+def test_each_row_lists_its_partial_tiles_before_its_full_ones():
+    mask, docs = _even_layout()
+    x = torch.zeros(*mask.shape, 1, 16)
+    plan = get_plan(check_inputs(x, x, x, mask, mask, q_document_ids=docs, k_document_ids=docs),
+                    (mask, mask, None, None, docs, docs), 16, 16, 0, kernels(interpret=True))
+    b, n_qb, n_kb = plan.status.shape
+    for lists, status in ((plan.rows, plan.status.reshape(b * n_qb, n_kb)),
+                          (plan.cols, plan.status.transpose(1, 2).reshape(b * n_kb, n_qb))):
+        for r in range(status.shape[0]):
+            listed = lists.idx[r, :lists.cnt[r]].tolist()
+            npart = int(lists.npart[r])
+            partial = sorted(torch.nonzero(status[r] == PARTIAL).flatten().tolist())
+            full = sorted(torch.nonzero(status[r] == FULL).flatten().tolist())
+            assert listed == partial + full and npart == len(partial)
+
+
+def test_a_partial_tile_run_as_full_is_caught():
+    clear_block_cache()
+    mask, docs = _even_layout()
+    inputs = [t.detach() for t in qkv(*mask.shape, 2, 2, 16)]
+    cfg = KernelConfig(16, 16, 16, 16, split_tiles=0)
+    good = bitfield_attention(*inputs, mask, docs, kernel_config=cfg)
+    torch.testing.assert_close(good, reference_attention(*inputs, mask, docs), **FP32)
+    x = torch.zeros(*mask.shape, 1, 16)
+    plan = get_plan(check_inputs(x, x, x, mask, mask, q_document_ids=docs, k_document_ids=docs),
+                    (mask, mask, None, None, docs, docs), 16, 16, 0, kernels(interpret=True))
+    plan.rows.npart.zero_()  # every listed tile now runs through the unmasked (full) loop
+    bad = bitfield_attention(*inputs, mask, docs, kernel_config=cfg)
+    clear_block_cache()
+    assert not torch.allclose(bad, good, atol=1e-3)
+
+
+def test_dkdv_and_dq_kernels_take_their_own_tiles():
+    clear_block_cache()
+    mask, docs = scenario("embedded_image_audio")  # s = 70: no tile size divides it
+    b, s = mask.shape
+    inputs = qkv(b, s, 4, 2, 24)
+    cfg = KernelConfig(block_m=16, block_n=16, bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16,
+                       split_tiles=2)
+    before = cache_stats()["misses"]
+    results = run_both(lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
+                       lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
+    assert_match(results, **FP32)
+    assert cache_stats()["misses"] - before == 3  # forward, dK/dV and dQ plans: three tile shapes
+    clear_block_cache()
+
+
+def test_forward_splits_rows_only_where_the_gpu_is_not_filled():
+    auto = KernelConfig().resolve(128)
+    assert auto.split_tiles is None
+    assert auto.split_for(programs=100, multiprocessors=132) == AUTO_SPLIT_TILES   # under one wave
+    assert auto.split_for(programs=263, multiprocessors=132) == AUTO_SPLIT_TILES
+    assert auto.split_for(programs=264, multiprocessors=132) == 0                  # two waves: enough
+    assert auto.split_for(programs=10, multiprocessors=None) == 0                  # not a GPU
+    fixed = KernelConfig(split_tiles=3).resolve(128)
+    assert fixed.split_for(10_000, 132) == 3 and fixed.split_for(1, None) == 3
+
+
+def test_rows_without_keys_still_zero_under_the_specialised_loops():
+    b, s = 1, 48
+    mask = torch.full((b, s), CAUSAL | TEXT, dtype=torch.int64)
+    mask[0, 16:32] = 0  # a whole padding block
+    inputs = qkv(b, s, 2, 1, 16)
+    cfg = KernelConfig(16, 16, 16, 16, split_tiles=1)
+    results = run_both(lambda q, k, v: bitfield_attention(q, k, v, mask, kernel_config=cfg),
+                       lambda q, k, v: reference_attention(q, k, v, mask), inputs)
+    assert_match(results, **FP32)
+    assert torch.all(results[0][0][0, 16:32] == 0)
