@@ -149,6 +149,32 @@ def _load_vec(ptr, rows_in, ROWS_EVEN: tl.constexpr, other):
 
 
 @triton.jit
+def _key_tile(q, qm, qp, qd, m_in, K, V, KM, KP, KD, kb, bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2,
+              offs_d, d_in, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_N: tl.constexpr, D_EVEN: tl.constexpr, N_EVEN: tl.constexpr):
+    """Key block kb of head hk against one query block: its K and V tiles and the scores in base 2,
+    -inf where the mask forbids a pair (partial tiles only: a full tile allows every pair)."""
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = offs_n < s_k
+    k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :], n_in, d_in,
+              N_EVEN, D_EVEN)
+    v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :], n_in, d_in,
+              N_EVEN, D_EVEN)
+    s = _dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
+    if MASKED:
+        km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
+        kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
+        if HAS_DOC:
+            kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
+        else:
+            kd = kp
+        ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+        ok = ok & m_in[:, None] & n_in[None, :]
+        s = tl.where(ok, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, t0, t1,
                bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
                MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -156,31 +182,14 @@ def _fwd_tiles(acc, m_i, l_i, q, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, lis
     """Online softmax over the listed key tiles t0..t1-1 of one query block (all partial, or all full)."""
     for t in range(t0, t1):
         kb = tl.load(KV_IDX + list_base + t)
-        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_in = offs_n < s_k
-        k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
-                  n_in, d_in, N_EVEN, D_EVEN)
-        v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
-                  n_in, d_in, N_EVEN, D_EVEN)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST)
-        s = s * scale_log2
+        k, v, s = _key_tile(q, qm, qp, qd, m_in, K, V, KM, KP, KD, kb, bi, hk, s_k, skb, sks, skh, svb, svs, svh,
+                            scale_log2, offs_d, d_in, MASKED, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, N_EVEN)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         if MASKED:
-            km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            if HAS_DOC:
-                kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            else:
-                kd = kp
-            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
-            ok = ok & m_in[:, None] & n_in[None, :]
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # Rows that have seen no allowed key yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            # A full tile gives every row an allowed key: m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_shift = m_new
+            m_shift = m_new  # a full tile gives every row an allowed key: m_new is finite
         p = tl.math.exp2(s - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -401,25 +410,9 @@ def _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX,
     """dQ contributions of the listed key tiles t0..t1-1 of one query block."""
     for t in range(t0, t1):
         kb = tl.load(KV_IDX + list_base + t)
-        offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_in = offs_n < s_k
-        k = _load(K + bi * skb + hk * skh + offs_n.to(tl.int64)[:, None] * sks + offs_d[None, :],
-                  n_in, d_in, N_EVEN, D_EVEN)
-        v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :],
-                  n_in, d_in, N_EVEN, D_EVEN)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST)
+        k, v, s = _key_tile(q, qm, qp, qd, m_in, K, V, KM, KP, KD, kb, bi, hk, s_k, skb, sks, skh, svb, svs, svh,
+                            scale_log2, offs_d, d_in, MASKED, HAS_DOC, IEEE, UPCAST, BLOCK_N, D_EVEN, N_EVEN)
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-        s = s * scale_log2
-        if MASKED:
-            km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            if HAS_DOC:
-                kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
-            else:
-                kd = kp
-            ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
-            ok = ok & m_in[:, None] & n_in[None, :]
-            s = tl.where(ok, s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
