@@ -37,6 +37,7 @@ def test_fake_cuda_runtime_turns_on_the_jit_fusions():
     support = fusion_support(fake)
     assert support.jit
     assert support.rope == fusions._te_rope_available()
+    assert support.fused_adam  # torch's fused Adam step on every CUDA runtime
 
 
 def test_cuda_without_te():

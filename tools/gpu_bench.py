@@ -32,7 +32,7 @@ emitted with `"skipped"`, so the whole command stays under about 7 minutes on an
   samples; the megatron run gets them pre-built on the device, an ideal data loader); default
   global batch 16, micro batch 4, 8 steps of which 3 warm up (megatron runs first, then mimo; the
   TransformerConfig is mimo.model.transformer_config's, so mimo's CUDA fusion settings apply to
-  both). The CPU smoke run uses 2 steps of a 2-layer model in fp32; its losses agree. `step_ms`
+  both, and both take torch's fused Adam step on CUDA). The CPU smoke run uses 2 steps of a 2-layer model in fp32; its losses agree. `step_ms`
   is the median of the timed steps after the warm-up ones; MFU = model FLOPs of the step
   (mimo.training.flops) / step time / the device's dense bf16 peak (mimo.training.flops.PEAK_TFLOPS).
   `ratio_mimo_over_megatron` rides on the megatron row.
@@ -370,10 +370,10 @@ def build_megatron(cfg, runtime):
     from mimo.model.norm import block_spec
     from mimo.model.specs import llm_layer_spec
     from mimo.model.transformer_config import dtype_of, transformer_config
-    from mimo.runtime import megatron_scope, optimizer_scope
+    from mimo.runtime import fusion_support, megatron_scope, optimizer_scope
     from mimo.topology import Layout
     from mimo.training import module_seed
-    from mimo.training.optimizer import lr_scheduler
+    from mimo.training.optimizer import lr_scheduler, use_fused_adam
 
     if not parallel_state.model_parallel_is_initialized():
         # megatron's own parallel state at world size 1 (mimo never initialises it; its global memory
@@ -403,6 +403,9 @@ def build_megatron(cfg, runtime):
     with optimizer_scope(runtime):
         ddp = DistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
         optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=pgs, use_gloo_process_groups=False)
+    if fusion_support(runtime).fused_adam:  # the optimizer step mimo takes on this runtime, for both
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            use_fused_adam(inner)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync

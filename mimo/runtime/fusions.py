@@ -14,6 +14,9 @@ all-off until one is activated and on CPU ranks, so CPU runs stay exact and unch
   apex on the machines this was built and measured on).
 * masked-softmax fusion: apex's `scaled_masked_softmax_cuda` — only where it is importable (mimo's
   own core attention, SDPA or bitfield, does not read it).
+* fused Adam / AdamW: torch's single-kernel optimizer step (`fused=True`) for the torch optimizer
+  megatron-core builds when neither Transformer Engine nor apex is installed — on every CUDA runtime
+  (`mimo.training.optimizer.use_fused_adam`). With TE or apex megatron already uses their fused Adam.
 * grouped GEMM for routed experts (`model.language.moe_grouped_gemm: auto`): torch's
   `_grouped_mm` — on CUDA devices of compute capability 9.0 or newer (Hopper, Blackwell), where
   torch ships its grouped kernel.
@@ -35,13 +38,14 @@ from .device import Runtime
 class FusionSupport:
     """What a runtime can fuse: `jit` megatron's jit_fuser kernels (CUDA), `rope` TE's fused RoPE,
     `grad_accum` the fused weight-gradient accumulation, `masked_softmax` apex's softmax kernels,
-    `grouped_gemm` torch's grouped GEMM for routed experts."""
+    `grouped_gemm` torch's grouped GEMM for routed experts, `fused_adam` torch's fused Adam step."""
 
     jit: bool = False
     rope: bool = False
     grad_accum: bool = False
     masked_softmax: bool = False
     grouped_gemm: bool = False
+    fused_adam: bool = False
 
 
 NONE = FusionSupport()
@@ -72,7 +76,7 @@ def fusion_support(runtime: Runtime) -> FusionSupport:
     return FusionSupport(jit=True, rope=_te_rope_available(),
                          grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
                          masked_softmax=_importable("scaled_masked_softmax_cuda"),
-                         grouped_gemm=_grouped_gemm_available(runtime))
+                         grouped_gemm=_grouped_gemm_available(runtime), fused_adam=True)
 
 
 def _grouped_gemm_available(runtime: Runtime) -> bool:

@@ -41,7 +41,7 @@ from megatron.core.utils import local_multi_tensor_l2_norm
 
 from mimo.config import LANGUAGE, MimoConfig, TrainingConfig
 from mimo.model.transformer_config import dtype_of
-from mimo.runtime import Runtime, optimizer_scope
+from mimo.runtime import Runtime, fusion_support, optimizer_scope
 from mimo.topology import Topology
 
 
@@ -92,6 +92,20 @@ def _module_param_groups():
         yield
     finally:
         dist.all_gather_object = gather
+
+
+def use_fused_adam(opt) -> bool:
+    """Switch a megatron optimizer's inner torch Adam / AdamW (what megatron-core builds without
+    Transformer Engine or apex) to torch's fused step: one kernel per dtype and device for the
+    whole update instead of the multi-tensor (foreach) one's several. The same arithmetic, to fp32
+    rounding. Before the first step only (the step counters it creates then live on the device).
+    Returns whether it switched."""
+    inner = getattr(opt, "optimizer", None)
+    if not isinstance(inner, torch.optim.Adam) or any(inner.state.values()):
+        return False
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = True, False
+    return True
 
 
 def counted(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -267,6 +281,9 @@ class ModelOptimizer:
                 grid = topo.grid(name)
                 self.norm_views[name] = norm_views(self.ddp[name], grid.coords["tp"],
                                                    grid.expert_coords["etp"] if experts else 0)
+        if fusion_support(runtime).fused_adam:
+            for opt in list(self.optimizers.values()) + list(self.expert_optimizers.values()):
+                use_fused_adam(opt)
         # One schedule drives every module's param groups.
         self.scheduler = lr_scheduler(ChainedOptimizer(list(self.optimizers.values())
                                                        + list(self.expert_optimizers.values())), tr)
@@ -461,7 +478,9 @@ class ModelOptimizer:
             if "master" in state:
                 key.data.copy_(state.pop("master"))
             if "step" in full:
-                state["step"] = full["step"].reshape(()).to(torch.float32)
+                # torch keeps Adam's step on the host, but on the parameter's device for its fused step.
+                fused = any(g.get("fused") or g.get("capturable") for g in opt.optimizer.param_groups)
+                state["step"] = full["step"].reshape(()).to(key.device if fused else "cpu", torch.float32)
             if state:
                 opt.optimizer.state[key] = state
             if "step" in full:
