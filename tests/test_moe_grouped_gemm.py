@@ -97,10 +97,13 @@ def test_auto_picks_grouped_experts_only_where_the_runtime_has_the_kernel(monkey
     cfg = load_config(moe())
     lang = cfg.model.language
     config = type("Config", (), dict(hidden_size=32, moe_ffn_hidden_size=16, expert_tensor_parallel_size=1,
-                                     add_bias_linear=False, fp8=None, fp4=None))()
+                                     add_bias_linear=False, fp8=None, fp4=None, bf16=True))()
     assert lang.moe_grouped_gemm == "auto" and not specs.grouped_experts(lang, config)  # CPU: no kernel
     monkeypatch.setattr(specs, "active_fusions", lambda: FusionSupport(jit=True, grouped_gemm=True))
     assert specs.grouped_experts(lang, config)
+    config.bf16 = False  # fp32 weights: torch's GPU kernel takes bf16 only
+    assert not specs.grouped_experts(lang, config)
+    config.bf16 = True
     config.moe_ffn_hidden_size = 12  # not a multiple of 8: auto falls back to one GEMM per expert
     assert not specs.grouped_experts(lang, config)
     lang.moe_grouped_gemm = False

@@ -79,12 +79,13 @@ def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
 def grouped_experts(lang, config) -> bool:
     """Whether an MoE LLM's routed experts run as `GroupedExperts` (docs/moe.md): with
     `moe_grouped_gemm: true` always (the config check vouched for the shapes), with `auto` where this
-    process's runtime has torch's grouped GEMM and the shapes allow it."""
+    process's runtime has torch's grouped GEMM, the weights are bf16 (the dtype its GPU kernel takes)
+    and the shapes allow it."""
     if lang.moe_grouped_gemm != "auto":
         return lang.moe_grouped_gemm is True
     fits = grouped_gemm_problem(config.hidden_size, config.moe_ffn_hidden_size,
                                 config.expert_tensor_parallel_size, config.add_bias_linear) is None
-    return active_fusions().grouped_gemm and fits and not (config.fp8 or config.fp4)
+    return active_fusions().grouped_gemm and fits and bool(config.bf16) and not (config.fp8 or config.fp4)
 
 
 def llm_block_layer_specs(lang, first_layer: int, count: int, config) -> List[ModuleSpec]:
