@@ -44,6 +44,16 @@ def test_grouped_linear_equals_one_gemm_per_expert(shift):
     assert same == (shift == 0)
 
 
+def test_grouped_linear_on_a_rank_without_tokens():
+    x = torch.zeros(0, 16, requires_grad=True)
+    weights = [torch.randn(24, 16).requires_grad_() for _ in range(3)]
+    ends = torch.zeros(3, dtype=torch.int32)
+    y = _GroupedLinear.apply(x, ends, *weights)
+    assert y.shape == (0, 24)
+    grads = torch.autograd.grad(y.sum() + sum(w.sum() * 0 for w in weights), [x] + weights)
+    assert grads[0].shape == (0, 16) and all(torch.equal(g, torch.zeros_like(g)) for g in grads[1:])
+
+
 def _train_recording_experts(raw, steps):
     """`_train`, plus the experts' class and how many grouped GEMMs ran."""
     calls = []

@@ -29,15 +29,22 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, ends, *weights)
+        if x.shape[0] == 0:  # a rank that received no token (torch's kernel refuses empty operands)
+            return x.new_zeros(0, weights[0].shape[0])
         return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, ends, *weights = ctx.saved_tensors
+        if x.shape[0] == 0:
+            return (torch.zeros_like(x), None, *(torch.zeros_like(w) for w in weights))
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, torch.stack(weights), offs=ends)
-        # dW_e = dy_e^T x_e: the grouped GEMM with the groups along the reduced (row) dimension.
+        # dW_e = dy_e^T x_e: the grouped GEMM with the groups along the reduced (row) dimension. An
+        # expert without rows gets exactly zero (some GPU kernels leave its block unwritten).
         dw = torch._grouped_mm(dy.t(), x, offs=ends)
+        has_rows = torch.diff(ends, prepend=ends.new_zeros(1)) > 0
+        dw = dw * has_rows.to(dw.dtype)[:, None, None]
         return (dx, None, *dw.unbind(0))
 
 
@@ -48,7 +55,8 @@ def _ends(tokens_per_expert: torch.Tensor, device) -> torch.Tensor:
 class GroupedExperts(SequentialMLP):
     """megatron-core's SequentialMLP (same submodules and parameters) with grouped-GEMM forward.
     Built only for experts without biases (the config check refuses `moe_grouped_gemm: true` with
-    `add_bias_linear`) and without FP8/FP4."""
+    `add_bias_linear`), without FP8/FP4, and with the routing probabilities applied after the
+    activation (mimo never sets megatron's `moe_apply_probs_on_input`)."""
 
     def _weights(self, layer: str) -> List[torch.Tensor]:
         return [getattr(e, layer).weight for e in self.local_experts]
@@ -56,9 +64,6 @@ class GroupedExperts(SequentialMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x, probs = permuted_local_hidden_states, permuted_probs
-        if self.config.moe_apply_probs_on_input:  # megatron's top-1 option: scale the input instead
-            x = (probs.unsqueeze(-1) * x).to(x.dtype)
-            probs = torch.ones_like(probs)
         ends = _ends(tokens_per_expert, x.device)
         h = _GroupedLinear.apply(x, ends, *self._weights("linear_fc1"))
         if self.config.gated_linear_unit:  # as megatron's MLP (unfused path) computes it
