@@ -34,8 +34,11 @@ setup(
     ],
     extras_require={
         # The metrics tests write TensorBoard events and draw timelines; transformers builds the
-        # tiny reference models of the HF tests and reloads exports.
-        "test": ["pytest==9.0.3", "tensorboard==2.21.0", "matplotlib==3.11.2", "transformers==5.23.0"],
+        # tiny reference models of the HF tests and reloads exports; pytest-xdist runs two test
+        # files at a time (scripts/test.sh): a multi-rank test leaves cores idle while ranks start
+        # and wait on each other.
+        "test": ["pytest==9.0.3", "pytest-xdist==3.8.0", "tensorboard==2.21.0", "matplotlib==3.11.2",
+                 "transformers==5.23.0"],
         # training.tensorboard_dir, training.wandb_project, tools/timeline.py
         "metrics": ["tensorboard==2.21.0", "wandb==0.23.1", "matplotlib==3.11.2"],
         "hf": ["transformers==5.23.0"],
