@@ -27,6 +27,20 @@ _LONGEST_FIRST = [
     "test_checkpoint_safe_load.py", # ~35 s
     "test_moe.py",                  # ~35 s
     "test_llava_data.py",           # ~35 s
+    "test_cp_behind_boundary.py",   # ~30 s
+    "test_data_per_rank.py",        # ~30 s
+    "test_pretrain_cli.py",         # ~30 s
+    "test_checkpoint_writer_helper.py",  # ~25 s
+    "test_native_items.py",         # ~20 s
+    "test_memory_knobs.py",         # ~20 s
+    "test_moe_distopt.py",          # ~20 s
+    "test_moe_checkpoint.py",       # ~20 s
+    "test_optimizer.py",            # ~20 s
+    "test_planner_profile.py",      # ~20 s
+    "test_moe_hf.py",               # ~20 s
+    "test_attn_megatron.py",        # ~17 s
+    "test_training_parity.py",      # ~15 s
+    "test_cp_model.py",             # ~15 s
 ]
 
 

@@ -41,6 +41,20 @@ def _rank_pid(launcher: int, rank: int):
     return None
 
 
+def _children(pid):
+    if pid is None:
+        return []
+    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
 def _final(d, out):
     """The last checkpoint's full weights, through the convert command (one process)."""
     subprocess.run([sys.executable, "-m", "mimo.checkpoint", "convert", d, "--to-torch", out], check=True,
@@ -78,21 +92,26 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
         if 2 <= step < STEPS:  # mid-run, after a checkpoint: kill rank 1 the hard way
             pid = _rank_pid(p.pid, 1)
             if pid:
-                # Its helper processes (megatron-core's writer queue manager, the resource tracker)
-                # are not killed with it: stop them at the end so the test leaves no orphans.
-                helpers = [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                                          text=True).stdout.split()]
+                # The helper processes of both ranks (megatron-core's writer queue manager, the
+                # resource tracker): rank 1 is killed, rank 0 stopped by torchrun, and neither
+                # may leave its helpers running (mimo/checkpoint/writer_helper.py).
+                helpers = _children(pid) + _children(_rank_pid(p.pid, 0))
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         time.sleep(0.05)
     assert p.wait(timeout=600) == 0, open(run_out).read()[-3000:]
-    for helper in helpers if killed else []:
-        try:
-            os.kill(helper, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     out = open(run_out).read()
     assert killed, out[-3000:]
+    deadline = time.time() + 30
+    while any(map(_alive, helpers)) and time.time() < deadline:
+        time.sleep(0.2)
+    survivors = [h for h in helpers if _alive(h)]
+    for h in survivors:  # leave no orphans, then fail
+        try:
+            os.kill(h, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert helpers and not survivors, (helpers, survivors)
     assert "resumed from" in out
     assert _losses(log) == _losses(ref_log)
     got, ref = _final(d, str(tmp_path / "run.pt")), _final(ref_dir, str(tmp_path / "ref.pt"))

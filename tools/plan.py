@@ -4,6 +4,7 @@
     python tools/plan.py --config MODEL.yaml --gpus N [--gpu h100] [--samples S.json] [--json] [--top K] [--out FILE]
     python tools/plan.py --config FILE.yaml --evaluate [--homogeneous] [--gpu h100] [--samples S.json] [--json]
     ... --profile gpu_profile.json [--no-calibrate]   # measured rates from tools/gpu_bench.py instead of --gpu's
+    ... --evaluate --measured steps.jsonl [--warmup 3]  # next to a measured run of this config (--log-json)
 
 Search: prints the best candidate layouts (homogeneous, colocated,
 non-colocated; SP and recompute chosen per module), then a complete config
@@ -32,7 +33,7 @@ from mimo.planner.emit import to_yaml  # noqa: E402
 from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
 from mimo.planner.megatron import RECOMPUTE, Par  # noqa: E402
-from mimo.planner.profile import load_profile, profile_gpu  # noqa: E402
+from mimo.planner.profile import agreement, load_profile, measured_run, profile_gpu  # noqa: E402
 from mimo.planner.spec import MAX_SIZE  # noqa: E402
 
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
@@ -153,6 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--samples", help="JSON list of [text_tokens, images, audio_clips] per sample")
     p.add_argument("--evaluate", action="store_true", help="cost the config's own layout")
     p.add_argument("--homogeneous", action="store_true", help="with --evaluate: Megatron's homogeneous baseline")
+    p.add_argument("--measured", help="with --evaluate: the --log-json file of a run of this config; its median "
+                                      "step time is set next to the prediction")
+    p.add_argument("--warmup", type=int, default=3, help="with --measured: first steps left out (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--top", type=int, default=5, help="candidates to list / emit in JSON")
     p.add_argument("--out", help="write the best config here (search)")
@@ -164,6 +168,10 @@ def main(argv=None) -> int:
             raise ValueError("--top: must be >= 1")
         if args.homogeneous and not args.evaluate:
             raise ValueError("--homogeneous: only with --evaluate")
+        if args.measured is not None and not args.evaluate:
+            raise ValueError("--measured: only with --evaluate")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
         if args.out is not None and args.evaluate:
             raise ValueError("--out: only with a search (--evaluate costs the config as it is)")
         if not args.evaluate and args.gpus is None:
@@ -203,11 +211,20 @@ def main(argv=None) -> int:
             out = {"placement": est.placement, "gpus": est.gpus, "step_time_s": round(est.step_time, 6),
                    "peak_memory_gb": round(est.peak_memory / GB, 3), "tokens_per_s": round(est.tokens_per_s, 1),
                    "modules": {n: {"peak_memory_gb": round(est.modules[n] / GB, 3)} for n in order}}
+            if args.measured is not None:
+                run = measured_run(args.measured, args.warmup)
+                out.update(measured_step_time_s=round(run["step_time_s"], 6), measured_steps=run["steps"],
+                           measured_mfu=run["mfu"], **agreement(est.step_time, run["step_time_s"]))
             if args.json:
                 print(json.dumps(out))
             else:
                 print(f"{est.placement} on {est.gpus} x {args.gpu}: step {est.step_time:.3f} s, "
                       f"{est.tokens_per_s:,.0f} tokens/s, peak {est.peak_memory / GB:.1f} GB per GPU")
+                if args.measured is not None:
+                    mfu = "" if run["mfu"] is None else f", MFU {100 * run['mfu']:.1f}%"
+                    print(f"measured: step {out['measured_step_time_s']:.3f} s{mfu} (median of {run['steps']} steps "
+                          f"after {args.warmup} warm-up); predicted / measured {out['ratio']:.3f}"
+                          f"{'' if out['within_15_percent'] else ' (more than 15% apart)'}")
             limit = searcher.limit
             if est.peak_memory > limit:
                 # Costed all the same (a layout may be compared with one that

@@ -28,6 +28,7 @@ from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimi
 from .paths import CheckpointError, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
 from .shards import assign_weights, param_shards, weights_request, weights_state
+from .writer_helper import install as install_writer_helper
 
 FORMAT = 1
 
@@ -147,6 +148,7 @@ class Checkpointer:
         state = {META: meta, "weights": weights_state(self.shards),
                  "optimizer": optimizer_state(self.trainer, self.shards)}
         rng = capture()  # now: an async save publishes after later steps have drawn numbers
+        install_writer_helper()  # before megatron-core starts a helper that would outlive a killed rank
         request = _host_staging(dist_checkpointing.save(state, tmp, async_sharded_save=True))
         request.add_finalize_fn(lambda: self._publish(steps_done, rng))
         if tr.async_save:

@@ -165,3 +165,75 @@ def test_bad_profile_is_one_error_line(tmp_path, content, message):
 def test_missing_profile_file():
     with pytest.raises(ValueError, match="cannot read"):
         load_profile("/nonexistent/profile.json")
+
+
+# ---- --evaluate --measured: the prediction next to a logged run of the same config -----------------
+
+DEMO = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
+ONE_RANK = ["parallelism.language.dp=1", "parallelism.images.dp=1", "training.global_batch_size=2",
+            "training.micro_batch_size=1"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """examples/pretrain_mimo.py on one CPU rank, 5 steps, its --log-json file, and the config it ran."""
+    tmp = tmp_path_factory.mktemp("measured")
+    log, config = tmp / "steps.jsonl", tmp / "demo_1rank.yaml"
+    raw = yaml.safe_load(open(DEMO))
+    for s in ONE_RANK:
+        key, value = s.split("=")
+        section, *rest = key.split(".")
+        node = raw[section]
+        for k in rest[:-1]:
+            node = node[k]
+        node[rest[-1]] = int(value)
+    config.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                        os.path.join(ROOT, "examples", "pretrain_mimo.py"), "--config", str(config), "--device", "cpu",
+                        "--set", "training.train_iters=5", "--log-json", str(log)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return str(config), str(log)
+
+
+def test_evaluate_sets_the_measured_median_next_to_the_prediction(demo_run):
+    config, log = demo_run
+    times = {row["step"]: row["step_time_s"] for row in map(json.loads, open(log))}
+    assert sorted(times) == [1, 2, 3, 4, 5]
+    r = _plan("--config", config, "--evaluate", "--gpu", "cpu", "--json", "--measured", log, "--warmup", "2")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    median = sorted(times[s] for s in (3, 4, 5))[1]
+    assert out["measured_steps"] == 3 and out["measured_step_time_s"] == pytest.approx(median, abs=1e-6)
+    assert out["ratio"] == pytest.approx(out["step_time_s"] / median, rel=1e-3)
+    assert out["within_15_percent"] == (abs(out["ratio"] - 1) <= 0.15)
+    assert out["measured_mfu"] is None  # a CPU run knows no peak
+    text = _plan("--config", config, "--evaluate", "--gpu", "cpu", "--measured", log)
+    assert text.returncode == 0 and "measured: step" in text.stdout and "median of 2 steps after 3 warm-up" in text.stdout
+
+
+def test_a_resumed_step_counts_with_its_last_row(tmp_path):
+    from mimo.planner.profile import measured_run
+
+    log = tmp_path / "steps.jsonl"
+    rows = [(1, 9.0), (2, 1.0), (3, 2.0), (3, 4.0), (4, 5.0)]  # step 3 trained twice: the resumed run's time
+    log.write_text("".join(json.dumps({"step": s, "step_time_s": t, "mfu": t / 10}) + "\n" for s, t in rows))
+    assert measured_run(str(log), 1) == {"step_time_s": 4.0, "steps": 3, "mfu": 0.4}
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ("{}\n", [], "steps.jsonl:1: not a step row of --log-json"),
+    ('{"step": 1, "step_time_s": -1}\n', [], "steps.jsonl:1: step 1 with step_time_s -1.0"),
+    ('{"step": 1, "step_time_s": 0.5}\n', [], "1 steps logged, none after the 3 warm-up steps (--warmup)"),
+    ('{"step": 1, "step_time_s": 0.5}\n', ["--warmup", "-1"], "--warmup: expected a non-negative integer, got -1"),
+])
+def test_a_bad_measured_file_is_one_error_line(tmp_path, content, args, message):
+    log = tmp_path / "steps.jsonl"
+    log.write_text(content)
+    r = _plan("--config", DEMO, "--evaluate", "--gpu", "cpu", "--measured", str(log), *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_measured_needs_evaluate(tmp_path):
+    r = _plan("--config", DEMO, "--gpus", "2", "--gpu", "cpu", "--measured", str(tmp_path / "x.jsonl"))
+    assert r.returncode == 2 and r.stderr == "error: --measured: only with --evaluate\n"
