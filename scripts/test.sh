@@ -2,9 +2,10 @@
 # Set up (if needed) and run the test suite: the README's test command and CI's.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
 # Test files run MIMO_TEST_WORKERS at a time (default 2; each file whole on one worker, so its
-# module fixtures are built once); MIMO_TEST_WORKERS=0 runs everything in this process.
+# module fixtures are built once), in collection order (tests/conftest.py starts the longest
+# files first); MIMO_TEST_WORKERS=0 runs everything in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q -n "${MIMO_TEST_WORKERS:-2}" --dist loadfile "$@"
+python -m pytest -q -n "${MIMO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -153,3 +153,12 @@ def poison(ckpt, rel, marker, plain_pickle=False):
     write_manifest(ckpt)
     return path
 
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has exited, it is only not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -10,7 +10,7 @@ import time
 import torch
 import yaml
 
-from checkpoint_harness import layout
+from checkpoint_harness import layout, process_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
@@ -45,14 +45,6 @@ def _children(pid):
     if pid is None:
         return []
     return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited, only not yet reaped
-    except FileNotFoundError:
-        return False
 
 
 def _final(d, out):
@@ -103,9 +95,9 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
     out = open(run_out).read()
     assert killed, out[-3000:]
     deadline = time.time() + 30
-    while any(map(_alive, helpers)) and time.time() < deadline:
+    while any(map(process_alive, helpers)) and time.time() < deadline:
         time.sleep(0.2)
-    survivors = [h for h in helpers if _alive(h)]
+    survivors = [h for h in helpers if process_alive(h)]
     for h in survivors:  # leave no orphans, then fail
         try:
             os.kill(h, signal.SIGKILL)

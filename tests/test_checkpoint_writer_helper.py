@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from checkpoint_harness import process_alive
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The rank: start the helper (mimo's way or megatron-core's), print its pid, wait to be killed.
@@ -30,14 +32,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False
-
-
 def _kill_rank_and_watch_helper(how: str, wait_s: float) -> bool:
     """Whether the helper is still alive `wait_s` seconds after its rank was SIGKILLed."""
     rank = subprocess.Popen([sys.executable, "-c", RANK, how], stdout=subprocess.PIPE, text=True, cwd=ROOT,
@@ -48,9 +42,9 @@ def _kill_rank_and_watch_helper(how: str, wait_s: float) -> bool:
         os.kill(rank.pid, signal.SIGKILL)
         rank.wait(timeout=30)
         deadline = time.time() + wait_s
-        while _alive(helpers[0]) and time.time() < deadline:
+        while process_alive(helpers[0]) and time.time() < deadline:
             time.sleep(0.1)
-        return _alive(helpers[0])
+        return process_alive(helpers[0])
     finally:
         rank.kill()
         for pid in helpers if "helpers" in locals() else []:
