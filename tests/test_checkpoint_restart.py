@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,8 +133,11 @@ def test_a_save_killed_mid_write_leaves_latest_valid(tmp_path):
     deadline = time.time() + 300
     try:
         while p.poll() is None and time.time() < deadline:
-            partial = [n for n in os.listdir(d) if n.endswith(".partial")] if os.path.isdir(d) else []
-            if partial and paths.complete_steps(d):  # a save in progress after at least one complete one
+            # One listing for both: two could see step N's partial directory and then, after its
+            # rename, step N complete without `latest` yet (the kill would land between the two).
+            names = os.listdir(d) if os.path.isdir(d) else []
+            partial = [n for n in names if n.endswith(".partial")]
+            if partial and any(re.fullmatch(r"iter_\d{7,}", n) for n in names):  # a save after a complete one
                 os.killpg(p.pid, signal.SIGKILL)  # the worker and its helpers, mid-write
                 killed_during = partial[0]
                 break
