@@ -1,6 +1,7 @@
 """Train a config on CPU ranks with checkpoints: the helpers the checkpoint tests share."""
 
 import copy
+import subprocess
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
@@ -153,6 +154,13 @@ def poison(ckpt, rel, marker, plain_pickle=False):
     write_manifest(ckpt)
     return path
 
+
+
+def children(pid) -> list:
+    """Process ids of `pid`'s children (none for None)."""
+    if pid is None:
+        return []
+    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def process_alive(pid: int) -> bool:

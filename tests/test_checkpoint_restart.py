@@ -11,7 +11,7 @@ import time
 import torch
 import yaml
 
-from checkpoint_harness import layout, process_alive
+from checkpoint_harness import children, layout, process_alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
@@ -31,21 +31,14 @@ def _torchrun(config, d, log, restarts, out):
 
 def _rank_pid(launcher: int, rank: int):
     """The worker of `rank` among the launcher's children (torchrun sets RANK in its environment)."""
-    kids = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split()
-    for pid in kids:
+    for pid in children(launcher):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
         if f"RANK={rank}".encode() in env:
-            return int(pid)
+            return pid
     return None
-
-
-def _children(pid):
-    if pid is None:
-        return []
-    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def _final(d, out):
@@ -88,7 +81,7 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
                 # The helper processes of both ranks (megatron-core's writer queue manager, the
                 # resource tracker): rank 1 is killed, rank 0 stopped by torchrun, and neither
                 # may leave its helpers running (mimo/checkpoint/writer_helper.py).
-                helpers = _children(pid) + _children(_rank_pid(p.pid, 0))
+                helpers = children(pid) + children(_rank_pid(p.pid, 0))
                 os.kill(pid, signal.SIGKILL)
                 killed = True
         time.sleep(0.05)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from checkpoint_harness import children
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
 DEMO = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
@@ -33,11 +35,6 @@ def test_bad_config_exits_2_with_one_line_per_problem():
     assert "Traceback" not in r.stderr.split("error: ")[0]
 
 
-def _children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
-
-
 def test_killed_rank_stops_every_rank():
     proc = subprocess.Popen(TORCHRUN + [SCRIPT, "--config", DEMO, "--device", "cpu", "--set", "training.train_iters=100000",
                                         "--set", "training.timeout_minutes=1"],
@@ -48,7 +45,7 @@ def test_killed_rank_stops_every_rank():
             if line.startswith("step 2/"):
                 break
             assert time.time() < deadline, "training never started"
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         rc = proc.wait(timeout=120)

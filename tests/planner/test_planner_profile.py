@@ -170,23 +170,15 @@ def test_missing_profile_file():
 # ---- --evaluate --measured: the prediction next to a logged run of the same config -----------------
 
 DEMO = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
-ONE_RANK = ["parallelism.language.dp=1", "parallelism.images.dp=1", "training.global_batch_size=2",
-            "training.micro_batch_size=1"]
-
-
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """examples/pretrain_mimo.py on one CPU rank, 5 steps, its --log-json file, and the config it ran."""
     tmp = tmp_path_factory.mktemp("measured")
     log, config = tmp / "steps.jsonl", tmp / "demo_1rank.yaml"
     raw = yaml.safe_load(open(DEMO))
-    for s in ONE_RANK:
-        key, value = s.split("=")
-        section, *rest = key.split(".")
-        node = raw[section]
-        for k in rest[:-1]:
-            node = node[k]
-        node[rest[-1]] = int(value)
+    for module in ("language", "images"):
+        raw["parallelism"][module]["dp"] = 1
+    raw["training"].update(global_batch_size=2, micro_batch_size=1)
     config.write_text(yaml.safe_dump(raw))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                         os.path.join(ROOT, "examples", "pretrain_mimo.py"), "--config", str(config), "--device", "cpu",
