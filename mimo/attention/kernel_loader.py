@@ -6,9 +6,13 @@ choice robust to import order, ``triton_kernels.py`` is executed here as a
 private module, once per mode, with the knob forced for the duration of the
 import. The environment variable is read at call time:
 
-* CUDA tensors             -> compiled kernels
-* CPU tensors, TRITON_INTERPRET=1 -> the same kernels in Triton's interpreter
+* TRITON_INTERPRET=1 (CPU or CUDA tensors) -> the kernels in Triton's interpreter
+* CUDA tensors otherwise    -> compiled kernels
 * CPU tensors otherwise     -> the dense PyTorch reference (same semantics)
+
+CUDA tensors follow the variable as Triton's own kernels do, and for a second reason: a process
+that imported Triton with TRITON_INTERPRET on has its library functions (reductions, ``cdiv``)
+built for the interpreter, so it cannot compile GPU kernels at all.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ def interpreter_requested() -> bool:
 
 def backend_for(device: torch.device) -> str:
     """'triton', 'interpret' or 'reference'."""
+    if device.type in ("cpu", "cuda") and interpreter_requested():
+        return "interpret"
     if device.type == "cuda":
         return "triton"
-    if device.type == "cpu" and interpreter_requested():
-        return "interpret"
     return "reference"
 
 
