@@ -97,7 +97,7 @@ def signature(fn, constants: dict, dtype: str, scalars: dict):
     return sig, attrs
 
 
-def variants(kern, cfg, head_dim: int):
+def variants(kern, cfg, head_dim: int, dtype: str):
     """(kernel name, fn, tiles, has_doc, even, constants, launch options) the runtime can launch."""
     from mimo.attention.function import _launch_opts, _shape_constants  # what function.py passes
 
@@ -107,7 +107,8 @@ def variants(kern, cfg, head_dim: int):
         for has_doc in (False, True):
             for even in (True, False):
                 tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
-                constants = dict(HAS_DOC=has_doc, IEEE=None, UPCAST=False,
+                # As function.py: fp32 inputs run the exact-product dots, compiled kernels never upcast.
+                constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False,
                                  **_shape_constants(bm, bn, head_dim, tokens, tokens))
                 yield name, getattr(kern, name), (bm, bn), has_doc, even, constants, _launch_opts(cfg, False, kind)
     shape = _shape_constants(cfg.block_m, cfg.block_n, head_dim, EVEN_TOKENS, EVEN_TOKENS)
@@ -122,12 +123,9 @@ def variants(kern, cfg, head_dim: int):
 
 def compile_one(fn, constants, opts, dtype, arch, scalars) -> dict:
     import triton
-    import triton.knobs as knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if "IEEE" in constants:
-        constants = dict(constants, IEEE=dtype == "fp32")  # function.py: fp32 runs the exact-product dots
     sig, attrs = signature(fn, constants, dtype, scalars)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # Triton prints ptxas -v's report when dump_ptxas_log is set
@@ -162,7 +160,7 @@ def check(arch: int, head_dims, dtypes, overrides: dict, names=tuple(KERNELS.val
             for head_dim in head_dims:
                 cfg = KernelConfig(**overrides).resolve(head_dim)
                 for dtype in dtypes:
-                    for name, fn, tiles, has_doc, even, constants, opts in variants(kern, cfg, head_dim):
+                    for name, fn, tiles, has_doc, even, constants, opts in variants(kern, cfg, head_dim, dtype):
                         # The tile classification reads only masks: one compile per tiles, not per head dim or dtype.
                         key = (name, tuple(sorted(constants.items())), tuple(sorted(opts.items())),
                                None if name == "classify_kernel" else dtype)
