@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Everything the GPU-speed figures need from one lent GPU, in one call, most important first, inside
+# a time budget (docs/benchmarks.md, "GPU bench"):
+#   1. tools/gpu_bench.py: attention table (bitfield / flex / SDPA), mimo vs megatron-core step,
+#      the profiled step's top kernels, and the planner profile;
+#   2. the profile's predicted vs measured one-GPU step (python -m mimo.planner.profile);
+#   3. examples/configs/gpu_llava_1gpu.yaml trained for 10 steps (the 1.24B LLaVA-style model's MFU);
+#   4. tools/plan.py --evaluate: the planner with the measured profile against that run;
+#   5. with the time left, tools/tune_attention.py (launch settings of the current kernels).
+#
+#   bash tools/gpu_session.sh OUT_DIR [BUDGET_S]     # default budget 540 s
+#
+# Files in OUT_DIR: gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
+# tune.log and session.log (every step's output, a "step NAME: rc R, S s" line after each).
+# Wheels in .whl/ (megatron-core, where the machine lacks it) are installed first into /tmp/site.
+# Without a CUDA device it says so and exits 0. PYTHON overrides the interpreter (default python3).
+set -u
+OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
+BUDGET=${2:-540}
+PY=${PYTHON:-python3}
+START=$(date +%s)
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+
+# step NAME LIMIT_S CMD...: runs CMD under `timeout`, its output appended to the log.
+step() {
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    if [ "$limit" -lt 10 ]; then
+        echo "step $name: skipped, ${limit}s of the budget left" | tee -a "$LOG"
+        return
+    fi
+    echo "== step $name (limit ${limit}s): $*" >> "$LOG"
+    t0=$(date +%s)
+    timeout "$limit" "$@" >> "$LOG" 2>&1
+    rc=$?
+    echo "step $name: rc $rc, $(($(date +%s) - t0)) s" | tee -a "$LOG"
+}
+
+if ls .whl/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >> "$LOG" 2>&1 || { echo "error: installing .whl/*.whl failed (see $LOG)" | tee -a "$LOG"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >> "$LOG" 2>&1; then
+    echo "gpu_session: no CUDA device on this machine; nothing measured" | tee -a "$LOG"
+    exit 0
+fi
+"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" | tee -a "$LOG"
+
+step gpu_bench "$(min 330 $(($(left) - 150)))" \
+    "$PY" tools/gpu_bench.py --out "$OUT/gpu_bench.jsonl" --budget-s 240
+step profile_check "$(min 60 "$(left)")" "$PY" -m mimo.planner.profile "$OUT/gpu_bench.profile.json"
+step llava_1gpu "$(min 200 $(($(left) - 30)))" \
+    "$PY" examples/pretrain_mimo.py --config examples/configs/gpu_llava_1gpu.yaml --device cuda \
+    --log-json "$OUT/llava_1gpu.jsonl"
+step plan_evaluate "$(min 60 "$(left)")" sh -c "\"$PY\" tools/plan.py --config examples/configs/gpu_llava_1gpu.yaml \
+--evaluate --profile \"$OUT/gpu_bench.profile.json\" --measured \"$OUT/llava_1gpu.jsonl\" --json > \"$OUT/plan_eval.json\""
+cat "$OUT/plan_eval.json" >> "$LOG" 2>/dev/null
+# Tuning prints its tables only at the end: one length when little time is left.
+SEQLENS=16384,65536
+[ "$(left)" -lt 300 ] && SEQLENS=16384
+step tune_attention $(($(left) - 10)) sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS > \"$OUT/tune.log\" 2>&1"
+echo "gpu_session: done in $(($(date +%s) - START)) s of a ${BUDGET} s budget" | tee -a "$LOG"
