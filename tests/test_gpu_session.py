@@ -13,9 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
 
-def _run(out, python, budget="540", timeout=120):
+def _run(out, python, budget="570", timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHON=python, CUDA_VISIBLE_DEVICES="")
+    # No wheels to install (a developer's checkout may hold .whl/ for the GPU machine's Python).
+    env.update(PYTHON=python, CUDA_VISIBLE_DEVICES="", WHEELS=str(out) + ".nowheels")
     return subprocess.run(["bash", SCRIPT, str(out), budget], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=timeout)
 
@@ -56,16 +57,17 @@ def test_with_a_gpu_every_step_runs_in_order_with_real_flags(tmp_path):
     proc = _run(tmp_path / "out", fake)
     assert proc.returncode == 0, proc.stderr
     lines = calls.read_text().splitlines()
-    tools = [re.search(r"(tools/\w+\.py|examples/pretrain_mimo\.py|mimo\.planner\.profile)", x).group(1) for x in lines]
-    assert tools == ["tools/gpu_bench.py", "mimo.planner.profile", "examples/pretrain_mimo.py", "tools/plan.py",
-                     "tools/tune_attention.py"]
+    tools = [re.search(r"(tools/\w+\.py|examples/pretrain_mimo\.py|mimo\.planner\.profile)", x).group(1)
+             for x in lines]
+    assert tools == ["tools/gpu_check.py", "tools/gpu_bench.py", "mimo.planner.profile", "examples/pretrain_mimo.py",
+                     "tools/plan.py", "tools/tune_attention.py"]
     steps = re.findall(r"^step (\w+): rc (\d+)", proc.stdout, re.M)
-    assert steps == [(n, "0") for n in ("gpu_bench", "profile_check", "llava_1gpu", "plan_evaluate",
+    assert steps == [(n, "0") for n in ("gpu_check", "gpu_bench", "profile_check", "llava_1gpu", "plan_evaluate",
                                         "tune_attention")]
     assert "device: FakeGPU" in proc.stdout and "gpu_session: done in" in proc.stdout
     out = tmp_path / "out"
-    assert {"session.log", "gpu_bench.jsonl", "gpu_bench.profile.json", "llava_1gpu.jsonl", "plan_eval.json",
-            "tune.log"} == set(os.listdir(out))
+    assert {"session.log", "gpu_check.json", "gpu_bench.jsonl", "gpu_bench.profile.json", "llava_1gpu.jsonl",
+            "plan_eval.json", "tune.log"} == set(os.listdir(out))
     assert "--seqlens 16384,65536" in lines[-1]  # the whole budget was left for tuning
 
     # Every flag the script passes exists in the real tool (a renamed flag fails here, not on the GPU).
@@ -84,9 +86,22 @@ def test_a_short_budget_skips_what_does_not_fit(tmp_path):
     fake, calls = _fake_python(tmp_path)
     proc = _run(tmp_path / "out", fake, budget="100")
     assert proc.returncode == 0, proc.stderr
-    # 100 s: the bench's limit (budget - 150) is negative, so it is skipped; llava gets 70 s; tuning
-    # gets one length.
-    assert "step gpu_bench: skipped" in proc.stdout
+    # 100 s: the check's and the bench's limits (what is left less 240 / 170 s) are negative, so
+    # both are skipped; llava gets 80 s; tuning gets one length.
+    assert "step gpu_check: skipped" in proc.stdout and "step gpu_bench: skipped" in proc.stdout
     lines = calls.read_text().splitlines()
-    assert not any("gpu_bench.py" in x for x in lines)
+    assert not any("gpu_check.py" in x or "gpu_bench.py" in x for x in lines)
+    assert any("pretrain_mimo.py" in x for x in lines)
     assert "--seqlens 16384 " in lines[-1] + " " and "65536" not in lines[-1]
+
+
+def test_a_wheel_that_does_not_install_stops_the_session_with_one_error_line(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a zip")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHON=sys.executable, WHEELS=str(wheels))
+    proc = subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"error: installing {wheels}/*.whl failed") and proc.stdout.count("\n") == 1

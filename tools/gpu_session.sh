@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU-speed figures need from one lent GPU, in one call, most important first, inside
 # a time budget (docs/benchmarks.md, "GPU bench"):
+#   0. tools/gpu_check.py --quick: the compiled kernels against the fp32 reference (forward and
+#      backward at 4k and 8k), a bf16 training step, offload: the figures below mean little without it;
 #   1. tools/gpu_bench.py: attention table (bitfield / flex / SDPA), mimo vs megatron-core step,
 #      the profiled step's top kernels, and the planner profile;
 #   2. the profile's predicted vs measured one-GPU step (python -m mimo.planner.profile);
@@ -8,16 +10,18 @@
 #   4. tools/plan.py --evaluate: the planner with the measured profile against that run;
 #   5. with the time left, tools/tune_attention.py (launch settings of the current kernels).
 #
-#   bash tools/gpu_session.sh OUT_DIR [BUDGET_S]     # default budget 540 s
+#   bash tools/gpu_session.sh OUT_DIR [BUDGET_S]     # default budget 570 s
 #
-# Files in OUT_DIR: gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
+# Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
 # tune.log and session.log (every step's output, a "step NAME: rc R, S s" line after each).
-# Wheels in .whl/ (megatron-core, where the machine lacks it) are installed first into /tmp/site.
-# Without a CUDA device it says so and exits 0. PYTHON overrides the interpreter (default python3).
+# Wheels in .whl/ (megatron-core, where the machine lacks it; WHEELS names another folder) are
+# installed first into /tmp/site. Without a CUDA device it says so and exits 0. PYTHON overrides the
+# interpreter (default python3).
 set -u
 OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
-BUDGET=${2:-540}
+BUDGET=${2:-570}
 PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
 START=$(date +%s)
 mkdir -p "$OUT"
 LOG="$OUT/session.log"
@@ -42,9 +46,12 @@ step() {
     echo "step $name: rc $rc, $(($(date +%s) - t0)) s" | tee -a "$LOG"
 }
 
-if ls .whl/*.whl > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        >> "$LOG" 2>&1 || { echo "error: installing .whl/*.whl failed (see $LOG)" | tee -a "$LOG"; exit 1; }
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl >> "$LOG" 2>&1; then
+        echo "error: installing $WHEELS/*.whl failed (see $LOG)" | tee -a "$LOG"
+        exit 1
+    fi
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >> "$LOG" 2>&1; then
@@ -53,17 +60,21 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3
 fi
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" | tee -a "$LOG"
 
-step gpu_bench "$(min 330 $(($(left) - 150)))" \
+step gpu_check "$(min 90 $(($(left) - 240)))" sh -c "\"$PY\" tools/gpu_check.py --quick > \"$OUT/gpu_check.json\""
+cat "$OUT/gpu_check.json" >> "$LOG" 2>/dev/null
+step gpu_bench "$(min 330 $(($(left) - 170)))" \
     "$PY" tools/gpu_bench.py --out "$OUT/gpu_bench.jsonl" --budget-s 240
 step profile_check "$(min 60 "$(left)")" "$PY" -m mimo.planner.profile "$OUT/gpu_bench.profile.json"
-step llava_1gpu "$(min 200 $(($(left) - 30)))" \
+step llava_1gpu "$(min 200 $(($(left) - 20)))" \
     "$PY" examples/pretrain_mimo.py --config examples/configs/gpu_llava_1gpu.yaml --device cuda \
     --log-json "$OUT/llava_1gpu.jsonl"
 step plan_evaluate "$(min 60 "$(left)")" sh -c "\"$PY\" tools/plan.py --config examples/configs/gpu_llava_1gpu.yaml \
---evaluate --profile \"$OUT/gpu_bench.profile.json\" --measured \"$OUT/llava_1gpu.jsonl\" --json > \"$OUT/plan_eval.json\""
+--evaluate --profile \"$OUT/gpu_bench.profile.json\" --measured \"$OUT/llava_1gpu.jsonl\" --json \
+> \"$OUT/plan_eval.json\""
 cat "$OUT/plan_eval.json" >> "$LOG" 2>/dev/null
 # Tuning prints its tables only at the end: one length when little time is left.
 SEQLENS=16384,65536
 [ "$(left)" -lt 300 ] && SEQLENS=16384
-step tune_attention $(($(left) - 10)) sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS > \"$OUT/tune.log\" 2>&1"
+step tune_attention $(($(left) - 10)) \
+    sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS > \"$OUT/tune.log\" 2>&1"
 echo "gpu_session: done in $(($(date +%s) - START)) s of a ${BUDGET} s budget" | tee -a "$LOG"
