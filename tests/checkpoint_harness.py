@@ -163,6 +163,15 @@ def children(pid) -> list:
     return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
+def command_line(pid: int) -> str:
+    """Process `pid`'s command line ("" once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie has exited, it is only not yet reaped)."""
     try:
