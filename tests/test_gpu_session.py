@@ -13,10 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
 
-def _run(out, python, budget="570", timeout=120):
+def _run(out, python, budget="570", timeout=120, wheels=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    # No wheels to install (a developer's checkout may hold .whl/ for the GPU machine's Python).
-    env.update(PYTHON=python, CUDA_VISIBLE_DEVICES="", WHEELS=str(out) + ".nowheels")
+    # By default no wheels to install (a developer's checkout may hold .whl/ for the GPU machine's Python).
+    env.update(PYTHON=python, CUDA_VISIBLE_DEVICES="", WHEELS=str(wheels or str(out) + ".nowheels"))
     return subprocess.run(["bash", SCRIPT, str(out), budget], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=timeout)
 
@@ -99,9 +99,6 @@ def test_a_wheel_that_does_not_install_stops_the_session_with_one_error_line(tmp
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a zip")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHON=sys.executable, WHEELS=str(wheels))
-    proc = subprocess.run(["bash", SCRIPT, str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=120)
+    proc = _run(tmp_path / "out", sys.executable, wheels=wheels)
     assert proc.returncode == 1
     assert proc.stdout.startswith(f"error: installing {wheels}/*.whl failed") and proc.stdout.count("\n") == 1

@@ -42,7 +42,7 @@ FP32 = {"LSE", "DELTA", "PART_O", "PART_LSE"}
 MASKS = {"QM", "QP", "QD", "KM", "KP", "KD"}                  # int64 [b, s]
 PLAN = {"ITEM_ROW", "ITEM_START", "ITEM_LEN", "ITEM_SLOT", "KV_IDX", "KV_NPART", "KV_CNT", "COLS", "Q_IDX",
         "Q_NPART", "Q_CNT", "ROWS", "AGG_ROW", "AGG_SLOT", "AGG_LEN"}  # int32 block-plan lists
-TRITON_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+DTYPES = ("bf16", "fp16", "fp32")  # Triton's names too
 KERNELS = {"fwd": "fwd_kernel", "merge": "merge_kernel", "dkdv": "bwd_dkdv_kernel", "dq": "bwd_dq_kernel",
            "classify": "classify_kernel"}
 
@@ -75,7 +75,7 @@ def signature(fn, constants: dict, dtype: str, scalars: dict):
             sig[name] = "constexpr"
             continue
         if name in ACTIVATIONS:
-            sig[name] = "*" + TRITON_DTYPE[dtype]
+            sig[name] = "*" + dtype
         elif name in FP32:
             sig[name] = "*fp32"
         elif name in MASKS:
@@ -136,58 +136,68 @@ def compile_one(fn, constants, opts, dtype, arch, scalars) -> dict:
     if regs is None:
         raise RuntimeError(f"no ptxas report in Triton's output: {text[-300:]!r}")
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
-    return {"shared_bytes": int(compiled.metadata.shared), "registers": int(regs.group(1)), "spill_bytes": spills,
-            "threads": int(compiled.metadata.num_warps) * 32}
+    return {"shared_bytes": int(compiled.metadata.shared), "registers": int(regs.group(1)), "spill_bytes": spills}
+
+
+def _launches(kern, head_dims, dtypes, overrides: dict, names):
+    """(head_dim, dtype, variant) for each distinct variant among `names` (kernel function names)."""
+    from mimo.attention.config import KernelConfig
+
+    seen = set()
+    for head_dim in head_dims:
+        cfg = KernelConfig(**overrides).resolve(head_dim)
+        for dtype in dtypes:
+            for variant in variants(kern, cfg, head_dim, dtype):
+                name, _, _, _, _, constants, opts = variant
+                # The tile classification reads only masks: one compile per tiles, not per head dim or dtype.
+                key = (name, tuple(sorted(constants.items())), tuple(sorted(opts.items())),
+                       None if name == "classify_kernel" else dtype)
+                if name in names and key not in seen:
+                    seen.add(key)
+                    yield head_dim, dtype, variant
+
+
+def _problems(row: dict, arch: int) -> list:
+    """Why a launch of this compiled variant would be refused on `arch` (empty: it fits)."""
+    problems = []
+    if row["shared_bytes"] > SHARED_LIMIT[arch]:
+        problems.append(f"shared memory {row['shared_bytes']} B > {SHARED_LIMIT[arch]} B")
+    threads = row["num_warps"] * 32
+    if row["registers"] * threads > REGISTERS_PER_SM:
+        problems.append(f"{row['registers']} registers x {threads} threads > {REGISTERS_PER_SM}")
+    return problems
 
 
 def check(arch: int, head_dims, dtypes, overrides: dict, names=tuple(KERNELS.values())):
     """One row per variant, in order; compiles run in this process, serially."""
     import triton.knobs as knobs
 
-    from mimo.attention.config import KernelConfig
     from mimo.attention.kernel_loader import kernels
 
     kern = kernels(False)
-    shared_limit = SHARED_LIMIT[arch]
-    seen = set()
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache, knobs.cache.scope(), knobs.compilation.scope(), \
+            knobs.nvidia.scope():
         # Always compile, into a private cache: a kernel served from a cache runs no ptxas, so
         # prints no report, and the user's own cache is left alone.
-        with knobs.cache.scope(), knobs.compilation.scope(), knobs.nvidia.scope():
-            knobs.cache.dir = cache
-            knobs.compilation.always_compile = True
-            knobs.nvidia.dump_ptxas_log = True
-            for head_dim in head_dims:
-                cfg = KernelConfig(**overrides).resolve(head_dim)
-                for dtype in dtypes:
-                    for name, fn, tiles, has_doc, even, constants, opts in variants(kern, cfg, head_dim, dtype):
-                        # The tile classification reads only masks: one compile per tiles, not per head dim or dtype.
-                        key = (name, tuple(sorted(constants.items())), tuple(sorted(opts.items())),
-                               None if name == "classify_kernel" else dtype)
-                        if name not in names or key in seen:
-                            continue
-                        seen.add(key)
-                        tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
-                        row = dict(kernel=name, arch=f"sm_{arch}", head_dim=head_dim, dtype=dtype, has_doc=has_doc,
-                                   even=even, tiles=list(tiles), num_warps=opts.get("num_warps", 4),
-                                   num_stages=opts.get("num_stages", 3))
-                        try:
-                            row.update(compile_one(fn, constants, opts, dtype, arch,
-                                                   _scalar_values(fn, head_dim, tokens, *tiles)))
-                        except Exception as exc:  # a variant that does not build is the finding, not a crash
-                            row.update(fits=False, error=f"{type(exc).__name__}: {str(exc).strip()[:400]}")
-                            yield row
-                            continue
-                        problems = []
-                        if row["shared_bytes"] > shared_limit:
-                            problems.append(f"shared memory {row['shared_bytes']} B > {shared_limit} B")
-                        if row["registers"] * row.pop("threads") > REGISTERS_PER_SM:
-                            problems.append(f"{row['registers']} registers x {row['num_warps'] * 32} threads > "
-                                            f"{REGISTERS_PER_SM}")
-                        row["fits"] = not problems
-                        if problems:
-                            row["error"] = "; ".join(problems)
-                        yield row
+        knobs.cache.dir = cache
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        for head_dim, dtype, (name, fn, tiles, has_doc, even, constants, opts) in _launches(
+                kern, head_dims, dtypes, overrides, names):
+            row = dict(kernel=name, arch=f"sm_{arch}", head_dim=head_dim, dtype=dtype, has_doc=has_doc, even=even,
+                       tiles=list(tiles), num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 3))
+            tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
+            try:
+                row.update(compile_one(fn, constants, opts, dtype, arch, _scalar_values(fn, head_dim, tokens, *tiles)))
+            except Exception as exc:  # a variant that does not build is the finding, not a crash
+                row.update(fits=False, error=f"{type(exc).__name__}: {str(exc).strip()[:400]}")
+                yield row
+                continue
+            problems = _problems(row, arch)
+            row["fits"] = not problems
+            if problems:
+                row["error"] = "; ".join(problems)
+            yield row
 
 
 def _int_list(text: str):
@@ -214,9 +224,9 @@ def main(argv=None) -> int:
         unknown = [k for k in kernel_names if k not in KERNELS]
         if unknown or not kernel_names:
             raise ValueError(f"--kernels {args.kernels!r}: expected names from {', '.join(KERNELS)}")
-        unknown = [d for d in dtypes if d not in TRITON_DTYPE]
+        unknown = [d for d in dtypes if d not in DTYPES]
         if unknown:
-            raise ValueError(f"--dtype {unknown[0]!r}: expected one of {', '.join(TRITON_DTYPE)}")
+            raise ValueError(f"--dtype {unknown[0]!r}: expected one of {', '.join(DTYPES)}")
         if not head_dims or any(d < 1 or d > 256 for d in head_dims):
             raise ValueError("--head-dim: each head dim must be 1..256")
         from mimo.attention.config import KernelConfig
