@@ -28,15 +28,19 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     assert os.listdir(tmp_path / "out") == ["session.log"]
 
 
-def _fake_python(tmp_path):
-    """A stand-in for python3 on a GPU machine: claims CUDA, records every other command line, and
-    writes the files the real tools would (so later steps find their inputs)."""
+def _fake_python(tmp_path, megatron=True):
+    """A stand-in for python3 on a GPU machine: claims CUDA (and megatron-core unless told not to),
+    records every other command line, and writes the files the real tools would (so later steps find
+    their inputs)."""
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python3"
     out = shlex.quote(str(tmp_path / "out"))
     fake.write_text(f"""#!/usr/bin/env bash
 if [ "$1" = "-c" ]; then
-    case "$2" in *get_device_name*) echo "device: FakeGPU | torch 0";; esac
+    case "$2" in
+        *get_device_name*) echo "device: FakeGPU | torch 0";;
+        *megatron.core*) exit {0 if megatron else 1};;
+    esac
     exit 0
 fi
 echo "$*" >> {shlex.quote(str(calls))}
@@ -102,3 +106,32 @@ def test_a_wheel_that_does_not_install_stops_the_session_with_one_error_line(tmp
     proc = _run(tmp_path / "out", sys.executable, wheels=wheels)
     assert proc.returncode == 1
     assert proc.stdout.startswith(f"error: installing {wheels}/*.whl failed") and proc.stdout.count("\n") == 1
+
+
+def test_without_megatron_core_it_stops_before_any_step_and_says_how_to_carry_it(tmp_path):
+    fake, calls = _fake_python(tmp_path, megatron=False)
+    proc = _run(tmp_path / "out", fake)
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("error: megatron-core is not importable here: run 'bash scripts/device_wheels.sh'")
+    assert proc.stdout.count("\n") == 1 and not calls.exists()
+
+
+def test_device_wheels_fetches_the_megatron_core_setup_py_pins_for_the_gpu_python(tmp_path):
+    """scripts/device_wheels.sh with a stand-in python3 on PATH: the pip download it asks for."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    args = tmp_path / "args.txt"
+    (bin_dir / "python3").write_text(f"#!/usr/bin/env bash\necho \"$*\" > {shlex.quote(str(args))}\n")
+    (bin_dir / "python3").chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "megatron_core-0.0.1-py3-none-any.whl").write_text("old")  # an older fetch is replaced
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", WHEELS=str(wheels))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_wheels.sh")], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pin = re.search(r'"megatron-core==([0-9.]+)"', open(os.path.join(ROOT, "setup.py")).read()).group(1)
+    got = args.read_text().split()
+    assert got[:3] == ["-m", "pip", "download"] and got[-1] == f"megatron-core=={pin}"
+    assert got[got.index("--python-version") + 1] == "3.12" and got[got.index("-d") + 1] == str(wheels)
+    assert "--no-deps" in got and os.listdir(wheels) == []

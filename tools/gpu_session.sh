@@ -14,8 +14,8 @@
 #
 # Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
 # tune.log and session.log (every step's output, a "step NAME: rc R, S s" line after each).
-# Wheels in .whl/ (megatron-core, where the machine lacks it; WHEELS names another folder) are
-# installed first into /tmp/site. Without a CUDA device it says so and exits 0. PYTHON overrides the
+# Wheels in .whl/ (megatron-core, which the GPU image lacks: scripts/device_wheels.sh fetches it; WHEELS
+# names another folder) are installed first into /tmp/site. Without a CUDA device it says so and exits 0. PYTHON overrides the
 # interpreter (default python3).
 set -u
 OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
@@ -57,6 +57,12 @@ fi
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >> "$LOG" 2>&1; then
     echo "gpu_session: no CUDA device on this machine; nothing measured" | tee -a "$LOG"
     exit 0
+fi
+# Every step imports megatron-core; the GPU image lacks it (scripts/device_wheels.sh fetches the wheel).
+if ! "$PY" -c "import megatron.core" >> "$LOG" 2>&1; then
+    echo "error: megatron-core is not importable here: run 'bash scripts/device_wheels.sh' before the call" \
+         "and carry .whl (see $LOG)" | tee -a "$LOG"
+    exit 1
 fi
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" | tee -a "$LOG"
 
