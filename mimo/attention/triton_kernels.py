@@ -63,37 +63,6 @@ def _allowed(qm, qp, qd, km, kp, kd, HAS_DOC: tl.constexpr):
 
 
 @triton.jit
-def classify_kernel(
-    QM, QP, QD, KM, KP, KD, STATUS, s_q, s_k, n_qb, n_kb,
-    HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """STATUS[b, qb, kb] = 0 empty, 1 partial, 2 full (every pair in range and allowed)."""
-    qb = tl.program_id(0)
-    kb = tl.program_id(1)
-    bi = tl.program_id(2).to(tl.int64)
-    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_in = offs_m < s_q
-    n_in = offs_n < s_k
-    qm = tl.load(QM + bi * s_q + offs_m, mask=m_in, other=0)
-    qp = tl.load(QP + bi * s_q + offs_m, mask=m_in, other=0)
-    km = tl.load(KM + bi * s_k + offs_n, mask=n_in, other=0)
-    kp = tl.load(KP + bi * s_k + offs_n, mask=n_in, other=0)
-    if HAS_DOC:
-        qd = tl.load(QD + bi * s_q + offs_m, mask=m_in, other=0)
-        kd = tl.load(KD + bi * s_k + offs_n, mask=n_in, other=0)
-    else:
-        qd = qp
-        kd = kp
-    ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
-    ok = ok & m_in[:, None] & n_in[None, :]
-    n_ok = tl.sum(ok.to(tl.int32), axis=1)
-    n_ok = tl.sum(n_ok, axis=0)
-    status = tl.where(n_ok == 0, 0, tl.where(n_ok == BLOCK_M * BLOCK_N, 2, 1))
-    tl.store(STATUS + (bi * n_qb + qb) * n_kb + kb, status.to(tl.int8))
-
-
-@triton.jit
 def _load(ptr, rows_in, d_in, ROWS_EVEN: tl.constexpr, D_EVEN: tl.constexpr):
     """A [rows, BLOCK_D] tile; bounds masks only where the sizes do not divide."""
     if ROWS_EVEN:
@@ -149,6 +118,42 @@ def _load_vec(ptr, rows_in, ROWS_EVEN: tl.constexpr, other):
 
 
 @triton.jit
+def _mask_vecs(M, P, D, base, offs, rows_in, ROWS_EVEN: tl.constexpr, HAS_DOC: tl.constexpr):
+    """Mask bits, positions and document ids of a run of tokens. Without document ids the positions
+    stand in for them (`_allowed` does not read them then)."""
+    m = _load_vec(M + base + offs, rows_in, ROWS_EVEN, 0)
+    p = _load_vec(P + base + offs, rows_in, ROWS_EVEN, 0)
+    if HAS_DOC:
+        d = _load_vec(D + base + offs, rows_in, ROWS_EVEN, 0)
+    else:
+        d = p
+    return m, p, d
+
+
+@triton.jit
+def classify_kernel(
+    QM, QP, QD, KM, KP, KD, STATUS, s_q, s_k, n_qb, n_kb,
+    HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """STATUS[b, qb, kb] = 0 empty, 1 partial, 2 full (every pair in range and allowed)."""
+    qb = tl.program_id(0)
+    kb = tl.program_id(1)
+    bi = tl.program_id(2).to(tl.int64)
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_in = offs_m < s_q
+    n_in = offs_n < s_k
+    qm, qp, qd = _mask_vecs(QM, QP, QD, bi * s_q, offs_m, m_in, False, HAS_DOC)
+    km, kp, kd = _mask_vecs(KM, KP, KD, bi * s_k, offs_n, n_in, False, HAS_DOC)
+    ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
+    ok = ok & m_in[:, None] & n_in[None, :]
+    n_ok = tl.sum(ok.to(tl.int32), axis=1)
+    n_ok = tl.sum(n_ok, axis=0)
+    status = tl.where(n_ok == 0, 0, tl.where(n_ok == BLOCK_M * BLOCK_N, 2, 1))
+    tl.store(STATUS + (bi * n_qb + qb) * n_kb + kb, status.to(tl.int8))
+
+
+@triton.jit
 def _key_tile(q, qm, qp, qd, m_in, K, V, KM, KP, KD, kb, bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2,
               offs_d, d_in, MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
               BLOCK_N: tl.constexpr, D_EVEN: tl.constexpr, N_EVEN: tl.constexpr):
@@ -162,12 +167,7 @@ def _key_tile(q, qm, qp, qd, m_in, K, V, KM, KP, KD, kb, bi, hk, s_k, skb, sks, 
               N_EVEN, D_EVEN)
     s = _dot(q, tl.trans(k), IEEE, UPCAST) * scale_log2
     if MASKED:
-        km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
-        kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
-        if HAS_DOC:
-            kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
-        else:
-            kd = kp
+        km, kp, kd = _mask_vecs(KM, KP, KD, bi * s_k, offs_n, n_in, N_EVEN, HAS_DOC)
         ok = _allowed(qm[:, None], qp[:, None], qd[:, None], km[None, :], kp[None, :], kd[None, :], HAS_DOC)
         ok = ok & m_in[:, None] & n_in[None, :]
         s = tl.where(ok, s, float("-inf"))
@@ -233,12 +233,7 @@ def fwd_kernel(
     d_in = offs_d < HEAD_DIM
     q = _load(Q + bi * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqs + offs_d[None, :], m_in, d_in,
               M_EVEN, D_EVEN)
-    qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    if HAS_DOC:
-        qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    else:
-        qd = qp
+    qm, qp, qd = _mask_vecs(QM, QP, QD, bi * s_q, offs_m, m_in, M_EVEN, HAS_DOC)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -332,12 +327,7 @@ def _dkdv_tiles(dk, dv, k, v, km, kp, kd, n_in, Q, DO, LSE, DELTA, QM, QP, QD, Q
             # Rows with no allowed key have lse = -inf; every entry of theirs is masked,
             # so any finite shift keeps p at exactly 0.
             lse = tl.where(lse == float("-inf"), 0.0, lse)
-            qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
-            qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
-            if HAS_DOC:
-                qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
-            else:
-                qd = qp
+            qm, qp, qd = _mask_vecs(QM, QP, QD, bi * s_q, offs_m, m_in, M_EVEN, HAS_DOC)
             ok = _allowed(qm[None, :], qp[None, :], qd[None, :], km[:, None], kp[:, None], kd[:, None], HAS_DOC)
             ok = ok & m_in[None, :] & n_in[:, None]
             s_t = tl.where(ok, s_t, float("-inf"))
@@ -378,12 +368,7 @@ def bwd_dkdv_kernel(
               N_EVEN, D_EVEN)
     v = _load(V + bi * svb + hk * svh + offs_n.to(tl.int64)[:, None] * svs + offs_d[None, :], n_in, d_in,
               N_EVEN, D_EVEN)
-    km = _load_vec(KM + bi * s_k + offs_n, n_in, N_EVEN, 0)
-    kp = _load_vec(KP + bi * s_k + offs_n, n_in, N_EVEN, 0)
-    if HAS_DOC:
-        kd = _load_vec(KD + bi * s_k + offs_n, n_in, N_EVEN, 0)
-    else:
-        kd = kp
+    km, kp, kd = _mask_vecs(KM, KP, KD, bi * s_k, offs_n, n_in, N_EVEN, HAS_DOC)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     list_base = col.to(tl.int64) * n_qb
@@ -452,12 +437,7 @@ def bwd_dq_kernel(
     # partial tiles), so any finite shift keeps p at exactly 0.
     lse = tl.where(lse == float("-inf"), 0.0, lse) * 1.4426950408889634
     delta = _load_vec(DELTA + (bi * hq + h) * s_q + offs_m, m_in, M_EVEN, 0.0)
-    qm = _load_vec(QM + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    qp = _load_vec(QP + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    if HAS_DOC:
-        qd = _load_vec(QD + bi * s_q + offs_m, m_in, M_EVEN, 0)
-    else:
-        qd = qp
+    qm, qp, qd = _mask_vecs(QM, QP, QD, bi * s_q, offs_m, m_in, M_EVEN, HAS_DOC)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     list_base = row.to(tl.int64) * n_kb
     dq = _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, 0, npart,
