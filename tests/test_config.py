@@ -91,6 +91,9 @@ def test_tiny_is_valid():
     ("model.language.max_sequence_length", 40, "data.seq_length"),
     # lr
     ("training.lr", 0.0, "training.lr"),
+    ("training.adam_beta1", 1.0, "training.adam_beta1"),
+    ("training.adam_beta2", -0.1, "training.adam_beta2"),
+    ("training.adam_eps", 0.0, "training.adam_eps"),
     ("training.lr", -1e-3, "training.lr"),
     # modules
     ("parallelism.video", {}, "parallelism.video"),

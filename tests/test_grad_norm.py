@@ -162,6 +162,7 @@ def test_grad_norm_equals_one_rank(reference, modules, world, training):
     from test_optimizer import _norms
 
     raw = layout(**modules)
-    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, clip_grad=0.05, **training)
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, clip_grad=0.05, adam_eps=1e-3,
+                           **training)  # `_adam`'s settings: the reference's
     for r in run_on_ranks(_norms, world, raw, STEPS, timeout_s=300):
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)

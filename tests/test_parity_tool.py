@@ -79,11 +79,12 @@ def test_parity_cli_compares_reduced_gradients_with_the_distributed_optimizer():
     for name, rep in reports.items():
         assert rep["max_rel_loss_diff"] <= 1e-4 and rep["max_rel_grad_diff"] <= 1e-4, rep
     assert reports["distopt_noncolocated_dp2.yaml"]["placement"] == "non-colocated"
-    # Parameters: Adam's first update is about lr * sign(gradient), so the TP layout's summation-order
-    # rounding in gradients near 1e-9 moves a few elements by about 1e-2 of the tensor's largest (the
-    # same with the plain optimizer: measured 0.013 both ways); the DP-only layouts stay within 1e-4.
+    # Parameters (the configs raise adam_eps so that Adam's step is a smooth function of the gradient):
+    # the DP-only layouts within 1e-4 (measured 3.5e-7); TP2's other summation order in the gradients
+    # (9.7e-6) shows in the weights at 9.4e-5 on one machine, too close to --rtol to assert it passes.
     for name in ("distopt_noncolocated_dp2.yaml", "distopt_pp2_dp2.yaml"):
         assert reports[name]["ok"], reports[name]
+    assert reports["distopt_tp2_dp2.yaml"]["max_rel_param_diff"] <= 1e-3
 
 
 def _raw_and_reduced_grads(raw):

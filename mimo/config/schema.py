@@ -257,6 +257,11 @@ class TrainingConfig:
     precision: str = "fp32"
     weight_decay: float = 0.0
     clip_grad: float = 0.0
+    # Adam's moment decay rates and denominator epsilon (Megatron-LM's --adam-beta1/2, --adam-eps;
+    # LLaVA-style recipes often use adam_beta2 0.95).
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
     # Each DP rank of a module keeps the optimizer state (and fp32 master weights) of its
     # 1/dp share of the module's parameters (megatron-core's distributed optimizer).
     use_distributed_optimizer: bool = False

@@ -111,6 +111,11 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         add("training.weight_decay", "must be >= 0")
     if tr.clip_grad < 0:
         add("training.clip_grad", "must be >= 0 (0 disables clipping)")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(tr, name) < 1:
+            add(f"training.{name}", f"must be in [0, 1), got {getattr(tr, name)}")
+    if not tr.adam_eps > 0:
+        add("training.adam_eps", f"must be > 0, got {tr.adam_eps}")
     _check_schedule(tr, add)
     if not tr.timeout_minutes > 0:
         add("training.timeout_minutes", "must be > 0")

@@ -247,6 +247,7 @@ class ModelOptimizer:
             use_distributed_optimizer=tr.use_distributed_optimizer)
         opt_config = OptimizerConfig(
             optimizer=tr.optimizer, lr=tr.lr, min_lr=tr.min_lr, weight_decay=tr.weight_decay,
+            adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             bf16=tr.precision == "bf16", params_dtype=dtype_of(tr.precision),
             use_distributed_optimizer=tr.use_distributed_optimizer, clip_grad=tr.clip_grad, sgd_momentum=0.0)
         with optimizer_scope(runtime), _module_param_groups():
