@@ -78,7 +78,7 @@ step plan_evaluate "$(min 60 "$(left)")" sh -c "\"$PY\" tools/plan.py --config e
 --evaluate --profile \"$OUT/gpu_bench.profile.json\" --measured \"$OUT/llava_1gpu.jsonl\" --json \
 > \"$OUT/plan_eval.json\""
 cat "$OUT/plan_eval.json" >> "$LOG" 2>/dev/null
-# Tuning prints its tables only at the end: one length when little time is left.
+# Tuning prints a line per timed candidate and its tables at the end: one length when little time is left.
 SEQLENS=16384,65536
 [ "$(left)" -lt 300 ] && SEQLENS=16384
 step tune_attention $(($(left) - 10)) \

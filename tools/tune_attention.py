@@ -11,8 +11,9 @@ dK/dV kernel alone (repeated `autograd.grad` over one retained forward whose que
 gradient) and each dQ kernel alone (keys and values need none). Every candidate's output and gradients are compared with the default
 configuration's, so a setting that computes something else is reported, never picked. The mask is
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
-markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths.
-Exits with status 2 and a message when CUDA is asked for but unavailable.
+markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths;
+before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
+limit (a GPU lent for minutes) still leaves what it measured. Exits with status 2 and a message when CUDA is asked for but unavailable.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def _max_err(got, want) -> float:
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
 
 
+def _progress(s: int, phase: str, c, result) -> None:
+    t, err = result
+    what = f"fails ({err})" if t is None else f"{t * 1e3:.3f} ms (diff {err:.1e})"
+    print(f"measured {s} tokens {phase} {c}: {what}", flush=True)
+
+
 def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict:
     from mimo.attention import bitfield_attention
 
@@ -89,6 +96,7 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
                 out["forward"][c] = (time_fn(fwd), err)
         except Exception as exc:  # a setting the GPU cannot launch (shared memory) is reported, not fatal
             out["forward"][c] = (None, _short(exc))
+        _progress(s, "forward", c, out["forward"][c])
     for phase, (config, needs) in BACKWARD_PHASES.items():
         # Only the inputs this kernel differentiates need gradients: the other kernel never runs.
         inputs = [t if need else t.detach() for t, need in zip((q, k, v), needs)]
@@ -109,6 +117,7 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
                 del o
             except Exception as exc:
                 out[phase][c] = (None, _short(exc))
+            _progress(s, phase, c, out[phase][c])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return out
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
         seqlens, dtype, forward, backward = [int(x) for x in args.seqlens.split(",")], torch.bfloat16, FORWARD, BACKWARD
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"device: {name}; dtype {str(dtype).replace('torch.', '')}; heads {args.heads}/{args.kv_heads}; "
-          f"head_dim {args.head_dim}; iters {args.iters}")
+          f"head_dim {args.head_dim}; iters {args.iters}", flush=True)
     results = {s: tune_length(s, args, dtype, device, forward, backward,
                               lambda fn: _time(fn, args.iters, device)) for s in seqlens}
     best = {}

@@ -23,6 +23,12 @@ def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
         cell = row.split("|")[2]
         assert "diff" in cell and "WRONG" not in cell and float(cell.split()[0]) > 0, row
     assert out.count("fastest ") == 3 and "\nKernelConfig(block_m=" in out and "dq_num_stages=" in out
+    # Each candidate is also reported as soon as it is timed (a run stopped at a time limit keeps those).
+    progress = [line for line in out.splitlines() if line.startswith("measured 48 tokens ")]
+    assert [line.split()[3] for line in progress] == (["forward"] * len(tool.TINY_FORWARD) + ["dkdv"] *
+                                                      len(tool.TINY_BACKWARD) + ["dq"] * len(tool.TINY_BACKWARD))
+    assert all(line.endswith(")") and " ms (diff " in line for line in progress), progress
+    assert out.index(progress[-1]) < out.index("| (")
 
 
 def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
