@@ -62,6 +62,24 @@ def test_comparison_catches_swapped_shards_and_missing_tensors():
     assert not rep["ok"]
 
 
+def test_adam_eps_hint_only_when_weights_alone_differ_after_adam_with_a_small_eps():
+    from mimo.training.parity import adam_eps_hint
+
+    def report(loss, grad, param, rtol=1e-4):
+        return {"max_rel_loss_diff": loss, "max_rel_grad_diff": grad, "max_rel_param_diff": param,
+                "ok": max(loss, grad, param) <= rtol}
+
+    adam = {"training": {"optimizer": "adam"}}  # eps at its default, 1e-8
+    weights_only = [report(0.0, 1e-7, 1e-5), report(0.0, 1.3e-7, 3.4e-4)]
+    assert "training.adam_eps: 1.0e-3" in adam_eps_hint(adam, weights_only, 1e-4)
+    assert adam_eps_hint({"training": {}}, weights_only, 1e-4)  # adam is the default optimizer
+    # Controls: everything passes; a gradient differs (a real layout bug); eps already raised; SGD.
+    assert adam_eps_hint(adam, [report(0.0, 1e-7, 1e-5)], 1e-4) is None
+    assert adam_eps_hint(adam, weights_only + [report(0.0, 2e-2, 1e-2)], 1e-4) is None
+    assert adam_eps_hint({"training": {"optimizer": "adam", "adam_eps": "1.0e-3"}}, weights_only, 1e-4) is None
+    assert adam_eps_hint({"training": {"optimizer": "sgd"}}, weights_only, 1e-4) is None
+
+
 # -- the distributed optimizer ---------------------------------------------------------------------
 
 DISTOPT = ["distopt_tp2_dp2.yaml", "distopt_noncolocated_dp2.yaml", "distopt_pp2_dp2.yaml"]

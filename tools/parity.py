@@ -30,19 +30,22 @@ def main(argv=None) -> int:
     if args.steps < 1:
         print("error: --steps: must be >= 1", file=sys.stderr)
         return 2
-    from mimo.training.parity import parity
+    from mimo.training.parity import adam_eps_hint, parity
 
     try:
         base = read_yaml(args.baseline)
         cands = [read_yaml(c) for c in args.candidates]
-        all_ok = True
+        reports = []
         for report in parity(base, cands, args.candidates, args.steps, args.rtol):
             print(json.dumps(report), flush=True)
-            all_ok &= report["ok"]
+            reports.append(report)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    return 0 if all_ok else 1
+    hint = adam_eps_hint(base, reports, args.rtol)
+    if hint:
+        print(hint, file=sys.stderr)
+    return 0 if all(r["ok"] for r in reports) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the last step are gathered and compared with the baseline's.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -197,6 +197,21 @@ def compare(baseline: Dict, candidate: Dict, rtol: float) -> Dict:
         "max_rel_param_diff": param_diff,
         "ok": max(loss_diff, grad_diff, param_diff) <= rtol,
     }
+
+
+def adam_eps_hint(baseline_raw: Dict, reports: List[Dict], rtol: float) -> Optional[str]:
+    """A line for the user when the only failures are weights after Adam steps with a small eps: Adam
+    then moves a weight whose gradient is near 0 by about lr either way, so summation-order rounding
+    that the gradients show at 1e-7 can reach 1e-4..1e-3 in the weights (docs/training.md)."""
+    tr = baseline_raw.get("training", {})
+    if tr.get("optimizer", "adam") != "adam" or float(tr.get("adam_eps", 1e-8)) >= 1e-4:
+        return None
+    failed = [r for r in reports if not r["ok"]]
+    if not failed or any(max(r["max_rel_loss_diff"], r["max_rel_grad_diff"]) > rtol for r in failed):
+        return None
+    return ("note: losses and gradients agree; only weights after Adam steps differ. With a small adam_eps, Adam "
+            "magnifies summation-order rounding in near-zero gradients: set training.adam_eps: 1.0e-3 in the "
+            "baseline and every candidate to compare layouts (docs/training.md)")
 
 
 def parity(baseline_raw: Dict, candidates: List[Dict], names: List[str], steps: int, rtol: float):
