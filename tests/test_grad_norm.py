@@ -11,6 +11,7 @@ import torch
 
 from mimo.training import optimizer as optimizer_module
 from mimo.training.optimizer import NORM_CHUNK, norm_ranges, sq_norm_fp32
+from tiny import PARITY_ADAM_EPS
 
 # -- simulated ranks: megatron's grad-buffer layout, no processes --------------------------------------
 
@@ -162,7 +163,7 @@ def test_grad_norm_equals_one_rank(reference, modules, world, training):
     from test_optimizer import _norms
 
     raw = layout(**modules)
-    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, clip_grad=0.05, adam_eps=1e-3,
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, clip_grad=0.05, adam_eps=PARITY_ADAM_EPS,
                            **training)  # `_adam`'s settings: the reference's
     for r in run_on_ranks(_norms, world, raw, STEPS, timeout_s=300):
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)

@@ -22,14 +22,14 @@ from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
 from mimo.training.parity import max_rel_diff
 from test_moe import moe
+from tiny import PARITY_ADAM_EPS
 
 EXPERTS = 8
 
 
 def _raw(save=None, load=None, **layout):
     raw = moe("alltoall", **layout)
-    # adam_eps 1e-3: Adam's step smooth in the gradient (test_optimizer._adam says why).
-    raw["training"].update(optimizer="adam", lr=0.01, train_iters=4, adam_eps=1e-3)
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=4, adam_eps=PARITY_ADAM_EPS)
     if save:
         raw["training"].update(save=save, save_interval=2)
     if load:

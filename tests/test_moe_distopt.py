@@ -23,14 +23,13 @@ from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
 from mimo.training.parity import max_rel_diff
 from test_moe import STEPS, merged, moe
+from tiny import PARITY_ADAM_EPS
 
 
 def _raw(dist_opt, save=None, load=None, steps=STEPS, **layout):
     raw = moe("alltoall", **layout)
-    # eps 1e-3 keeps Adam's step a smooth function of the gradient (test_optimizer._adam says why), so
-    # the weights of different layouts can be compared tightly.
     raw["training"].update(optimizer="adam", lr=0.01, clip_grad=0.05, train_iters=steps,
-                           use_distributed_optimizer=dist_opt, adam_eps=1e-3)
+                           use_distributed_optimizer=dist_opt, adam_eps=PARITY_ADAM_EPS)
     if save:
         raw["training"].update(save=save, save_interval=2)
     if load:

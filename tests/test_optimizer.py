@@ -11,7 +11,7 @@ from mimo.runtime import run_on_ranks, select_runtime
 from mimo.training import Trainer
 from mimo.training.optimizer import lr_scheduler
 from mimo.training.parity import max_rel_diff, record_run
-from tiny import tiny
+from tiny import PARITY_ADAM_EPS, tiny
 
 STEPS = 3
 
@@ -85,13 +85,9 @@ def _run(raw, steps, sabotage=None):
 
 
 def _adam(layout=None, **training):
-    """Adam at lr 0.01 with eps 1e-3: with the default 1e-8 an element whose gradient is near 0 moves by
-    about lr * sign(g), so summation-order rounding that flips or halves such a gradient moves the
-    weight by up to lr; how many elements do so depends on the machine's kernels (one machine put a
-    TP2 x DP2 run 1.3e-3 of the largest weight away from 1 rank, others 1.6e-4). An eps above those
-    gradients keeps the update a smooth function of them, so the weights can be compared tightly."""
+    """Adam at lr 0.01 with PARITY_ADAM_EPS (tiny.py says why)."""
     raw = tiny(**(layout or {}))
-    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, adam_eps=1e-3)
+    raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, adam_eps=PARITY_ADAM_EPS)
     raw["training"].update(training)
     return raw
 
@@ -226,7 +222,7 @@ def test_distributed_optimizer_adam_on_heterogeneous_layouts_equals_one_rank(ada
 
     raw = layout(**modules)
     raw["training"].update(optimizer="adam", lr=0.01, train_iters=STEPS, use_distributed_optimizer=True,
-                           adam_eps=1e-3)  # as `_adam`, whose run is the reference
+                           adam_eps=PARITY_ADAM_EPS)  # as `_adam`, whose run is the reference
     ranks = run_on_ranks(_run, world, raw, STEPS, timeout_s=240)
     kinds = {k for r in ranks for k in r["kinds"].values()}
     assert kinds == {"DistributedOptimizer"}, kinds

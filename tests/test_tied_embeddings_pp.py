@@ -15,7 +15,7 @@ import torch
 from mimo.runtime import run_on_ranks
 from mimo.training.parity import max_rel_diff, merge_ranks
 from mimo.training.state import TIED_COPY
-from tiny import TINY
+from tiny import PARITY_ADAM_EPS, TINY
 
 STEPS = 3
 EMB = "language.embedding.word_embeddings.weight"
@@ -29,9 +29,7 @@ def tied(encoders=False, optimizer="adam", **language):
     raw["training"].update(optimizer=optimizer, lr=0.01 if optimizer == "adam" else 0.1, train_iters=STEPS,
                            precision="fp32", init="sharded")
     if optimizer == "adam":
-        # Adam's step smooth in the gradient, so other summation orders stay small in the weights
-        # (test_optimizer._adam says why).
-        raw["training"]["adam_eps"] = 1e-3
+        raw["training"]["adam_eps"] = PARITY_ADAM_EPS
     raw["parallelism"] = {"language": dict(language)}
     if encoders:
         # Non-colocated: the tower on the rank after the LLM's.

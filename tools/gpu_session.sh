@@ -15,8 +15,8 @@
 # Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
 # tune.log and session.log (every step's output, a "step NAME: rc R, S s" line after each).
 # Wheels in .whl/ (megatron-core, which the GPU image lacks: scripts/device_wheels.sh fetches it; WHEELS
-# names another folder) are installed first into /tmp/site. Without a CUDA device it says so and exits 0. PYTHON overrides the
-# interpreter (default python3).
+# names another folder) are installed first into /tmp/site. Without a CUDA device it says so and exits 0.
+# PYTHON overrides the interpreter (default python3).
 set -u
 OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
 BUDGET=${2:-570}

@@ -13,7 +13,8 @@ configuration's, so a setting that computes something else is reported, never pi
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
 markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths;
 before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
-limit (a GPU lent for minutes) still leaves what it measured. Exits with status 2 and a message when CUDA is asked for but unavailable.
+limit (a GPU lent for minutes) still leaves what it measured. Exits with status 2 and a message when
+CUDA is asked for but unavailable.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from mimo.config import ConfigError, MimoConfig, load_config
+from mimo.config import ConfigError, MimoConfig, TrainingConfig, load_config
 from mimo.runtime import run_on_ranks, select_runtime
 
 from .optimizer import trainable
@@ -204,7 +204,8 @@ def adam_eps_hint(baseline_raw: Dict, reports: List[Dict], rtol: float) -> Optio
     then moves a weight whose gradient is near 0 by about lr either way, so summation-order rounding
     that the gradients show at 1e-7 can reach 1e-4..1e-3 in the weights (docs/training.md)."""
     tr = baseline_raw.get("training", {})
-    if tr.get("optimizer", "adam") != "adam" or float(tr.get("adam_eps", 1e-8)) >= 1e-4:
+    optimizer, eps = tr.get("optimizer", TrainingConfig.optimizer), tr.get("adam_eps", TrainingConfig.adam_eps)
+    if optimizer != "adam" or float(eps) >= 1e-4:
         return None
     failed = [r for r in reports if not r["ok"]]
     if not failed or any(max(r["max_rel_loss_diff"], r["max_rel_grad_diff"]) > rtol for r in failed):
