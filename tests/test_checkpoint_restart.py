@@ -91,7 +91,7 @@ def test_killed_worker_restarts_from_latest_and_matches_an_uninterrupted_run(tmp
     assert killed, out[-3000:]
     # The queue managers (mimo/checkpoint/writer_helper.py) must die with their ranks. Python's resource
     # tracker beside each exits only once every process holding its pipe has, which mimo does not decide:
-    # in 1 of 6 full-suite runs on 2026-11-26/27 one outlived the 90 s below (the holder is not known yet).
+    # in two of about ten full-suite runs one outlived the 90 s below (the holder is not known yet).
     # It is waited for and then removed, but not asserted on.
     managers = [h for h in helpers if "resource_tracker" not in what[h]]
     deadline = time.time() + 90
