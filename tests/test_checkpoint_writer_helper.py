@@ -1,8 +1,9 @@
-"""megatron-core's checkpoint-writer helper process dies with its rank when mimo starts it.
+"""megatron-core's checkpoint-writer helper processes die with their rank when mimo ties them.
 
 A rank that saved once and is then SIGKILLed (what torchrun does to the surviving ranks of a failed
-job, or the kernel to an out-of-memory rank) must not leave that helper behind. The control starts
-the helper as megatron-core does on its own: it outlives the killed rank, so the check can fail.
+job, or the kernel to an out-of-memory rank) must not leave behind the writer's queue manager, nor
+a writer it forked (which could still be writing files). The controls start them as megatron-core
+does on its own: they outlive the killed rank, so the checks can fail.
 """
 
 import os
@@ -28,6 +29,27 @@ queue = filesystem_async._get_write_results_queue()  # what megatron-core's writ
 queue.put("written")
 assert queue.get() == "written"
 print(*[p.pid for p in mp.active_children()], flush=True)
+time.sleep(600)
+"""
+
+# The rank forks a writer the way megatron-core does (a "fork" multiprocessing context, from the
+# main thread), after mimo's `install` or without it, and one more from a short-lived thread.
+FORKING_RANK = """
+import multiprocessing as mp, sys, threading, time
+if sys.argv[1] == "mimo":
+    from mimo.checkpoint.writer_helper import install
+    install()
+ctx = mp.get_context("fork")
+writer = ctx.Process(target=time.sleep, args=(600,))
+writer.start()
+# Forked from a thread that then ends: it must not be killed with the thread (Linux signals a
+# child when the *thread* that forked it exits), only, like any process, left to run.
+from_thread = []
+t = threading.Thread(target=lambda: (from_thread.append(ctx.Process(target=time.sleep, args=(600,))),
+                                     from_thread[0].start(), time.sleep(0.5)))  # ends once the child runs
+t.start(); t.join()
+time.sleep(1)
+print(writer.pid, from_thread[0].pid, int(from_thread[0].is_alive()), flush=True)
 time.sleep(600)
 """
 
@@ -62,3 +84,38 @@ def test_the_helper_dies_with_a_killed_rank():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_control_megatron_cores_own_helper_outlives_the_rank():
     assert _kill_rank_and_watch_helper("megatron", wait_s=3)
+
+
+def _kill_forking_rank(how: str, wait_s: float):
+    """(writer alive `wait_s` s after its rank was SIGKILLed, the thread's child alive before the kill)."""
+    rank = subprocess.Popen([sys.executable, "-c", FORKING_RANK, how], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    pids = []
+    try:
+        writer, from_thread, thread_child_alive = (int(x) for x in rank.stdout.readline().split())
+        pids = [writer, from_thread]
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)
+        deadline = time.time() + wait_s
+        while process_alive(writer) and time.time() < deadline:
+            time.sleep(0.1)
+        return process_alive(writer), bool(thread_child_alive)
+    finally:
+        rank.kill()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_forked_writer_dies_with_a_killed_rank_and_a_threads_child_outlives_its_thread():
+    writer_alive, thread_child_alive = _kill_forking_rank("mimo", wait_s=20)
+    assert not writer_alive
+    assert thread_child_alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_control_a_writer_forked_without_mimo_outlives_the_rank():
+    assert _kill_forking_rank("megatron", wait_s=3)[0]
