@@ -28,7 +28,8 @@ if sys.argv[1] == "mimo":
 queue = filesystem_async._get_write_results_queue()  # what megatron-core's writer calls on a save
 queue.put("written")
 assert queue.get() == "written"
-print(*[p.pid for p in mp.active_children()], flush=True)
+helper, = mp.active_children()  # the queue's manager, and nothing else
+print(helper.pid, flush=True)
 time.sleep(600)
 """
 
@@ -49,27 +50,31 @@ t = threading.Thread(target=lambda: (from_thread.append(ctx.Process(target=time.
                                      from_thread[0].start(), time.sleep(0.5)))  # ends once the child runs
 t.start(); t.join()
 time.sleep(1)
-print(writer.pid, from_thread[0].pid, int(from_thread[0].is_alive()), flush=True)
+print(writer.pid, from_thread[0].pid, "|", "thread's child", "alive" if from_thread[0].is_alive() else "dead",
+      flush=True)
 time.sleep(600)
 """
 
 
-def _kill_rank_and_watch_helper(how: str, wait_s: float) -> bool:
-    """Whether the helper is still alive `wait_s` seconds after its rank was SIGKILLed."""
-    rank = subprocess.Popen([sys.executable, "-c", RANK, how], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+def _kill_rank(script: str, how: str, wait_s: float):
+    """Run `script` as a rank, read the line it prints (pids, then `|` and a note), SIGKILL the rank:
+    whether the first pid still runs `wait_s` seconds later, and the note."""
+    rank = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": ROOT})
+    pids = []
     try:
-        helpers = [int(x) for x in rank.stdout.readline().split()]
-        assert len(helpers) == 1, helpers
+        printed, _, note = rank.stdout.readline().partition("|")
+        pids = [int(x) for x in printed.split()]
         os.kill(rank.pid, signal.SIGKILL)
         rank.wait(timeout=30)
         deadline = time.time() + wait_s
-        while process_alive(helpers[0]) and time.time() < deadline:
+        while process_alive(pids[0]) and time.time() < deadline:
             time.sleep(0.1)
-        return process_alive(helpers[0])
+        # Not reading on: a surviving helper holds the rank's stdout open.
+        return process_alive(pids[0]), note.strip()
     finally:
         rank.kill()
-        for pid in helpers if "helpers" in locals() else []:
+        for pid in pids:  # leave no orphans
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -78,44 +83,21 @@ def _kill_rank_and_watch_helper(how: str, wait_s: float) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_helper_dies_with_a_killed_rank():
-    assert not _kill_rank_and_watch_helper("mimo", wait_s=20)
+    assert not _kill_rank(RANK, "mimo", wait_s=20)[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_control_megatron_cores_own_helper_outlives_the_rank():
-    assert _kill_rank_and_watch_helper("megatron", wait_s=3)
-
-
-def _kill_forking_rank(how: str, wait_s: float):
-    """(writer alive `wait_s` s after its rank was SIGKILLed, the thread's child alive before the kill)."""
-    rank = subprocess.Popen([sys.executable, "-c", FORKING_RANK, how], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    pids = []
-    try:
-        writer, from_thread, thread_child_alive = (int(x) for x in rank.stdout.readline().split())
-        pids = [writer, from_thread]
-        os.kill(rank.pid, signal.SIGKILL)
-        rank.wait(timeout=30)
-        deadline = time.time() + wait_s
-        while process_alive(writer) and time.time() < deadline:
-            time.sleep(0.1)
-        return process_alive(writer), bool(thread_child_alive)
-    finally:
-        rank.kill()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    assert _kill_rank(RANK, "megatron", wait_s=3)[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_forked_writer_dies_with_a_killed_rank_and_a_threads_child_outlives_its_thread():
-    writer_alive, thread_child_alive = _kill_forking_rank("mimo", wait_s=20)
+    writer_alive, printed = _kill_rank(FORKING_RANK, "mimo", wait_s=20)
     assert not writer_alive
-    assert thread_child_alive
+    assert printed.strip() == "thread's child alive"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_control_a_writer_forked_without_mimo_outlives_the_rank():
-    assert _kill_forking_rank("megatron", wait_s=3)[0]
+    assert _kill_rank(FORKING_RANK, "megatron", wait_s=3)[0]
