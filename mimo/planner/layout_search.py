@@ -100,6 +100,8 @@ def layout_rule_errors(spec: ModelSpec, pars: Mapping[str, Par], global_batch: i
                 errs.append(f"{path}.ep: etp * ep must divide tp * cp * dp")
             elif m.moe_ffn % p.etp:
                 errs.append(f"{path}.etp: must divide the experts' FFN width ({m.moe_ffn})")
+            elif p.etp > 1 and m.moe_bias:
+                errs.append(f"{path}.etp: must be 1 with add_bias_linear: true")
         if m.is_language and m.is_moe and p.tp > 1 and not p.sp:
             errs.append(f"{path}.sp: an MoE LLM with tp > 1 needs sp")
         if p.sp and p.tp > 1 and not sp_ok(m, p.tp, p.cp, seq_length):
@@ -177,19 +179,25 @@ class LayoutSearch:
         return out
 
     def _with_ep(self, layouts):
-        """Each LLM layout with every expert-parallel degree it allows (ep 1 only for a dense
-        LLM): ep divides both tp * cp * dp (EP re-divides those ranks, etp = 1) and the number of
-        experts. An MoE LLM with TP needs SP (megatron-core routes each TP rank's shard)."""
+        """Each LLM layout with every expert split it allows (ep = etp = 1 only for a dense LLM).
+        EP and expert TP re-divide the tp * cp * dp ranks (etp * ep must divide them); ep divides
+        the number of experts; etp, like TP, stays within a node, and leaves each expert's FFN cut
+        a multiple of 8 wide (grouped GEMM) and unbiased (megatron-core's expert biases need etp 1). An MoE LLM with TP needs SP (megatron-core
+        routes each TP rank's shard)."""
         lang = self.spec.language
         for tp, cp, pp, dp in layouts:
             if not lang.is_moe:
-                yield tp, cp, pp, dp, 1
+                yield tp, cp, pp, dp, 1, 1
                 continue
             if tp > 1 and not self._sp(lang, tp, cp):
                 continue
-            for ep in divisors_up_to(tp * cp * dp, lang.num_experts):
-                if lang.num_experts % ep == 0:
-                    yield tp, cp, pp, dp, ep
+            ranks = tp * cp * dp
+            for ep in divisors_up_to(ranks, lang.num_experts):
+                if lang.num_experts % ep:
+                    continue
+                for etp in divisors_up_to(ranks // ep, self.gpu.gpus_per_node):
+                    if etp == 1 or (not lang.moe_bias and lang.moe_ffn % (8 * etp) == 0):
+                        yield tp, cp, pp, dp, ep, etp
 
     def _sp(self, module, tp: int, cp: int) -> bool:
         """SP wherever TP > 1 and the sequence splits evenly (the config check's rule)."""
@@ -224,11 +232,11 @@ class LayoutSearch:
         # With fused attention ``selective`` saves no memory, so the search
         # tries the LLM without recompute and, for each placement where
         # nothing fits that way, with ``full``.
-        for tp, cp, pp, dp, ep in self._with_ep(self.llm_layouts(gpus)):
+        for tp, cp, pp, dp, ep, etp in self._with_ep(self.llm_layouts(gpus)):
             sp = self._sp(spec.language, tp, cp)
             fitted: dict[str, Planned] = {}
             for rec in ("none", "full"):
-                lp = Par(tp, cp, pp, dp, sp, rec, 0, ep=ep)
+                lp = Par(tp, cp, pp, dp, sp, rec, 0, ep=ep, etp=etp)
                 if self.model.chain_memory(self.model.llm_chain(lp), 0, self.g // (self.m * dp),
                                            dp * cp) > self.limit:
                     continue    # not even the LLM alone fits
@@ -246,8 +254,8 @@ class LayoutSearch:
                     if h:
                         fitted["homogeneous"] = h
                 if "colocated" not in fitted:
-                    opts = {e.name: [Par(etp, 1, 1, edp, self._sp(e, etp, 1), r, 0)
-                                     for etp, edp in self.encoder_layouts(e, gpus) for r in ("none", "full")]
+                    opts = {e.name: [Par(e_tp, 1, 1, e_dp, self._sp(e, e_tp, 1), r, 0)
+                                     for e_tp, e_dp in self.encoder_layouts(e, gpus) for r in ("none", "full")]
                             for e in encs}
                     c = self._best(self._with_encoders(lp, opts), "colocated")
                     if c:
@@ -283,20 +291,20 @@ class LayoutSearch:
         encs = self.spec.encoders
         for n_e in self._islands(gpus):
             n_l = gpus - n_e
-            for tp, cp, pp, dp, ep in self._with_ep(self.llm_layouts(n_l)):
+            for tp, cp, pp, dp, ep, etp in self._with_ep(self.llm_layouts(n_l)):
                 # The LLM's memory does not depend on the encoders here:
                 # its fastest fitting recompute setting is chosen alone.
                 lp = None
                 for rec in ("none", "full"):
-                    cand = Par(tp, cp, pp, dp, self._sp(self.spec.language, tp, cp), rec, 0, ep=ep)
+                    cand = Par(tp, cp, pp, dp, self._sp(self.spec.language, tp, cp), rec, 0, ep=ep, etp=etp)
                     ch = self.model.llm_chain(cand)
                     if self.model.chain_memory(ch, 0, self.g // (self.m * dp), dp * cp) <= self.limit:
                         lp = cand
                         break
                 if lp is None:
                     continue
-                opts = {e.name: [Par(etp, 1, 1, edp, self._sp(e, etp, 1), r, n_l)
-                                 for etp, edp in self.encoder_layouts(e, n_e) for r in ("none", "full")]
+                opts = {e.name: [Par(e_tp, 1, 1, e_dp, self._sp(e, e_tp, 1), r, n_l)
+                                 for e_tp, e_dp in self.encoder_layouts(e, n_e) for r in ("none", "full")]
                         for e in encs}
                 best = self._best(self._with_encoders(lp, opts), "non-colocated")
                 if best:

@@ -47,6 +47,7 @@ class ModuleSpec:
     moe_ffn: int = 0
     moe_shared_ffn: int = 0
     moe_layers: tuple[bool, ...] = ()
+    moe_bias: bool = False             # biased linear layers (add_bias_linear): experts then need etp 1
 
     @property
     def is_moe(self) -> bool:
@@ -256,7 +257,8 @@ def _moe(obj: Any, path: str, common: dict) -> dict:
         layers = tuple(i % freq == 0 for i in range(n))
     else:
         raise ValueError(f"{path}.moe_layer_freq: expected a positive integer or one 0/1 per layer, got {freq!r}")
-    return dict(num_experts=experts, moe_topk=topk, moe_ffn=ffn, moe_shared_ffn=shared, moe_layers=layers)
+    return dict(num_experts=experts, moe_topk=topk, moe_ffn=ffn, moe_shared_ffn=shared, moe_layers=layers,
+                moe_bias=_bool(obj, "add_bias_linear", path, default=True))
 
 
 def read_model(model: Any) -> ModelSpec:

@@ -95,6 +95,44 @@ def test_search_picks_ep_for_experts_that_do_not_fit(example):
     assert all(p.pars["language"].ep == 1 for p in search_d.search(32))
 
 
+def _few_big_experts(example, bias=False):
+    """Two experts of FFN 65536 on 8 layers of hidden 4096: EP stops at 2, so the experts only fit
+    an H100 when expert TP cuts them too."""
+    cfg = copy.deepcopy(example)
+    cfg["model"]["language"].update(num_layers=8, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                                    ffn_hidden_size=14336, vocab_size=32000, num_moe_experts=2, moe_router_topk=1,
+                                    moe_ffn_hidden_size=65536, add_bias_linear=bias)
+    del cfg["parallelism"]
+    return cfg
+
+
+def test_search_picks_expert_tp_when_ep_runs_out_of_experts(example):
+    from mimo.planner.best import planned_config
+
+    cfg = _few_big_experts(example)
+    search, spec = searcher(cfg, "h100", None)
+    found = search.search(8)
+    best = found[0].pars
+    lang = best["language"]
+    assert lang.ep == 2 and lang.etp > 1
+    for p in (f.pars["language"] for f in found):  # every candidate a split the config check takes
+        assert (p.tp * p.cp * p.dp) % (p.ep * p.etp) == 0 and 65536 % (8 * p.etp) == 0 and p.etp <= 8
+    homogeneous = found[0].estimate.placement == "homogeneous"
+    at_etp1 = {**best, "language": Par(**{**lang.__dict__, "etp": 1, "stage_layers": ()})}
+    assert search.evaluate(at_etp1, homogeneous).peak_memory > search.limit      # the experts need the cut
+    assert search.evaluate(best, homogeneous).peak_memory <= search.limit
+    # The emitted config is one mimo runs: the config check passes on it, etp included.
+    order = ["language"] + [e.name for e in spec.encoders]
+    emitted = planned_config(cfg, search, found[0], order)
+    assert load_config(emitted).parallelism["language"].etp == lang.etp
+    # Negative control: biased experts (megatron-core: etp 1 only) never get expert TP, and
+    # --evaluate refuses it in one line.
+    biased, _ = searcher(_few_big_experts(example, bias=True), "h100", None)
+    assert all(f.pars["language"].etp == 1 for f in biased.search(8))
+    with pytest.raises(ValueError, match=r"parallelism\.language\.etp: must be 1 with add_bias_linear"):
+        biased.evaluate({**best, "language": Par(**{**lang.__dict__, "stage_layers": ()})}, homogeneous)
+
+
 def test_evaluate_refuses_bad_expert_layouts(example):
     search, _ = searcher(copy.deepcopy(example), "h100", None)
     with pytest.raises(ValueError, match=r"parallelism\.language\.ep: must divide num_moe_experts"):
