@@ -144,3 +144,26 @@ def test_next_step_loads_in_the_background_and_raises_at_its_step():
     ahead.settle()  # the error stays with its step
     with pytest.raises(ValueError, match="bad data in step 3"):
         ahead.take(3)
+
+
+def test_rendezvous_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    """Rank 0's store port is not one the kernel may give an outgoing connection meanwhile (the
+    EADDRINUSE race of a bind(0) port), is free, and a taken port is passed over."""
+    import random
+    import socket
+
+    from mimo.runtime import launch
+
+    low = launch._ephemeral_low()
+    if low <= launch._FIRST_PORT + 1000:
+        pytest.skip(f"ephemeral range starts at {low}: nothing below it to choose from")
+    ports = [launch.free_port() for _ in range(20)]
+    assert all(launch._FIRST_PORT <= p < low for p in ports), ports
+    assert len(set(ports)) > 10  # chosen at random, not one fixed port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        other = next(p for p in ports if p != ports[0])
+        picks = iter([ports[0], other])
+        monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(picks))
+        assert launch.free_port() == other

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from typing import Any, Callable, List
@@ -23,8 +24,36 @@ class RankFailed(RuntimeError):
     pass
 
 
+_FIRST_PORT = 20000  # above the ports services usually take
+
+
+def _ephemeral_low() -> int:
+    """The first port Linux hands out to bind(0) and outgoing connections (32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port that was free just now, for rank 0's rendezvous store.
+
+    Taken at random below the ephemeral range: a port bind(0) returned would be the kernel's to give
+    to any outgoing connection (gloo opens many) between this check and rank 0's listen, which made
+    a rank fail with EADDRINUSE about once in a thousand multi-rank runs. Below that range only
+    another caller picking the same port at random in the same moment can take it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100 if low > _FIRST_PORT + 1000 else 0):
+        port = rng.randrange(_FIRST_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every try taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
