@@ -181,9 +181,10 @@ class LayoutSearch:
     def _with_ep(self, layouts):
         """Each LLM layout with every expert split it allows (ep = etp = 1 only for a dense LLM).
         EP and expert TP re-divide the tp * cp * dp ranks (etp * ep must divide them); ep divides
-        the number of experts; etp, like TP, stays within a node, and leaves each expert's FFN cut
-        a multiple of 8 wide (grouped GEMM) and unbiased (megatron-core's expert biases need etp 1). An MoE LLM with TP needs SP (megatron-core
-        routes each TP rank's shard)."""
+        the number of experts; etp, like TP, stays within a node and leaves each expert's FFN cut
+        a multiple of 8 wide (grouped GEMM), on unbiased experts only (megatron-core's expert
+        biases need etp 1). An MoE LLM with TP needs SP (megatron-core routes each TP rank's
+        shard)."""
         lang = self.spec.language
         for tp, cp, pp, dp in layouts:
             if not lang.is_moe:

@@ -41,7 +41,7 @@ def free_port() -> int:
 
     Taken at random below the ephemeral range: a port bind(0) returned would be the kernel's to give
     to any outgoing connection (gloo opens many) between this check and rank 0's listen, which made
-    a rank fail with EADDRINUSE about once in a thousand multi-rank runs. Below that range only
+    a rank fail with EADDRINUSE once in a full test-suite run. Below that range only
     another caller picking the same port at random in the same moment can take it."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
