@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from mimo.config.validate import grouped_gemm_problem
 from mimo.planner.hardware import GpuSpec
 from mimo.planner.megatron import RECOMPUTE, Estimate, Par, StepModel, Work
 from mimo.planner.rules import divisors_up_to, sp_ok, tp_ok
@@ -181,9 +182,9 @@ class LayoutSearch:
     def _with_ep(self, layouts):
         """Each LLM layout with every expert split it allows (ep = etp = 1 only for a dense LLM).
         EP and expert TP re-divide the tp * cp * dp ranks (etp * ep must divide them); ep divides
-        the number of experts; etp, like TP, stays within a node and leaves each expert's FFN cut
-        a multiple of 8 wide (grouped GEMM), on unbiased experts only (megatron-core's expert
-        biases need etp 1). An MoE LLM with TP needs SP (megatron-core routes each TP rank's
+        the number of experts; etp, like TP, stays within a node, divides each expert's FFN and
+        keeps the experts runnable as grouped GEMMs (the config check's rule: no biases, which
+        megatron-core's experts only take at etp 1, and widths a multiple of 8). An MoE LLM with TP needs SP (megatron-core routes each TP rank's
         shard)."""
         lang = self.spec.language
         for tp, cp, pp, dp in layouts:
@@ -197,7 +198,8 @@ class LayoutSearch:
                 if lang.num_experts % ep:
                     continue
                 for etp in divisors_up_to(ranks // ep, self.gpu.gpus_per_node):
-                    if etp == 1 or (not lang.moe_bias and lang.moe_ffn % (8 * etp) == 0):
+                    if etp == 1 or (lang.moe_ffn % etp == 0 and grouped_gemm_problem(
+                            lang.hidden_size, lang.moe_ffn, etp, lang.moe_bias) is None):
                         yield tp, cp, pp, dp, ep, etp
 
     def _sp(self, module, tp: int, cp: int) -> bool:
