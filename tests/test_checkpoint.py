@@ -99,6 +99,43 @@ def test_a_save_that_died_never_becomes_latest(tmp_path):
 
 
 
+def test_a_save_over_the_latest_step_never_loses_it(tmp_path, monkeypatch):
+    """A run rolled back to an older checkpoint saves the step `latest` names again: a save that dies
+    between moving the old directory aside and renaming the new one in still resumes from the old one,
+    and the next save of that step cleans up."""
+    d = str(tmp_path)
+    for step, mark in ((2, "old"), (4, "old")):
+        os.makedirs(paths.partial_dir(d, step))
+        open(os.path.join(paths.partial_dir(d, step), mark), "w").close()
+        paths.publish(d, step)
+    os.makedirs(paths.partial_dir(d, 4))
+    open(os.path.join(paths.partial_dir(d, 4), "new"), "w").close()
+    rename = os.rename
+
+    def dies_at_the_second_rename(src, dst):
+        if src == paths.partial_dir(d, 4):
+            raise KeyboardInterrupt("killed")
+        rename(src, dst)
+
+    monkeypatch.setattr(paths.os, "rename", dies_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        paths.publish(d, 4)
+    monkeypatch.setattr(paths.os, "rename", rename)
+    assert paths.read_latest(d) == 4 and os.listdir(paths.resolve(d)) == ["old"]
+    paths.discard_leftovers(d)  # the next save starts: the `.replaced` one is what `latest` reads
+    assert os.listdir(paths.resolve(d)) == ["old"] and not os.path.exists(paths.partial_dir(d, 4))
+    os.makedirs(paths.partial_dir(d, 4))
+    open(os.path.join(paths.partial_dir(d, 4), "new"), "w").close()
+    paths.publish(d, 4)
+    assert paths.resolve(d) == paths.iter_dir(d, 4) and os.listdir(paths.iter_dir(d, 4)) == ["new"]
+    assert sorted(os.listdir(d)) == ["iter_0000002", "iter_0000004", "latest"]
+    # A leftover `.replaced` of a step that has its directory, and a dead save's `.partial`, are discarded.
+    os.makedirs(paths.replaced_dir(d, 2))
+    os.makedirs(paths.partial_dir(d, 6))
+    paths.discard_leftovers(d)
+    assert sorted(os.listdir(d)) == ["iter_0000002", "iter_0000004", "latest"]
+
+
 def test_async_save_resumes_bit_identically(reference, tmp_path):
     """megatron-core's asynchronous writer on CPU ranks: the run saves in the background at steps 2
     and 4 (the save at 2 publishes while step 3 trains) and equals the synchronous run; resuming
@@ -124,6 +161,10 @@ def test_checkpoint_fields_are_validated():
     with pytest.raises(ConfigError, match="training.save"):
         load_config(with_ckpt(layout(), save=""))
     assert load_config(with_ckpt(layout(), save="d", save_interval=5, keep_last=2, load="d")).training.keep_last == 2
+    # Weights only into the directory it loads: every restart would fine-tune again from step 0 over it.
+    with pytest.raises(ConfigError, match="training.load_optimizer: false needs training.save"):
+        load_config(with_ckpt(layout(), save="d", load="./d", load_optimizer=False))
+    assert not load_config(with_ckpt(layout(), save="e", load="d", load_optimizer=False)).training.load_optimizer
 
 
 def test_distributed_optimizer_state_resumes_on_one_rank(tmp_path):

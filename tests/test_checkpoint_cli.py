@@ -131,3 +131,15 @@ def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
     empty["training"]["save"] = None
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         preflight(load_config(empty))
+    # A `training.save` that can never hold a checkpoint: found before the run, not at its first save.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fresh = copy.deepcopy(raw)
+    fresh["training"].update(load=None, save=str(afile))
+    with pytest.raises(CheckpointError, match=f"^training.save: {afile} exists and is not a directory$"):
+        preflight(load_config(fresh))
+    fresh["training"]["save"] = str(afile / "run" / "ckpt")
+    with pytest.raises(CheckpointError, match=f"^training.save: {afile}/run/ckpt cannot be made: {afile} is a file$"):
+        preflight(load_config(fresh))
+    fresh["training"]["save"] = str(tmp_path / "new" / "ckpt")  # made at the first save
+    assert preflight(load_config(fresh)) is None

@@ -63,9 +63,25 @@ def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
     return out
 
 
+def check_save_dir(save: str) -> None:
+    """`training.save` can hold checkpoints: a writable directory, or one that can be made (found now,
+    not at the first save, `save_interval` steps into the run)."""
+    path = os.path.abspath(save)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "exists and is not a directory" if existing == path else f"cannot be made: {existing} is a file"
+        raise CheckpointError(f"training.save: {save} {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"training.save: {save} cannot be written ({existing} is not writable)")
+
+
 def preflight(cfg) -> Optional[str]:
     """The checkpoint directory this run resumes from, None to start fresh; raises CheckpointError."""
     tr = cfg.training
+    if tr.save is not None:
+        check_save_dir(tr.save)
     if tr.load is None:
         return None
     root = tr.load

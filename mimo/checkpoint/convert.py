@@ -32,10 +32,12 @@ def full_weights(path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     verify(ckpt)
     read_checked(ckpt)  # refuses files that would run code when megatron-core reads them
     _one_process_group()
-    plain = dist_checkpointing.load_plain_tensors(ckpt)
+    # Only the weights' tensors are requested: with Adam the optimizer state is several times their size.
+    request = {k: v for k, v in dist_checkpointing.load_tensors_metadata(ckpt).items() if not k.startswith(PREFIX)}
+    plain = dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, t in plain.items():
-        if key.startswith(PREFIX) or not torch.is_tensor(t):  # optimizer state; the common record
+        if not torch.is_tensor(t):  # the common record
             continue
         module, name = key.split(".", 1)
         out.setdefault(module, {})[name] = t

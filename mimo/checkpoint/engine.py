@@ -25,7 +25,7 @@ from mimo.runtime import checkpoint_scope, cuda_available
 from .checks import META, preflight, read_meta, shape_problems
 from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
-from .paths import CheckpointError, partial_dir, prune, publish
+from .paths import CheckpointError, discard_leftovers, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
 from .shards import assign_weights, param_shards, weights_request, weights_state
 from .writer_helper import install as install_writer_helper
@@ -133,10 +133,7 @@ class Checkpointer:
         root, tmp = tr.save, partial_dir(tr.save, steps_done)
         if self.rank == 0:
             os.makedirs(root, exist_ok=True)
-            if os.path.exists(tmp):  # left by a save that died: never published, safe to discard
-                import shutil
-
-                shutil.rmtree(tmp)
+            discard_leftovers(root)  # saves that died: never published, safe to discard
             os.makedirs(tmp)
         dist.barrier()
         dataset = self.trainer.dataset

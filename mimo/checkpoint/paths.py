@@ -6,6 +6,12 @@ disk, and only then named in `latest` (written to a temporary file, fsynced,
 renamed). A save that dies at any point leaves `latest` naming the previous
 complete checkpoint, and no complete checkpoint is modified while a new one is
 written.
+
+A save of a step that already has a complete checkpoint (a run rolled back to an
+older one saves that step again) first renames the old one to
+`iter_NNNNNNN.replaced`, and deletes it only after `latest` names the new one.
+A save that dies between the two renames leaves `latest` naming a step whose
+directory is `.replaced`: `resolve` reads that one.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ def partial_dir(root: str, step: int) -> str:
     return iter_dir(root, step) + ".partial"
 
 
+def replaced_dir(root: str, step: int) -> str:
+    return iter_dir(root, step) + ".replaced"
+
+
 def read_latest(root: str) -> Optional[int]:
     """The step `DIR/latest` names (None when there is no `latest`: no checkpoint yet)."""
     path = os.path.join(root, LATEST)
@@ -49,15 +59,18 @@ def read_latest(root: str) -> Optional[int]:
 
 def resolve(path: str) -> str:
     """A checkpoint directory from either `DIR` (its `latest`) or `DIR/iter_NNNNNNN` itself."""
-    if os.path.isdir(path) and _ITER.match(os.path.basename(os.path.normpath(path))):
+    name = os.path.basename(os.path.normpath(path))
+    if os.path.isdir(path) and _ITER.match(name.removesuffix(".replaced")):
         return path
     step = read_latest(path)
     if step is None:
         raise CheckpointError(f"{path}: no checkpoint here (neither {LATEST} nor an iter_NNNNNNN directory)")
     target = iter_dir(path, step)
-    if not os.path.isdir(target):
-        raise CheckpointError(f"{os.path.join(path, LATEST)} names step {step} but {target} does not exist")
-    return target
+    if os.path.isdir(target):
+        return target
+    if os.path.isdir(replaced_dir(path, step)):  # a save of the same step died before its rename
+        return replaced_dir(path, step)
+    raise CheckpointError(f"{os.path.join(path, LATEST)} names step {step} but {target} does not exist")
 
 
 def _fsync_dir(path: str) -> None:
@@ -82,12 +95,14 @@ def fsync_tree(path: str) -> None:
 
 def publish(root: str, step: int) -> None:
     """Rename the finished partial directory into place, then point `latest` at it (rank 0 only)."""
-    src, dst = partial_dir(root, step), iter_dir(root, step)
+    src, dst, old = partial_dir(root, step), iter_dir(root, step), replaced_dir(root, step)
     fsync_tree(src)
     if os.path.exists(dst):
-        # A complete checkpoint of this step that never became `latest` (a run that died
-        # between the rename and `latest`, then resumed from an older one): replace it.
-        shutil.rmtree(dst)
+        # An older checkpoint of this step, perhaps the one `latest` names: kept (under another
+        # name, which `resolve` also reads) until `latest` names the new one.
+        if os.path.exists(old):
+            shutil.rmtree(old)  # a leftover: `dst` exists, so `resolve` never reads it
+        os.rename(dst, old)
     os.rename(src, dst)
     _fsync_dir(root)
     tmp = os.path.join(root, f".{LATEST}.tmp")
@@ -97,6 +112,8 @@ def publish(root: str, step: int) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
     _fsync_dir(root)
+    if os.path.exists(old):
+        shutil.rmtree(old)
 
 
 def complete_steps(root: str) -> List[int]:
@@ -104,6 +121,25 @@ def complete_steps(root: str) -> List[int]:
     if not os.path.isdir(root):
         return []
     return sorted(int(m.group(1)) for m in map(_ITER.match, os.listdir(root)) if m)
+
+
+def discard_leftovers(root: str) -> None:
+    """Delete what dead saves left (rank 0, with no save in flight): every `.partial` directory, and every
+    `.replaced` one that `resolve` would not read."""
+    if not os.path.isdir(root):
+        return
+    try:
+        latest = read_latest(root)
+    except CheckpointError:  # an unreadable `latest`: keep every `.replaced` (the resume reports it)
+        latest = -1
+    for name in os.listdir(root):
+        base, _, kind = name.partition(".")
+        m = _ITER.match(base)
+        if not m or kind not in ("partial", "replaced"):
+            continue
+        step = int(m.group(1))
+        if kind == "partial" or latest != -1 and (step != latest or os.path.isdir(iter_dir(root, step))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def prune(root: str, keep_last: int) -> None:

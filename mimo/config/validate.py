@@ -6,6 +6,7 @@ Each rule appends `(dotted.path, reason)`; nothing stops at the first problem.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import List, Optional
 
 from .hf_files import processor_dir, tokenizer_dir
@@ -199,8 +200,6 @@ def _check_image_processor(cfg: MimoConfig, name: str, add) -> None:
 
 def _check_data(cfg: MimoConfig, add) -> None:
     """Real-data fields: files exist, the tokenizer fits the LLM's vocabulary, packing can be masked."""
-    import os
-
     d = cfg.data
     _check_choice(d.on_bad_record, BAD_RECORD_MODES, "data.on_bad_record", add)
     if d.kind == "mock":
@@ -266,6 +265,12 @@ def _check_checkpoints(tr, add) -> None:
                 add(f"training.{key}", "needs training.save (the directory to write checkpoints to)")
         if tr.async_save:
             add("training.async_save", "needs training.save (the directory to write checkpoints to)")
+    elif not tr.load_optimizer and isinstance(tr.load, str) and isinstance(tr.save, str) \
+            and os.path.abspath(tr.load) == os.path.abspath(tr.save):
+        # Every restart would load the newest weights as a fresh start (step 0, new optimizer and
+        # data order) and then save over the checkpoints of the run it started from.
+        add("training.load_optimizer", "false needs training.save to be another directory than training.load "
+            f"({tr.load}): a restart would begin again at step 0 and overwrite its checkpoints")
 
 
 def _check_replan(cfg: MimoConfig, add) -> None:

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         # The launcher sits above the training layer it starts.
         from mimo.training.hf_export import export_config
 
-        export_config(raw, args.out, load=args.load)
+        ckpt = export_config(raw, args.out, load=args.load)
     except CheckpointError as exc:  # --load: missing, damaged, or another architecture than the config's
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     except (RankFailed, OSError) as exc:  # the export itself failed (a rank, the disk): not bad input
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (f" (weights of {ckpt})" if ckpt else ""))
     return 0
 
 

@@ -154,16 +154,19 @@ def checkpoint_export_config(raw: Dict, ckpt_dir: str) -> Dict:
     return raw
 
 
-def export_config(raw: Dict, out_dir: str, load: Optional[str] = None, timeout_s: float = 1800.0) -> None:
+def export_config(raw: Dict, out_dir: str, load: Optional[str] = None,
+                  timeout_s: float = 1800.0) -> Optional[str]:
     """Build the config's model on its ranks and export it: weights from its HF directory, or from
     the mimo checkpoint `load` (the HF directory then only supplies the names and the non-weight
-    files). Raises CheckpointError for a checkpoint that is missing, damaged or of another model."""
+    files). Returns the checkpoint directory exported (None without `load`). Raises CheckpointError
+    for a checkpoint that is missing, damaged or of another model."""
     if load is not None:
         from mimo.checkpoint import CheckpointError, preflight
         from mimo.checkpoint.paths import resolve
 
-        resolve(load)  # `latest` or an iter_NNNNNNN directory, before any rank starts
-        raw = checkpoint_export_config(raw, load)
+        # `latest` read once, here: a training run still saving into `load` could otherwise move it
+        # between two ranks' reads, and they would load shards of different steps.
+        raw = checkpoint_export_config(raw, resolve(load))
     cfg = load_config(raw)
     from mimo.hf import hf_modules
 
@@ -179,3 +182,4 @@ def export_config(raw: Dict, out_dir: str, load: Optional[str] = None, timeout_s
                                       daemon=load is None) if e]
     if errors:
         raise CheckpointError(errors[0])
+    return raw["training"]["load"] if load is not None else None
