@@ -335,10 +335,16 @@ def test_export_of_a_checkpoint_gives_its_trained_weights(clip_llama, llama_ckpt
     from mimo.hf.convert import split_entry
 
     assert paths.read_latest(llama_ckpt["dir"]) == 2
+    hub = str(tmp_path / "hub")  # a Hub directory that also ships the weights in PyTorch's format
+    shutil.copytree(clip_llama, hub)
+    for f in ("pytorch_model.bin", "pytorch_model.bin.index.json", "generation_config.json"):
+        (tmp_path / "hub" / f).write_text("{}")
     cfg = tmp_path / "export.yaml"
-    cfg.write_text(yaml.safe_dump(llava_config(clip_llama, language={"tp": 2}, images={"tp": 2})))
+    cfg.write_text(yaml.safe_dump(llava_config(hub, language={"tp": 2}, images={"tp": 2})))
     out = tmp_path / "out"
-    assert _export_load(cfg, out, llama_ckpt["dir"]) == 0  # DIR: its latest
+    capsys.readouterr()
+    assert _export_load(cfg, out, llama_ckpt["dir"]) == 0  # DIR: its latest, read once before the ranks start
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out} (weights of {paths.iter_dir(llama_ckpt['dir'], 2)})"
 
     saved, src = llama_ckpt["params"], Source(clip_llama)
     expected = {}
@@ -354,6 +360,8 @@ def test_export_of_a_checkpoint_gives_its_trained_weights(clip_llama, llama_ckpt
     trained = [k for k in expected if not torch.equal(expected[k], source[k])]
     assert len(trained) == len(expected)  # every tensor moved in 2 Adam steps (no frozen module here)
 
+    # The untrained PyTorch-format weights are not copied next to the trained ones; other files are.
+    assert "generation_config.json" in os.listdir(out) and not [f for f in os.listdir(out) if "pytorch_model" in f]
     model = LlavaForConditionalGeneration.from_pretrained(str(out))  # transformers reads the export
     reloaded = model.state_dict()
     emb = next(k for k in expected if k.endswith("embed_tokens.weight"))
@@ -468,6 +476,64 @@ def test_missing_and_misshaped_tensors_are_one_error_line(clip_llama, tmp_path):
     with pytest.raises(HFWeightsError) as exc:
         check_hf_weights(cfg)
     assert str(exc.value) == f"error: {bad}: no model.safetensors or model.safetensors.index.json"
+
+
+def test_quantized_weights_and_a_stale_index_are_one_error_line(clip_llama, tmp_path):
+    """An FP8 checkpoint has the real weights' shapes: refused by its config's quantization_config
+    and, without one, by the tensors' dtype; an index naming the wrong shard: the file and tensor named
+    (not safetensors' own traceback)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mimo.hf import HFWeightsError, check_hf_weights
+
+    fp8 = str(tmp_path / "fp8")
+    shutil.copytree(clip_llama, fp8)
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    gate = next(k for k in tensors if k.endswith("layers.0.mlp.gate_proj.weight"))
+    tensors[gate] = tensors[gate].to(torch.float8_e4m3fn)
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = load_config(llava_config(fp8))  # no quantization_config: the dtype gives it away
+    with pytest.raises(HFWeightsError) as exc:
+        check_hf_weights(cfg)
+    assert str(exc.value) == (f"error: {path}: {gate}: dtype F8_E4M3: only F32, BF16, F16, F64 weights are read "
+                              "(a quantized checkpoint?)")
+    with open(os.path.join(fp8, "config.json")) as f:
+        hc = json.load(f)
+    hc["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(os.path.join(fp8, "config.json"), "w") as f:
+        json.dump(hc, f)
+    with pytest.raises(ConfigError) as exc:
+        load_config(llava_config(fp8))
+    assert exc.value.problems == [("model.hf", f"{os.path.join(fp8, 'config.json')}: quantization_config (fp8 "
+                                               "weights) is not supported; use the checkpoint in bf16, fp16 or fp32")]
+
+    sharded = str(tmp_path / "sharded")
+    shutil.copytree(clip_llama, sharded)
+    tensors = load_file(os.path.join(sharded, "model.safetensors"))
+    os.remove(os.path.join(sharded, "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, os.path.join(sharded, file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    index = os.path.join(sharded, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    cfg = load_config(llava_config(sharded))
+    check_hf_weights(cfg)  # control: the right index reads
+    norm = next(k for k in names if k.endswith("model.norm.weight"))
+    wrong = next(f for f in halves if norm not in halves[f])
+    weight_map[norm] = wrong
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with pytest.raises(HFWeightsError) as exc:
+        check_hf_weights(cfg)
+    assert str(exc.value) == (f"error: {os.path.join(sharded, wrong)}: {norm}: listed in "
+                              "model.safetensors.index.json but not in this file (a stale index?)")
 
 
 def test_tokenizer_and_processor_are_located_in_model_hf(clip_llama, tmp_path):

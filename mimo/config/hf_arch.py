@@ -60,6 +60,13 @@ def read_hf_config(directory: str, field: str) -> Dict[str, Any]:
         raise HFConfigProblem(field, f"{path}: unreadable ({exc})")
     if not isinstance(config, dict):
         raise HFConfigProblem(field, f"{path}: expected a JSON object, got {type(config).__name__}")
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        # Its tensors have the shapes of the real weights, but hold quantized values and scales that
+        # the import would copy as they are: refused, not silently trained from.
+        raise HFConfigProblem(field, f"{path}: quantization_config ({method or 'quantized'} weights) is not "
+                                     "supported; use the checkpoint in bf16, fp16 or fp32")
     return config
 
 

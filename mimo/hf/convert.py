@@ -58,5 +58,13 @@ def finish_directory(out_dir: str, src: Source, written: Iterable[str], skip_ext
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     for fname in os.listdir(src.directory):
         path = os.path.join(src.directory, fname)
-        if os.path.isfile(path) and not fname.endswith(".safetensors") and fname != "model.safetensors.index.json":
+        if os.path.isfile(path) and not _weights_file(fname):
             shutil.copy2(path, os.path.join(out_dir, fname))
+
+
+def _weights_file(fname: str) -> bool:
+    """The source's weights in any format: never copied, since a PyTorch-format copy of the untrained
+    weights next to the export would be what `use_safetensors=False` loads."""
+    return fname.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")) \
+        or fname.endswith(".index.json") and fname.startswith(("model.", "pytorch_model.", "tf_model.",
+                                                                "flax_model."))

@@ -57,6 +57,7 @@ class Source:
         self.directory = directory
         self.files = weight_files(directory)
         self._handles: Dict[str, object] = {}
+        self._keys: Dict[str, set] = {}  # per file: the tensors its header holds
         self._prefix: Dict[str, str] = {}
 
     def _handle(self, path: str):
@@ -76,17 +77,30 @@ class Source:
     def key(self, role: str, name: str) -> str:
         return self.prefix(role) + name
 
-    def shape(self, key: str) -> Tuple[int, ...]:
+    def _slice(self, key: str):
         if key not in self.files:
             raise HFWeightsError(self.directory, f"missing tensor {key}")
-        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
+        path = self.files[key]
+        if path not in self._keys:
+            self._keys[path] = set(self._handle(path).keys())
+        if key not in self._keys[path]:
+            raise HFWeightsError(f"{path}: {key}", "listed in model.safetensors.index.json but not in this file "
+                                                   "(a stale index?)")
+        return self._handle(path).get_slice(key)
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
-        return _DTYPES[self._handle(self.files[key]).get_slice(key).get_dtype()]
+        dtype = self._slice(key).get_dtype()
+        if dtype not in _DTYPES:
+            raise HFWeightsError(f"{self.files[key]}: {key}", f"dtype {dtype}: only {', '.join(_DTYPES)} weights "
+                                                              "are read (a quantized checkpoint?)")
+        return _DTYPES[dtype]
 
     def read(self, key: str, rows: Optional[Tuple[int, int]] = None, dim: int = 0) -> torch.Tensor:
         """The tensor, or only rows [a, b) along `dim` (read from the mapped file, nothing else)."""
-        sl = self._handle(self.files[key]).get_slice(key)
+        sl = self._slice(key)
         if rows is None:
             return sl[:]
         index = [slice(None)] * len(sl.get_shape())
@@ -101,3 +115,4 @@ class Source:
             got = self.shape(key)
             if got != shape:
                 raise HFWeightsError(f"{self.files[key]}: {key}", f"shape {list(got)}, the config needs {list(shape)}")
+            self.dtype(key)  # refuses a dtype it cannot read
