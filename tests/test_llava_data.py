@@ -114,14 +114,36 @@ def test_chat_template_marks_only_the_answer(sample_dir, tmp_path):
     assert enc.input_ids.count(ds.encoder.image_token) == 4
 
 
+def _png_claiming(path, width, height):
+    """A valid 1x1 PNG whose header (CRC fixed) says width x height: what a decompression bomb shows."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
 def bad_records(tmp_path, sample_dir):
     with open(tmp_path / "garbage.png", "wb") as f:
         f.write(b"this is not an image")
+    _png_claiming(tmp_path / "bomb.png", 20000, 10000)
     img = os.path.join(sample_dir, "images", "img0000.png")
     return [
         dict(RED, id="good1", image=img),
         dict(RED, id="missing", image=str(tmp_path / "nope.png")),
         dict(RED, id="garbage", image=str(tmp_path / "garbage.png")),
+        dict(RED, id="bomb", image=str(tmp_path / "bomb.png")),
+        {"id": "speaker_list", "conversations": [{"from": ["human"], "value": "hello"},
+                                                 {"from": "gpt", "value": "yes ."}]},
         {"id": "nogpt", "conversations": [{"from": "human", "value": "hello"}]},
         {"id": "tag_without_image", "conversations": RED["conversations"]},
         {"id": "image_without_tag", "image": img, "conversations": HELLO["conversations"]},
@@ -132,6 +154,8 @@ def bad_records(tmp_path, sample_dir):
 
 
 REASONS = {"missing": "image not found", "garbage": "unreadable image", "nogpt": "no gpt turn",
+           "bomb": "too large: Image size (200000000 pixels) exceeds limit",
+           "speaker_list": "conversations[0] needs a string `from` and a string `value`",
            "tag_without_image": "1 `<image>` tag(s) but 0 image(s)",
            "image_without_tag": "0 `<image>` tag(s) but 1 image(s)", "toolong": "longer than data.seq_length (48)"}
 
@@ -142,14 +166,47 @@ def test_every_bad_record_is_skipped_and_named(sample_dir, tmp_path, capfd):
     raw["training"].update(global_batch_size=1, micro_batch_size=1)
     ds = dataset(raw)
     assert ds.plan(0).record_ids == [["good1"]] and ds.plan(0).skipped_samples == 0
-    assert ds.plan(1).record_ids == [["good2"]] and ds.plan(1).skipped_samples == 6
+    assert ds.plan(1).record_ids == [["good2"]] and ds.plan(1).skipped_samples == 8
     assert ds.plan(2).record_ids == [["good1"]]
-    assert ds.plan(3).skipped_samples == 12  # counted each time the order reaches them ...
+    assert ds.plan(3).skipped_samples == 16  # counted each time the order reaches them ...
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("warning: data:")]
-    assert len(lines) == 6  # ... but named once
+    assert len(lines) == 8  # ... but named once
     for rid, reason in REASONS.items():
         (line,) = [ln for ln in lines if f"record {rid!r}" in ln]
         assert reason in line, line
+
+
+def test_a_read_failure_stops_the_run_instead_of_skipping_the_record(sample_dir, tmp_path, monkeypatch):
+    """An I/O error (errno set) while reading a header is this rank's, not the record's: skipping the
+    record on this rank alone would give the ranks different steps, so it stops with the file named.
+    Control: an errno-less error (the content is at fault) is still a bad record."""
+    import errno
+
+    from mimo.data import images
+    from mimo.data.images import ImageError, MediaReadError, check_image
+
+    img = os.path.join(sample_dir, "images", "img0000.png")
+    raw = llava_raw(sample_dir, write_records(tmp_path, [dict(RED, id="good1", image=img), dict(HELLO, id="good2")]),
+                    shuffle=False, packing=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+
+    def eio(src):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(images, "_open", eio)
+    with pytest.raises(MediaReadError) as exc:
+        ds.plan(0)
+    assert str(exc.value) == (f"[Errno 5] reading {img} failed: Input/output error (a filesystem error, not a bad "
+                              "file; the run stops rather than skip it on one rank)")
+    assert not ds.bad  # nothing recorded as a bad record
+
+    def content(src):
+        raise OSError("image file is truncated")
+
+    monkeypatch.setattr(images, "_open", content)
+    with pytest.raises(ImageError, match="unreadable image"):
+        check_image(img)
 
 
 def test_error_mode_names_the_record(sample_dir, tmp_path):

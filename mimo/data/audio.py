@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 
+from .images import read_failure
 from .llava import DataError
 
 
@@ -78,7 +79,12 @@ class AudioLoader:
                     w.setpos(n - 1)
                     if not w.readframes(1):  # the header promises more samples than the file holds
                         raise AudioError(f"unreadable audio {path}: truncated (header says {n} samples)")
-        except (wave.Error, EOFError, OSError) as exc:
+        except OSError as exc:
+            failure = read_failure(path, exc)
+            if failure is not None:
+                raise failure from None
+            raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
+        except (wave.Error, EOFError) as exc:
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
         if rate != self.rate:
             raise AudioError(f"audio {path}: sample rate {rate} Hz, expected {self.rate} Hz (resample it first)")

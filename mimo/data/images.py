@@ -23,6 +23,23 @@ class ImageError(ValueError):
     """An image that cannot be used; the message is the reason, for the bad-record warning."""
 
 
+class MediaReadError(OSError):
+    """The filesystem failed to read a media file (EIO, ESTALE, EMFILE...): not a verdict on the record.
+
+    Every rank plans the step from the records alone and the ranks must agree on which records are bad;
+    a read failure one rank met is not shared, so it stops the run instead of skipping the record on that
+    rank only (which would leave the ranks with different steps)."""
+
+
+def read_failure(path, exc: OSError) -> Optional[MediaReadError]:
+    """A MediaReadError when `exc` is the operating system's (it carries an errno), else None: the
+    file's content is at fault (Pillow and `wave` raise errno-less errors for bad data)."""
+    if exc.errno is None:
+        return None
+    return MediaReadError(exc.errno, f"reading {_name(path)} failed: {exc.strerror or exc} (a filesystem error, "
+                                     "not a bad file; the run stops rather than skip it on one rank)")
+
+
 def _open(src: Union[str, bytes]):
     from PIL import Image
 
@@ -41,14 +58,19 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     afford it and all ranks reach the same verdict on a record from the
     record alone: they must agree which samples a step holds.
     """
-    from PIL import UnidentifiedImageError
+    from PIL import Image
 
     if isinstance(path, str) and not os.path.isfile(path):
         raise ImageError(f"image not found: {path}")
     try:
         with _open(path) as img:
             w, h = img.size
-    except (UnidentifiedImageError, OSError) as exc:
+    except Image.DecompressionBombError as exc:  # a header claiming more pixels than Pillow will decode
+        raise ImageError(f"image {_name(path)} too large: {exc}") from None
+    except OSError as exc:  # UnidentifiedImageError included
+        failure = read_failure(path, exc)
+        if failure is not None:
+            raise failure from None
         raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
     if w < 1 or h < 1:
         raise ImageError(f"empty image {_name(path)}")

@@ -189,8 +189,8 @@ class ConversationEncoder:
             raise BadRecord("no `conversations` list")
         turns = []
         for i, t in enumerate(conv):
-            if not isinstance(t, dict) or not isinstance(t.get("value"), str):
-                raise BadRecord(f"conversations[{i}] needs `from` and a string `value`")
+            if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(t.get("value"), str):
+                raise BadRecord(f"conversations[{i}] needs a string `from` and a string `value`")
             role = ROLES.get(t.get("from"))
             if role is None:
                 raise BadRecord(f"conversations[{i}]: unknown speaker {t.get('from')!r}")
