@@ -143,6 +143,7 @@ def test_step_work_counts_tokens_items_and_causal_pairs():
 
 def test_peak_table():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312
+    assert peak_tflops("NVIDIA H100 NVL") == 835 and peak_tflops("NVIDIA H100 PCIe") == 756
     assert peak_tflops(None) is None and peak_tflops(None, 100.0) == 100.0
 
 

@@ -57,6 +57,18 @@ def _time(fn, iters: int, device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def compiled_flex():
+    """`torch.compile(flex_attention)`, from an empty dynamo cache: dynamo keys its cache on the mask
+    function's code, grad mode and shapes, and once `recompile_limit` (8) entries exist it runs
+    flex_attention uncompiled (the whole score matrix), which would make a later row slow without
+    saying so."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention)
+
+
 def _implementations(q, k, v, mask, docs, cfg):
     from mimo.attention import bitfield_attention
     from mimo.attention.inputs import allowed_matrix, check_inputs
@@ -76,17 +88,22 @@ def _implementations(q, k, v, mask, docs, cfg):
             bidir_ok = ((qm & low) == (km & low)) & ((qm & low) != 0)
             return torch.where((qm >> 62) != 0, causal_ok, bidir_ok) & (docs[bi, qi] == docs[bi, ki])
 
-        block = create_block_mask(mask_mod, b, None, s, s, device=q.device)
-        fn = torch.compile(flex_attention) if q.is_cuda else flex_attention
+        # Built eagerly, the mask function's int64 intermediates cover every (query, key) pair (about
+        # 17 bytes a pair: 73 GB at 64k); compiled, the mask is built block by block.
+        block = create_block_mask(mask_mod, b, None, s, s, device=q.device, _compile=q.is_cuda and s * s > 2**31)
+        fn = compiled_flex() if q.is_cuda else flex_attention
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=group > 1).transpose(1, 2)
 
     def sdpa():
         ok = allowed_matrix(check_inputs(q, k, v, mask, mask, q_document_ids=docs, k_document_ids=docs))
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        # K/V expanded: with a mask, `enable_gqa` would run SDPA's math kernel on CUDA (only flash,
+        # which takes no mask, reads grouped K/V), not the memory-efficient one this row measures.
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(group, dim=2),
+                                                  v.repeat_interleave(group, dim=2)))
         attn_mask = ok[:, None]
         return lambda: torch.nn.functional.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=attn_mask, enable_gqa=group > 1).transpose(1, 2)
+            qt, kt, vt, attn_mask=attn_mask).transpose(1, 2)
 
     impls["flex_attention"] = flex
     impls["sdpa (dense bool mask)"] = sdpa

@@ -171,7 +171,7 @@ def causal_layout(b: int, s: int, device):
 def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool):
     """name -> a maker of a zero-argument forward (q, k, v as [b, s, h, d]); the multimodal flex
     and sdpa paths are tools/bench_attention.py's, the causal ones use each library's causal path."""
-    from bench_attention import _implementations
+    from bench_attention import _implementations, compiled_flex
 
     from mimo.attention import bitfield_attention
 
@@ -184,7 +184,7 @@ def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool)
 
             b, s = q.shape[0], q.shape[1]
             block = create_block_mask(lambda bi, h, qi, ki: ki <= qi, None, None, s, s, device=q.device)
-            fn = torch.compile(flex_attention) if q.is_cuda else flex_attention
+            fn = compiled_flex() if q.is_cuda else flex_attention
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=group > 1).transpose(1, 2)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -24,7 +25,8 @@ class SDPACoreAttention(MegatronModule):
 
     Causal for the LLM (mask type `causal`), bidirectional for encoders
     (`no_mask`). megatron hands over K/V with query-group heads: torch's native
-    GQA (`enable_gqa`) where this torch has it, else expanded here.
+    GQA (`enable_gqa`) where flash can run it (no mask, bf16 or fp16), else
+    expanded here.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
@@ -44,16 +46,19 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # megatron: [s, b, heads, d] -> SDPA: [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        gqa = {}
-        if k.shape[1] != q.shape[1]:
-            if NATIVE_GQA:
-                gqa = dict(enable_gqa=True)  # torch's kernels read each K/V head for its query group
-            else:
-                k, v = expand_gqa(k, v, q.shape[1])
         causal = mask_type == AttnMaskType.causal
         mask = None
         if attention_mask is not None and not causal:
             mask = ~attention_mask  # megatron masks mark *disallowed* positions with True
+        gqa = {}
+        if k.shape[1] != q.shape[1]:
+            if NATIVE_GQA and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+                gqa = dict(enable_gqa=True)  # flash reads each K/V head for its query group
+            else:
+                # On CUDA only flash takes `enable_gqa`, and flash takes neither a mask nor fp32: there
+                # SDPA would fall back to its math kernel (the whole score matrix in fp32); expanded
+                # K/V keep the memory-efficient kernel.
+                k, v = expand_gqa(k, v, q.shape[1])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              dropout_p=self.dropout if self.training else 0.0,
                                              scale=self.softmax_scale, **gqa)

@@ -60,6 +60,7 @@ from mimo.planner.native import native_attention_pairs  # one count for FLOPs, b
 # Dense bf16 peak of one device, TFLOPS (datasheet, no sparsity), matched against the CUDA device name.
 PEAK_TFLOPS: Tuple[Tuple[str, float], ...] = (
     ("H100 PCIE", 756.0),
+    ("H100 NVL", 835.0),
     ("H100", 989.0),   # SXM
     ("H200", 989.0),
     ("A100", 312.0),
