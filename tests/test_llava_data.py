@@ -348,6 +348,9 @@ def test_prefetching_loader_gives_the_same_items_and_position(sample_dir):
     # this rank's encoders consume samples 1 and 3 of each step
     ahead.prefetch(lambda step: sample_items(ahead, step, [1, 3], ["images"]))
     for step in range(3):
+        state = torch.get_rng_state()
+        ahead.sample(step * 4)  # starts the step's loader: torch's global generator is left alone
+        assert torch.equal(torch.get_rng_state(), state)
         for j in range(4):
             a, b = ahead.sample(step * 4 + j), inline.sample(step * 4 + j)
             assert torch.equal(a.input_ids, b.input_ids)
@@ -409,6 +412,30 @@ def test_metrics_of_both_kinds(sample_dir):
     mock = copy.deepcopy(TINY)
     m = dataset(mock).metrics(0)
     assert m["skipped_samples"] == 0 and 0.5 < m["packing_efficiency"] < 1.0  # mock samples are right-padded
+    ids = torch.stack([s.input_ids for s in dataset(mock).global_batch(0)])
+    assert m["packing_efficiency"] == pytest.approx(float((ids != 0).float().mean()), rel=1e-6)
+    # The samples a rank already made for the step are not made again for its metrics.
+    ds, made = dataset(mock), []
+    sample = ds.sample
+    ds.sample = lambda i: made.append(i) or sample(i)
+    G = mock["training"]["global_batch_size"]
+    ds.global_batch(1)
+    assert 0.5 < ds.metrics(1)["packing_efficiency"] < 1.0 and made == list(range(G, 2 * G))
+    ds.metrics(2)  # nothing made yet for step 2: made here
+    assert made[G:] == list(range(2 * G, 3 * G)) and ds.skipped_samples(2) == 0
+
+
+def test_the_data_position_kept_per_step_does_not_grow_with_the_run(sample_dir):
+    """One position a planned step is kept only while a save or a replay can ask for it; the position
+    where the next step starts is still there (the checkpoint's)."""
+    raw = llava_raw(sample_dir)
+    ds = dataset(raw)
+    G = raw["training"]["global_batch_size"]
+    for step in range(12):
+        ds.sample(step * G)
+        ds.plan(step + 1)  # the read-ahead
+    assert sorted(ds._starts) == [10, 11, 12, 13] and ds.state_dict()["step"] == 12
+    assert ds.state_dict(12) == ds._starts[12]
 
 
 def _train_with_data_restart(raw, steps, restart_at):

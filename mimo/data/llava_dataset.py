@@ -167,9 +167,16 @@ class LlavaDataset:
                 self._plans[self._next_step] = self._plan_next()
                 self._next_step += 1
                 self._starts[self._next_step] = self._position()
-        for old in [s for s in self._plans if s < min(step, self._trained) - 1]:
-            del self._plans[old]  # a step's microbatches may still ask for the previous step
+        done = min(step, self._trained) - 1  # a step's microbatches may still ask for the previous step
+        for old in [s for s in self._plans if s < done]:
+            del self._plans[old]
+        for old in [s for s in self._starts if s < done]:
+            del self._starts[old]  # one position a step (energon's: its loader state) would pile up
         return self._plans[step]
+
+    def skipped_samples(self, step: int) -> int:
+        """Records skipped so far (cumulative), up to the end of `step`."""
+        return self.plan(step).skipped_samples
 
     def metrics(self, step: int) -> Dict[str, float]:
         """For the step metrics: `skipped_samples` (cumulative) and `packing_efficiency`."""
@@ -222,9 +229,12 @@ class LlavaDataset:
         if self._loader_iter is None or self._loader_step != step:
             self._close_prefetch()
             steps = _Steps(self, step)
+            # Its own generator: the loader draws its workers' base seed from it, not from torch's
+            # global one, which a resumed run would then draw from at another step than a straight run.
             self._loader_iter = iter(torch.utils.data.DataLoader(
                 _DecodePaths(self.loaders), batch_size=None, sampler=steps,
-                num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin))
+                num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin,
+                generator=torch.Generator().manual_seed(step)))
         keys, items = next(self._loader_iter)
         self._decoded = {tuple(k): x for k, x in zip(keys, items)}  # the loader turned tuples into lists
         self._loader_step = step + 1

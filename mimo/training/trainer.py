@@ -238,6 +238,6 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tr = self.cfg.training
         # Records the data side skipped so far (cumulative; mock data skips none).
-        times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.metrics(step)["skipped_samples"], share)
+        times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.skipped_samples(step), share)
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
                           elapsed, times, lr, self.bad_media, moe)
