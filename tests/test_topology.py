@@ -38,6 +38,27 @@ def test_layout_groups_partition_the_range():
             assert len(others) == 1
 
 
+@pytest.mark.parametrize("lay", [Layout(tp=2, cp=3, dp=2, pp=2, rank_offset=5),
+                                 Layout(tp=2, cp=1, dp=4, pp=1, ep=4, etp=2, rank_offset=1)])
+def test_group_of_is_the_enumerated_group_holding_the_rank(lay):
+    """`group_of` builds a rank's group from its coordinates (not by searching every group, which made
+    the plan check quadratic in the world size): the same list, members in the same order."""
+    from itertools import combinations
+
+    from mimo.topology.layout import DIMS, EXPERT_DIMS
+
+    for n in range(1, len(DIMS) + 1):
+        for dims in combinations(DIMS, n):
+            for r in lay.ranks:
+                assert lay.group_of(r, dims) == next(g for g in lay.groups(dims) if r in g), (dims, r)
+    for n in range(1, len(EXPERT_DIMS) + 1):
+        for dims in combinations(EXPERT_DIMS, n):
+            for r in lay.ranks:
+                assert lay.expert_group_of(r, dims) == next(g for g in lay.expert_groups(dims) if r in g)
+    with pytest.raises(ValueError, match="outside ranks"):
+        lay.group_of(lay.ranks.stop, ["tp"])
+
+
 def _cfg(language, images):
     return {
         "model": {

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Time building and checking one step's plan (in-process, interpreter start-up excluded).
 
-    python tools/bench_plan.py [--repeats 5]
+    python tools/bench_plan.py [--repeats 5] [--wide 192,384,768,1536]
 
 Cases: a text-only LLM with 8 pipeline stages and 64 microbatches (8 ranks,
 and the same on 32 ranks with tp 2, dp 2), a non-colocated graph with an
 island (LLM pp 8, two encoders of different pp sharing 4 ranks, 64
 microbatches), and the 64-rank LLaVA-7B example. Prints best-of-N build and
-check times and the plan's size.
+check times and the plan's size. `--wide N,...` adds wide worlds:
+examples/configs/cpu_mixed_placement.yaml with the image encoder at dp D,
+the LLM at tp 2 dp D/2 on the same ranks and the audio encoder at dp D/4 on
+its own, N = 1.5 D ranks (the loss, norm and boundary meets span them all).
 """
 
 from __future__ import annotations
@@ -50,7 +53,17 @@ def island():
     return raw
 
 
-def cases():
+def wide(world: int):
+    d = world * 2 // 3
+    return load_config(os.path.join(ROOT, "examples", "configs", "cpu_mixed_placement.yaml"), [
+        "parallelism.language.tp=2", f"parallelism.language.dp={d // 2}", f"parallelism.images.dp={d}",
+        f"parallelism.audio.rank_offset={d}", f"parallelism.audio.dp={d // 4}",
+        f"training.global_batch_size={d * 8}"])
+
+
+def cases(wide_worlds=()):
+    for n in wide_worlds:
+        yield f"wide: cpu_mixed_placement at {n} ranks", wide(n)
     yield "text-only pp8, 64 microbatches, 8 ranks", load_config(text_only(pp=8))
     yield "text-only tp2 dp2 pp8, 64 microbatches, 32 ranks", load_config(text_only(tp=2, dp=2, pp=8))
     yield "non-colocated island: LLM pp8 + images pp2 dp2 / audio dp4 on 4 shared ranks", load_config(island())
@@ -70,8 +83,9 @@ def best(fn, repeats):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wide", default="", help="comma list of world sizes (multiples of 3) to add")
     args = parser.parse_args()
-    for name, cfg in cases():
+    for name, cfg in cases([int(x) for x in args.wide.split(",") if x]):
         plan, build_s = best(lambda: build_plan(cfg), args.repeats)
         _, check_s = best(lambda: check_plan(plan), args.repeats)
         actions = sum(len(a) for a in plan.actions)

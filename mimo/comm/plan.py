@@ -137,6 +137,11 @@ class EdgePlan:
         else:
             self.relation, self.ratio = FAN_OUT, d.dp // s.dp
         self.pieces = self._pieces()
+        self._of_src: Dict[int, List[Piece]] = {}
+        self._of_dst: Dict[int, List[Piece]] = {}
+        for p in self.pieces:
+            self._of_src.setdefault(p.i, []).append(p)
+            self._of_dst.setdefault(p.j, []).append(p)
 
     # -- intervals ---------------------------------------------------------
     def src_interval(self, i: int) -> Tuple[int, int]:
@@ -153,22 +158,26 @@ class EdgePlan:
                           None if unit_tokens is None else list(unit_tokens))
 
     def _pieces(self) -> List[Piece]:
-        out = []
-        for j in range(self.dst.dp):
-            d0, d1 = self.dst_interval(j)
-            for i in range(self.src.dp):
-                s0, s1 = self.src_interval(i)
-                lo, hi = max(s0, d0), min(s1, d1)
-                if lo < hi:
-                    out.append(Piece(len(out), i, j, lo, hi))
-        out.sort(key=lambda p: p.start)
-        return [Piece(k, p.i, p.j, p.start, p.stop) for k, p in enumerate(out)]
+        """The non-empty intersections of source and destination shards, in window order: one pass over
+        both sorted bound lists (per window and step on every rank, so linear in the DP sizes)."""
+        out: List[Piece] = []
+        i = j = 0
+        while i < self.src.dp and j < self.dst.dp:
+            (s0, s1), (d0, d1) = self.src_interval(i), self.dst_interval(j)
+            lo, hi = max(s0, d0), min(s1, d1)
+            if lo < hi:
+                out.append(Piece(len(out), i, j, lo, hi))
+            if s1 <= d1:
+                i += 1
+            if d1 <= s1:
+                j += 1
+        return out
 
     def pieces_of_src(self, i: int) -> List[Piece]:
-        return [p for p in self.pieces if p.i == i]
+        return self._of_src.get(i, [])
 
     def pieces_of_dst(self, j: int) -> List[Piece]:
-        return [p for p in self.pieces if p.j == j]
+        return self._of_dst.get(j, [])
 
     # -- where shards live ---------------------------------------------------
     def src_holders(self, i: int) -> List[int]:

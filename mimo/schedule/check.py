@@ -67,7 +67,7 @@ def _check_p2p_group(rank: int, group: List[Action]) -> None:
 def _check_members(plan: StepPlan, rank: int, meet: Meet) -> None:
     """A meet spans its own rank and ranks of the plan only."""
     world = plan.world_size
-    if rank not in meet.ranks or any(not 0 <= m < world for m in meet.ranks):
+    if rank not in meet.ranks or min(meet.ranks) < 0 or max(meet.ranks) >= world:
         raise PlanError(f"rank {rank}: {meet.describe()} spans ranks {list(meet.ranks)}, "
                         f"which must include rank {rank} and lie in [0, {world})")
 
@@ -116,12 +116,22 @@ def _match_messages(plan: StepPlan, steps: List[List[Step]]) -> Dict[Tuple[int, 
 class _Rendezvous:
     """Runs the steps: a worklist of ranks, each advancing while its current step can complete.
 
-    A rank is looked at again only when a rank it waits for moved, so the run is linear in the
-    plan's size."""
+    A rank is looked at again only when a rank it waits for moved, and a meet counts the members
+    that reached it rather than asking each member where it is on every wake-up (which made meets
+    over the whole world cubic in its size)."""
 
     def __init__(self, steps: List[List[Step]], partner: Dict[Tuple[int, int, int], Where]):
         self.steps, self.partner = steps, partner
         self.pos = [0] * len(steps)
+        self.arrived: Dict[Tuple, int] = {}  # (key, ranks) of a meet -> members whose current step it is
+        for r in range(len(steps)):
+            self._arrive(r)
+
+    def _arrive(self, r: int) -> None:
+        step = self.current(r)
+        if isinstance(step, Meet) and r in step.ranks:
+            k = (step.key, step.ranks)
+            self.arrived[k] = self.arrived.get(k, 0) + 1
 
     def current(self, r: int) -> Optional[Step]:
         return self.steps[r][self.pos[r]] if self.pos[r] < len(self.steps[r]) else None
@@ -131,7 +141,7 @@ class _Rendezvous:
         counterpart posted (its peer at or past the counterpart's step)."""
         step = self.current(r)
         if isinstance(step, Meet):
-            return all(_same_meet(self.current(m), step) for m in step.ranks)
+            return self.arrived.get((step.key, step.ranks), 0) == len(step.ranks)
         return all(self.pos[pr] >= ps for pr, ps in (self.partner[(r, self.pos[r], k)] for k in range(len(step))))
 
     def waits(self, r: int) -> List[str]:
@@ -168,10 +178,15 @@ class _Rendezvous:
                 # A meet completes for all of its ranks at once; a p2p group for this rank (its peers'
                 # halves complete when they are looked at).
                 movers = list(step.ranks) if isinstance(step, Meet) else [r]
+                if isinstance(step, Meet):
+                    del self.arrived[(step.key, step.ranks)]
                 for m in movers:
                     old = self.current(m)
                     self.pos[m] += 1
-                    wake(_neighbours(old) + _neighbours(self.current(m)) + ([m] if m != r else []))
+                    self._arrive(m)
+                    # A mover looks at its own next step (r goes on in this loop); a meet needs no other
+                    # wake-up, since its last member to arrive completes it. Messages wake their peers.
+                    wake(_peers(old) + _peers(self.current(m)) + ([m] if m != r else []))
         return [r for r in range(world) if self.current(r) is not None]
 
 
@@ -179,11 +194,11 @@ def _same_meet(step: Optional[Step], meet: Meet) -> bool:
     return isinstance(step, Meet) and (step.key, step.ranks) == (meet.key, meet.ranks)
 
 
-def _neighbours(step: Optional[Step]) -> List[int]:
-    """The ranks a step waits for (to look at again once it moved)."""
-    if step is None:
+def _peers(step: Optional[Step]) -> List[int]:
+    """The peers of a step's messages (to look at again once this rank moved past or onto it)."""
+    if step is None or isinstance(step, Meet):
         return []
-    return list(step.ranks) if isinstance(step, Meet) else [a.peer for a in step]
+    return [a.peer for a in step]
 
 
 def _deadlock(plan: StepPlan, sim: _Rendezvous, stuck: List[int]) -> PlanError:

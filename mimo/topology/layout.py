@@ -52,14 +52,25 @@ def _groups(sizes: Dict[str, int], all_dims: Sequence[str], dims: Sequence[str],
         raise ValueError(f"unknown grid dims {unknown}; known: {tuple(all_dims)}")
     inner = [d for d in all_dims if d in dims]
     outer = [d for d in all_dims if d not in dims]
-    out = []
-    for oc in product(*[range(sizes[d]) for d in reversed(outer)]):
-        fixed = dict(zip(reversed(outer), oc))
-        members = []
-        for ic in product(*[range(sizes[d]) for d in reversed(inner)]):
-            members.append(offset + _local_rank(sizes, all_dims, {**fixed, **dict(zip(reversed(inner), ic))}))
-        out.append(members)
-    return out
+    return [_members(sizes, all_dims, inner, dict(zip(reversed(outer), oc)), offset)
+            for oc in product(*[range(sizes[d]) for d in reversed(outer)])]
+
+
+def _members(sizes: Dict[str, int], all_dims: Sequence[str], inner: Sequence[str], fixed: Dict[str, int],
+             offset: int) -> List[int]:
+    """The group whose other coordinates are `fixed`: its ranks, the first of `inner` fastest."""
+    return [offset + _local_rank(sizes, all_dims, {**fixed, **dict(zip(reversed(inner), ic))})
+            for ic in product(*[range(sizes[d]) for d in reversed(inner)])]
+
+
+def _group_of(sizes: Dict[str, int], all_dims: Sequence[str], dims: Sequence[str], offset: int,
+              coords: Dict[str, int]) -> List[int]:
+    """The group of `_groups` that holds the rank at `coords`, built from them (not searched for)."""
+    unknown = [d for d in dims if d not in all_dims]
+    if unknown:
+        raise ValueError(f"unknown grid dims {unknown}; known: {tuple(all_dims)}")
+    inner = [d for d in all_dims if d in dims]
+    return _members(sizes, all_dims, inner, {d: coords[d] for d in all_dims if d not in dims}, offset)
 
 
 @dataclass(frozen=True)
@@ -104,10 +115,7 @@ class Layout:
         return _groups(self._expert_sizes, EXPERT_DIMS, dims, self.rank_offset)
 
     def expert_group_of(self, rank: int, dims: Sequence[str]) -> List[int]:
-        for g in self.expert_groups(dims):
-            if rank in g:
-                return g
-        raise ValueError(f"rank {rank} is not in this layout")
+        return _group_of(self._expert_sizes, EXPERT_DIMS, dims, self.rank_offset, self.expert_coords(rank))
 
     @property
     def shape(self) -> List[int]:
@@ -150,7 +158,5 @@ class Layout:
         return _groups(self._sizes, DIMS, dims, self.rank_offset)
 
     def group_of(self, rank: int, dims: Sequence[str]) -> List[int]:
-        for g in self.groups(dims):
-            if rank in g:
-                return g
-        raise ValueError(f"rank {rank} is not in this layout")
+        """The group of `groups(dims)` that holds `rank`."""
+        return _group_of(self._sizes, DIMS, dims, self.rank_offset, self.coords(rank))

@@ -106,6 +106,27 @@ def test_window_plans_route_items_whatever_the_dp_sizes():
     assert [(x.i, x.j) for x in fan_in.pieces] == [(0, 0), (1, 0), (2, 1), (3, 1)]
 
 
+def test_window_pieces_are_every_nonempty_intersection_in_window_order():
+    """The one-pass merge of the bound lists gives what intersecting every pair gives (random bounds,
+    empty shards included); `pieces_of_src` / `pieces_of_dst` are its pieces of one shard."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        sdp, ddp, b = rng.randint(1, 7), rng.randint(1, 7), rng.randint(0, 12)
+        sb = [0] + sorted(rng.randint(0, b) for _ in range(sdp - 1)) + [b]
+        db = [0] + sorted(rng.randint(0, b) for _ in range(ddp - 1)) + [b]
+        p = make_plan(Layout(dp=sdp, rank_offset=ddp), Layout(dp=ddp), None).for_window(sb, db)
+        brute = sorted((max(sb[i], db[j]), min(sb[i + 1], db[j + 1]), i, j) for i in range(sdp) for j in range(ddp)
+                       if max(sb[i], db[j]) < min(sb[i + 1], db[j + 1]))
+        assert [(q.start, q.stop, q.i, q.j) for q in p.pieces] == brute, (sb, db)
+        assert [q.index for q in p.pieces] == list(range(len(brute)))
+        for i in range(sdp):
+            assert p.pieces_of_src(i) == [q for q in p.pieces if q.i == i]
+        for j in range(ddp):
+            assert p.pieces_of_dst(j) == [q for q in p.pieces if q.j == j]
+
+
 def test_window_unit_sizes_must_cover_the_window():
     base = make_plan(Layout(dp=2, rank_offset=2), Layout(dp=2), None)
     assert base.for_window([0, 1, 3], [0, 2, 3], [4, 4, 4]).unit_tokens == [4, 4, 4]
