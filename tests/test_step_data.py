@@ -57,3 +57,27 @@ def test_assembly_trusts_host_counts_and_still_checks_them():
     assert torch.equal(assemble_embeddings(text, ids, tokens, {9: 3}), assemble_embeddings(text, ids, tokens))
     with pytest.raises(ValueError, match="2 placeholder tokens"):
         assemble_embeddings(text, ids, tokens, {9: 2})
+
+
+def test_encoder_items_take_slices_consecutive_rows_and_indexes_the_rest():
+    """A window's items on consecutive rows come back as a view of the step's rows (no index copied to
+    the device); any other choice as an indexed copy; both equal indexing item by item."""
+    from mimo.training.step_data import EncoderItems
+
+    rows = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    items = EncoderItems(rows, {10 + r: r for r in range(5)})
+    for ids in ([11, 12, 13], [13, 11], [10, 12], [14], []):
+        got = items.take(ids)
+        assert torch.equal(got, rows[[i - 10 for i in ids]]), ids
+    storage = rows.untyped_storage().data_ptr()
+    assert items.take([11, 12, 13]).untyped_storage().data_ptr() == storage
+    assert items.take([13, 11]).untyped_storage().data_ptr() != storage
+
+    grids = [(1, 2, 2), (1, 2, 4), (1, 2, 2)]  # 4, 8 and 4 patches
+    patches = torch.arange(16 * 2, dtype=torch.float32).view(16, 2)
+    packed = EncoderItems(patches, {7: 0, 8: 1, 9: 2}, grids)
+    span = {7: patches[0:4], 8: patches[4:12], 9: patches[12:16]}
+    for ids in ([8, 9], [9, 7], [7], []):
+        got = packed.take(ids)
+        want = torch.cat([span[i] for i in ids]) if ids else patches[:0]
+        assert torch.equal(got.patches, want) and got.grids == [grids[i - 7] for i in ids], ids

@@ -98,15 +98,22 @@ class EncoderItems:
     grids: Optional[List[Tuple[int, int, int]]] = None
 
     def take(self, ids: List[int]):
+        rows = [self.row_of[i] for i in ids]
+        # A window's items are usually consecutive rows: then a slice (a view), with no index tensor
+        # copied from pageable host memory, which can make the host wait for the device's stream.
+        run = not rows or all(b == a + 1 for a, b in zip(rows, rows[1:]))
         if self.grids is None:
-            index = torch.tensor([self.row_of[i] for i in ids], dtype=torch.long)
+            if run:
+                return self.rows[rows[0]:rows[-1] + 1] if rows else self.rows[:0]
+            index = torch.tensor(rows, dtype=torch.long)
             return self.rows[index.to(self.rows.device, non_blocking=True)]
         # The index is built on the host from the grids: no device sync.
         starts = [0] + list(accumulate(grid_patches(g) for g in self.grids))
-        rows = [self.row_of[i] for i in ids]
-        index = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]) if rows else \
-            torch.zeros(0, dtype=torch.long)
-        return PackedItems(self.rows[index.to(self.rows.device, non_blocking=True)], [self.grids[r] for r in rows])
+        grids = [self.grids[r] for r in rows]
+        if run:
+            return PackedItems(self.rows[starts[rows[0]]:starts[rows[-1] + 1]] if rows else self.rows[:0], grids)
+        index = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows])
+        return PackedItems(self.rows[index.to(self.rows.device, non_blocking=True)], grids)
 
 
 def step_windows(cfg: MimoConfig, samples: List, balancer, comms: Dict, colocated: List[str]) -> StepWindows:
