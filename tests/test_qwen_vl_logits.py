@@ -178,8 +178,8 @@ def test_export_cli_round_trip(models, with_tokenizer, tmp_path):
 class _Batch(FixedSamples):
     """The test's batch as a training dataset (step 0)."""
 
-    def metrics(self, step):
-        return {"skipped_samples": 0}
+    def skipped_samples(self, step):
+        return 0
 
 
 def _logits_train_logits_export(raw, batch, out_dir):
