@@ -504,3 +504,36 @@ def test_checkpoint_resume_continues_with_the_uninterrupted_samples(sample_dir, 
     write_manifest(rewound)
     other = train(with_ckpt(raw, load=rewound))
     assert other["start"] == 2 and other["losses"] != straight["losses"][2:]
+
+
+def _train_one_step(raw, tamper_rank):
+    """Step 0's loss on this rank, or the DataError it stops with; on `tamper_rank` one record of step 0
+    is taken for bad before planning (as a rank that read another copy of the file would)."""
+    import torch.distributed as dist
+
+    from mimo.data.llava import DataError
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    if dist.get_rank() == tamper_rank:
+        trainer.dataset.bad[trainer.dataset.sampler.peek()] = "tampered"
+    try:
+        return trainer.train_step(0).loss
+    except DataError as exc:
+        return str(exc)
+
+
+def test_ranks_that_plan_different_steps_stop_with_one_error(sample_dir):
+    """Before a step's data moves, the ranks compare digests of their plans: a rank that planned another
+    step (one record it took for bad that the others did not) stops every rank with the same line
+    instead of posting sends and receives its peers do not expect. Control: the same run untouched."""
+    from mimo.runtime import run_on_ranks
+
+    raw = llava_raw(sample_dir)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    good = run_on_ranks(_train_one_step, 3, raw, None)
+    assert all(isinstance(x, float) for x in good), good
+    bad = run_on_ranks(_train_one_step, 3, raw, 1)
+    assert len(set(bad)) == 1 and bad[0].startswith(
+        "error: data: the ranks planned different samples for step 0: every rank must read the same records"), bad

@@ -11,6 +11,8 @@ when a rank asks for a sample's items of that encoder (its encoder consumes them
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -173,6 +175,18 @@ class LlavaDataset:
         for old in [s for s in self._starts if s < done]:
             del self._starts[old]  # one position a step (energon's: its loader state) would pile up
         return self._plans[step]
+
+    def plan_digest(self, step: int) -> int:
+        """56 bits of a hash of what the ranks must agree on about `step` (mimo.training.agreement): the
+        records in each sequence, the records skipped so far, the tokens packed, and each sequence's
+        items (and native grids)."""
+        plan = self.plan(step)
+        what = [plan.record_ids, plan.skipped_samples, round(plan.packing_efficiency * self.G * self.S),
+                [[s.count(n) for n in sorted(self.loaders)] for s in plan.samples],
+                [None if s.grids is None else sorted((n, [list(g) for g in gs]) for n, gs in s.grids.items())
+                 for s in plan.samples]]
+        blob = json.dumps(what, separators=(",", ":")).encode()
+        return int.from_bytes(hashlib.blake2b(blob, digest_size=7).digest(), "little")
 
     def skipped_samples(self, step: int) -> int:
         """Records skipped so far (cumulative), up to the end of `step`."""

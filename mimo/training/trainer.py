@@ -32,6 +32,7 @@ from mimo.schedule.plan import LOSS, build_plan
 from mimo.schedule.plan_build import HOMOGENEOUS, num_microbatches
 from mimo.topology import Layout, Topology, build_topology
 
+from .agreement import PlanAgreement
 from .flops import rank_work
 from .metrics import StepTimes, reduce_step
 from .optimizer import ModelOptimizer, trainable
@@ -114,6 +115,7 @@ class Trainer:
                                           self.layer_offsets.get(LANGUAGE, 0), runtime.device)
 
         self.dataset = build_dataset(cfg)
+        self.agreement = PlanAgreement(self.dataset)  # collective: a group over every rank
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
         # The encoders whose items this rank decodes: those of which it holds the first stage (later
@@ -180,6 +182,7 @@ class Trainer:
                                     self.num_microbatches) for n in self.decoding}
 
     def step_data(self, step: int) -> StepData:
+        self.agreement.check(self.dataset, step)  # before any of the step's data moves
         bad = getattr(self.dataset, "bad_media", {})  # mock data has none
         before = {n: bad.get(n, 0) for n in self.counting}
         data = self._load_step(step)

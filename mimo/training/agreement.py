@@ -1,0 +1,48 @@
+"""The ranks check that they planned the same step before its data moves.
+
+Every rank plans each step from the records alone (which records, packed how, which are bad, how
+many tokens each item makes) and the boundary communicators trust that every rank's plan is the
+same: no plan travels. Ranks that read different files (a record or image rewritten while the run
+reads it, nodes that mount another copy of the data) or tokenize differently (nodes with another
+tokenizer or transformers version) would plan different steps and post sends and receives that do
+not match; NCCL checks neither sizes nor order, so the job would hang or mix up data. Here each
+rank reduces a 56-bit digest of its plan over a gloo group of all ranks (16 bytes, on the
+background thread that loads the step, before anything of the step is sent), and a disagreement
+stops every rank with the same `error:` line.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mimo.data.llava import DataError
+
+
+class PlanAgreement:
+    """Collective at construction (every rank, the same point of start-up): the group it checks over."""
+
+    def __init__(self, dataset):
+        self.group: Optional[object] = None
+        # Mock data is a function of the seed and the sample index alone: nothing read can differ.
+        if hasattr(dataset, "plan_digest") and dist.get_world_size() > 1:
+            # Its own group: the check runs on the loading thread while the step's collectives run
+            # on the others.
+            self.group = dist.new_group(backend="gloo")
+
+    def check(self, dataset, step: int) -> None:
+        """Every rank, in step order, before the step's data is used (`dataset`: the trainer's now; one
+        put in its place on every rank without `plan_digest`, as the HF logits tool does, is not checked)."""
+        if self.group is None or not hasattr(dataset, "plan_digest"):
+            return
+        digest = dataset.plan_digest(step)
+        both = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, neg_low = both.tolist()
+        if high != -neg_low:
+            raise DataError(f"error: data: the ranks planned different samples for step {step}: every rank must "
+                            "read the same records and media (data.path, data.image_root) and tokenize them alike; "
+                            "a file changed while the ranks read it, or nodes see different copies of the data or "
+                            "different tokenizer or transformers versions")
