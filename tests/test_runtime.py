@@ -104,6 +104,41 @@ def test_gpu_check_says_there_is_nothing_to_check_without_cuda():
     assert report["cuda"] is False and "nothing to check" in report["message"]
 
 
+def test_gpu_check_reports_each_check_and_survives_one_that_raises(monkeypatch, capsys):
+    """The report's control flow, with CUDA faked and the checks stood in for: every check runs even
+    when one raises, each is printed on stderr as it ends (a run cut short by a time limit keeps
+    them), --quick leaves flex_attention out of the kernel check, and the report says which failed."""
+    import json
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "tools"))
+    import gpu_check
+
+    seen = {}
+
+    def kernels(seqlens, heads, head_dim, iters, compare):
+        seen["kernels"] = (seqlens, compare)
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_check, "check_kernels", kernels)
+    monkeypatch.setattr(gpu_check, "check_training_step", lambda steps: {"ok": True, "steps": steps})
+    monkeypatch.setattr(gpu_check, "check_offload", lambda numel: {"ok": True})
+    capsys.readouterr()
+    assert gpu_check.main(["--quick"]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["ok"] is False and report["device"] == "NVIDIA H100 80GB HBM3"
+    assert report["kernels"] == {"ok": False, "error": "RuntimeError: out of resource: shared memory"}
+    assert report["training_step"] == {"ok": True, "steps": 3} and report["offload"] == {"ok": True}
+    assert seen["kernels"] == ([4096, 8192], ("bitfield",))
+    lines = [ln for ln in err.splitlines() if ln.startswith("gpu_check: ")]
+    assert [ln.split(" ")[1] for ln in lines] == ["kernels", "training_step", "offload"]
+
+
 def _env_value():
     import os
 
