@@ -95,6 +95,15 @@ def test_tiny_is_valid():
     ("training.adam_beta2", -0.1, "training.adam_beta2"),
     ("training.adam_eps", 0.0, "training.adam_eps"),
     ("training.lr", -1e-3, "training.lr"),
+    # model constants
+    ("model.language.norm_eps", -1e-5, "model.language.norm_eps"),
+    ("model.encoders.images.norm_eps", 0.0, "model.encoders.images.norm_eps"),
+    ("model.language.rope_theta", 0.0, "model.language.rope_theta"),
+    ("model.language.rope_scaling", {"factor": 0.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 32}, "model.language.rope_scaling.factor"),
+    ("model.language.rope_scaling", {"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 32},
+     "model.language.rope_scaling.high_freq_factor"),
     # modules
     ("parallelism.video", {}, "parallelism.video"),
     ("parallelism.audio", DELETE, "parallelism.audio"),

@@ -73,10 +73,18 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     _check_choice(lang.cp_policy, CP_POLICIES, "model.language.cp_policy", add)
     _check_choice(lang.normalization, NORMALIZATIONS, "model.language.normalization", add)
     _check_choice(lang.activation, ACTIVATIONS, "model.language.activation", add)
+    for key in ("norm_eps", "rope_theta"):
+        _positive(getattr(lang, key), f"model.language.{key}", add)
     if lang.rope_scaling is not None:
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-        if set(lang.rope_scaling) != keys:
+        if not isinstance(lang.rope_scaling, dict) or set(lang.rope_scaling) != keys:
             add("model.language.rope_scaling", f"must have exactly the keys {', '.join(sorted(keys))}")
+        else:
+            for key in sorted(keys):
+                _positive(lang.rope_scaling[key], f"model.language.rope_scaling.{key}", add)
+            low, high = lang.rope_scaling["low_freq_factor"], lang.rope_scaling["high_freq_factor"]
+            if _number(low) and _number(high) and not high > low:  # Llama 3 divides by their difference
+                add("model.language.rope_scaling.high_freq_factor", f"must be > low_freq_factor ({low}), got {high}")
     _check_mrope(lang, add)
     _check_moe(lang, add)
     if cfg.data.seq_length > lang.max_sequence_length:
@@ -347,7 +355,18 @@ def _tokens_ok(enc: EncoderConfig) -> bool:
     return enc.frames_per_token > 0 and enc.clip_frames % enc.frames_per_token == 0
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive(v, path: str, add) -> None:
+    """A number > 0 (a value of another type is the type check's to report)."""
+    if _number(v) and not v > 0:
+        add(path, f"must be > 0, got {v}")
+
+
 def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
+    _positive(enc.norm_eps, f"{path}.norm_eps", add)
     _check_choice(enc.kind, ENCODER_KINDS, f"{path}.kind", add)
     _check_choice(enc.projector.kind, PROJECTOR_KINDS, f"{path}.projector.kind", add)
     _check_choice(enc.attention, ATTENTION_KINDS, f"{path}.attention", add)
