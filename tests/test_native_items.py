@@ -261,9 +261,20 @@ def test_llava_records_carry_their_images_grids_and_patches(native_data):
     from mimo.data import build_dataset
     from mimo.data.native_images import image_patches, native_grid
 
+    from mimo.data import llava
+
     cfg = load_config(native_llava(native_data))
     enc = cfg.model.encoders["images"]
     ds = build_dataset(cfg)
+    opened, check = [], llava.check_image
+    llava.check_image = lambda p: opened.append(p) or check(p)
+    try:
+        ds.plan(0)
+    finally:
+        llava.check_image = check
+    # Every rank plans every record: each image header is read once (for its grid), not twice (the
+    # plan also reads the record that did not fit the last sequence).
+    assert len(opened) == len(set(opened)) >= sum(len(s.items.paths["images"]) for s in ds.plan(0).samples) > 0
     seen = set()
     for j in range(cfg.training.global_batch_size):
         s = ds.sample(j)

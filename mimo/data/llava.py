@@ -150,7 +150,7 @@ class ConversationEncoder:
         if len(ids) > self.seq_length:
             raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
         paths = [self._path(p) for p in images]  # bytes: inline
-        for p in paths:
+        for p in paths if grids is None else []:  # native resolution: checked above, for the grids
             try:
                 check_image(p)
             except ImageError as exc:
