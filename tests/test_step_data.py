@@ -81,3 +81,18 @@ def test_encoder_items_take_slices_consecutive_rows_and_indexes_the_rest():
         got = packed.take(ids)
         want = torch.cat([span[i] for i in ids]) if ids else patches[:0]
         assert torch.equal(got.patches, want) and got.grids == [grids[i - 7] for i in ids], ids
+
+
+def test_loss_tokens_counted_per_sample_equal_the_collated_loss_mask():
+    """The step's loss-token count every rank makes from metadata equals the loss_mask sum of the collated
+    samples: mock samples (placeholders and padding excluded) and packed real ones (document bounds)."""
+    from mimo.data import loss_tokens
+
+    cfg = load_config(copy.deepcopy(TINY))
+    ds = MockMultimodalDataset(cfg)
+    for samples in ([ds.sample(i) for i in range(6)], _packed(cfg)):
+        want = int(collate(samples, cfg.placeholder_ids)["loss_mask"].sum())
+        assert loss_tokens(samples, cfg.placeholder_ids) == want > 0
+    # Negative control: counting placeholders as text changes the count.
+    samples = [ds.sample(i) for i in range(6)]
+    assert loss_tokens(samples, {}) > loss_tokens(samples, cfg.placeholder_ids)
