@@ -52,7 +52,12 @@ def _tracker():
 def save_rng(ckpt: str, rank: int, state: dict) -> None:
     path = rng_path(ckpt, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state, path)
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        # By the rank that wrote it: rank 0's fsync of the finished tree (before `latest` moves) may not
+        # reach another node's writes on a shared filesystem.
+        os.fsync(f.fileno())
 
 
 def read_rng(ckpt: str, rank: int) -> dict:
