@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time building and checking one step's plan (in-process, interpreter start-up excluded).
 
-    python tools/bench_plan.py [--repeats 5] [--wide 192,384,768,1536]
+    python tools/bench_plan.py [--repeats 5] [--wide 192,384,768,1536] [--boundary 256x64,1024x256]
 
 Cases: a text-only LLM with 8 pipeline stages and 64 microbatches (8 ranks,
 and the same on 32 ranks with tp 2, dp 2), a non-colocated graph with an
@@ -11,6 +11,10 @@ check times and the plan's size. `--wide N,...` adds wide worlds:
 examples/configs/cpu_mixed_placement.yaml with the image encoder at dp D,
 the LLM at tp 2 dp D/2 on the same ranks and the audio encoder at dp D/4 on
 its own, N = 1.5 D ranks (the loss, norm and boundary meets span them all).
+`--boundary SxD,...` times instead what an edge does per window and step: an
+encoder at dp S feeding an LLM at tp 2 cp 2 dp D, 8 samples of 2 items (576
+tokens each) per LLM shard: `EdgePlan.for_window` (mean of 10) and the
+colocated forward and backward routes (mean of 3).
 """
 
 from __future__ import annotations
@@ -80,11 +84,39 @@ def best(fn, repeats):
     return out, min(times)
 
 
+def boundary(src_dp: int, dst_dp: int) -> str:
+    from mimo.comm.plan import make_plan
+    from mimo.data.items import divide_items
+    from mimo.topology import Layout
+
+    base = make_plan(Layout(dp=src_dp), Layout(tp=2, cp=2, dp=dst_dp), None)
+    units = dst_dp * 8 * 2
+    tokens = [576] * units
+    t = time.perf_counter()
+    for _ in range(10):
+        window = base.for_window(divide_items(tokens, src_dp), [k * (units // dst_dp) for k in range(dst_dp + 1)],
+                                 tokens)
+    per_window = (time.perf_counter() - t) / 10
+    t = time.perf_counter()
+    for _ in range(3):
+        window.colocated_forward_routes()
+        window.colocated_backward_routes()
+    routes = (time.perf_counter() - t) / 3
+    return (f"boundary: encoder dp {src_dp} -> LLM tp2 cp2 dp {dst_dp}, {units} items, {len(window.pieces)} pieces: "
+            f"for_window {per_window * 1e3:.1f} ms, colocated routes fwd+bwd {routes * 1e3:.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wide", default="", help="comma list of world sizes (multiples of 3) to add")
+    parser.add_argument("--boundary", default="", help="comma list of SRCxDST encoder and LLM DP sizes: time "
+                                                       "the per-window edge plan instead")
     args = parser.parse_args()
+    if args.boundary:
+        for pair in args.boundary.split(","):
+            print(boundary(*(int(x) for x in pair.split("x"))), flush=True)
+        return
     for name, cfg in cases([int(x) for x in args.wide.split(",") if x]):
         plan, build_s = best(lambda: build_plan(cfg), args.repeats)
         _, check_s = best(lambda: check_plan(plan), args.repeats)
