@@ -122,6 +122,7 @@ def test_a_save_over_the_latest_step_never_loses_it(tmp_path, monkeypatch):
         paths.publish(d, 4)
     monkeypatch.setattr(paths.os, "rename", rename)
     assert paths.read_latest(d) == 4 and os.listdir(paths.resolve(d)) == ["old"]
+    assert paths.resolve(paths.iter_dir(d, 4)) == paths.replaced_dir(d, 4)  # named by its iter_ directory
     paths.discard_leftovers(d)  # the next save starts: the `.replaced` one is what `latest` reads
     assert os.listdir(paths.resolve(d)) == ["old"] and not os.path.exists(paths.partial_dir(d, 4))
     os.makedirs(paths.partial_dir(d, 4))
@@ -162,8 +163,10 @@ def test_checkpoint_fields_are_validated():
         load_config(with_ckpt(layout(), save=""))
     assert load_config(with_ckpt(layout(), save="d", save_interval=5, keep_last=2, load="d")).training.keep_last == 2
     # Weights only into the directory it loads: every restart would fine-tune again from step 0 over it.
-    with pytest.raises(ConfigError, match="training.load_optimizer: false needs training.save"):
-        load_config(with_ckpt(layout(), save="d", load="./d", load_optimizer=False))
+    for load in ("./d", "d/iter_0000002"):  # the directory, or one of its checkpoints
+        with pytest.raises(ConfigError, match="training.load_optimizer: false needs training.load"):
+            load_config(with_ckpt(layout(), save="d", load=load, load_optimizer=False))
+    assert not load_config(with_ckpt(layout(), save="d2", load="d/iter_0000002", load_optimizer=False)).training.load_optimizer
     assert not load_config(with_ckpt(layout(), save="e", load="d", load_optimizer=False)).training.load_optimizer
 
 

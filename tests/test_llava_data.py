@@ -204,9 +204,13 @@ def test_a_read_failure_stops_the_run_instead_of_skipping_the_record(sample_dir,
     def content(src):
         raise OSError("image file is truncated")
 
-    monkeypatch.setattr(images, "_open", content)
-    with pytest.raises(ImageError, match="unreadable image"):
-        check_image(img)
+    def permission(src):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    for cause in (content, permission):  # every rank meets these alike: the record is bad
+        monkeypatch.setattr(images, "_open", cause)
+        with pytest.raises(ImageError, match="unreadable image"):
+            check_image(img)
 
 
 def test_error_mode_names_the_record(sample_dir, tmp_path):
@@ -506,34 +510,56 @@ def test_checkpoint_resume_continues_with_the_uninterrupted_samples(sample_dir, 
     assert other["start"] == 2 and other["losses"] != straight["losses"][2:]
 
 
-def _train_one_step(raw, tamper_rank):
-    """Step 0's loss on this rank, or the DataError it stops with; on `tamper_rank` one record of step 0
-    is taken for bad before planning (as a rank that read another copy of the file would)."""
+def _train_tampered(raw, tamper_rank, how):
+    """The losses of `train_iters` steps on this rank, or the error it stops with. On `tamper_rank`:
+    `bad`: one record of step 0 is taken for bad before planning (as a rank that read another copy of
+    the file would); `eio`: planning step 1 fails with a read error (on the loading thread)."""
+    import errno
+
     import torch.distributed as dist
 
+    from mimo.data.images import MediaReadError
     from mimo.data.llava import DataError
     from mimo.runtime import select_runtime
     from mimo.training import Trainer
 
     trainer = Trainer(load_config(raw), select_runtime("cpu"))
-    if dist.get_rank() == tamper_rank:
+    if dist.get_rank() == tamper_rank and how == "bad":
         trainer.dataset.bad[trainer.dataset.sampler.peek()] = "tampered"
+    if dist.get_rank() == tamper_rank and how == "eio":
+        digest = trainer.dataset.plan_digest
+
+        def failing(step):
+            if step == 1:
+                raise MediaReadError(errno.EIO, "reading x.png failed: Input/output error")
+            return digest(step)
+
+        trainer.dataset.plan_digest = failing
+    losses = []
     try:
-        return trainer.train_step(0).loss
-    except DataError as exc:
+        for step in range(raw["training"]["train_iters"]):
+            losses.append(trainer.train_step(step).loss)
+    except (DataError, MediaReadError) as exc:
         return str(exc)
+    return losses
 
 
 def test_ranks_that_plan_different_steps_stop_with_one_error(sample_dir):
     """Before a step's data moves, the ranks compare digests of their plans: a rank that planned another
     step (one record it took for bad that the others did not) stops every rank with the same line
-    instead of posting sends and receives its peers do not expect. Control: the same run untouched."""
+    instead of posting sends and receives its peers do not expect. A rank whose planning fails (a read
+    error, on the thread that loads the next step) still takes part in the comparison, so every rank
+    stops instead of waiting for it. Control: the same run untouched."""
     from mimo.runtime import run_on_ranks
 
     raw = llava_raw(sample_dir)
     raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
-    good = run_on_ranks(_train_one_step, 3, raw, None)
-    assert all(isinstance(x, float) for x in good), good
-    bad = run_on_ranks(_train_one_step, 3, raw, 1)
+    raw["training"]["train_iters"] = 2
+    good = run_on_ranks(_train_tampered, 3, raw, None, None, timeout_s=120)
+    assert all(len(x) == 2 and all(isinstance(v, float) for v in x) for x in good), good
+    bad = run_on_ranks(_train_tampered, 3, raw, 1, "bad", timeout_s=120)
     assert len(set(bad)) == 1 and bad[0].startswith(
         "error: data: the ranks planned different samples for step 0: every rank must read the same records"), bad
+    eio = run_on_ranks(_train_tampered, 3, raw, 1, "eio", timeout_s=120)
+    assert eio[1] == "[Errno 5] reading x.png failed: Input/output error", eio
+    assert eio[0] == eio[2] == "error: data: another rank failed to plan step 1 (its own error line names the cause)"

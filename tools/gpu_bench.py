@@ -183,7 +183,9 @@ def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool)
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             b, s = q.shape[0], q.shape[1]
-            block = create_block_mask(lambda bi, h, qi, ki: ki <= qi, None, None, s, s, device=q.device)
+            # Compiled at long lengths, as the multimodal mask (bench_attention): eagerly about 10 bytes a pair.
+            block = create_block_mask(lambda bi, h, qi, ki: ki <= qi, None, None, s, s, device=q.device,
+                                      _compile=q.is_cuda and s * s > 2**31)
             fn = compiled_flex() if q.is_cuda else flex_attention
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             return lambda: fn(qt, kt, vt, block_mask=block, enable_gqa=group > 1).transpose(1, 2)

@@ -62,6 +62,8 @@ def resolve(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
     if os.path.isdir(path) and _ITER.match(name.removesuffix(".replaced")):
         return path
+    if _ITER.match(name) and os.path.isdir(os.path.normpath(path) + ".replaced"):
+        return os.path.normpath(path) + ".replaced"  # named while a save of its step had moved it aside
     step = read_latest(path)
     if step is None:
         raise CheckpointError(f"{path}: no checkpoint here (neither {LATEST} nor an iter_NNNNNNN directory)")

@@ -274,11 +274,17 @@ def _check_checkpoints(tr, add) -> None:
         if tr.async_save:
             add("training.async_save", "needs training.save (the directory to write checkpoints to)")
     elif not tr.load_optimizer and isinstance(tr.load, str) and isinstance(tr.save, str) \
-            and os.path.abspath(tr.load) == os.path.abspath(tr.save):
-        # Every restart would load the newest weights as a fresh start (step 0, new optimizer and
+            and _inside(tr.load, tr.save):
+        # Every restart would load the same weights as a fresh start (step 0, new optimizer and
         # data order) and then save over the checkpoints of the run it started from.
-        add("training.load_optimizer", "false needs training.save to be another directory than training.load "
-            f"({tr.load}): a restart would begin again at step 0 and overwrite its checkpoints")
+        add("training.load_optimizer", f"false needs training.load ({tr.load}) outside training.save "
+            f"({tr.save}): a restart would begin again at step 0 and overwrite the checkpoints")
+
+
+def _inside(path: str, directory: str) -> bool:
+    """`path` is `directory` or lies under it (links resolved)."""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _check_replan(cfg: MimoConfig, add) -> None:

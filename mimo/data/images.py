@@ -9,6 +9,7 @@ statistics most LLaVA vision towers were trained with.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 from typing import Optional, Tuple, Union
@@ -31,10 +32,17 @@ class MediaReadError(OSError):
     rank only (which would leave the ranks with different steps)."""
 
 
+# Errors every rank meets alike on a shared filesystem (a path or permission problem): a verdict on the
+# record, like a missing file.
+_SAME_ON_EVERY_RANK = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
+                       errno.ELOOP}
+
+
 def read_failure(path, exc: OSError) -> Optional[MediaReadError]:
-    """A MediaReadError when `exc` is the operating system's (it carries an errno), else None: the
-    file's content is at fault (Pillow and `wave` raise errno-less errors for bad data)."""
-    if exc.errno is None:
+    """A MediaReadError when `exc` is a failure of this rank's read (an errno such as EIO, ESTALE or
+    EMFILE), else None: the file's content is at fault (Pillow and `wave` raise errno-less errors for
+    bad data), or its path or permissions, which every rank sees alike."""
+    if exc.errno is None or exc.errno in _SAME_ON_EVERY_RANK:
         return None
     return MediaReadError(exc.errno, f"reading {_name(path)} failed: {exc.strerror or exc} (a filesystem error, "
                                      "not a bad file; the run stops rather than skip it on one rank)")

@@ -89,6 +89,7 @@ class PlannedStep:
     record_ids: List[List[str]]   # per sequence, the ids of the records packed into it
     packing_efficiency: float     # non-padding fraction of the step's tokens
     skipped_samples: int          # cumulative, through this step
+    record_tokens: Optional[List[List[int]]] = None  # per sequence, the token count of each record packed into it
 
 
 def load_tokenizer(cfg: MimoConfig):
@@ -178,10 +179,10 @@ class LlavaDataset:
 
     def plan_digest(self, step: int) -> int:
         """56 bits of a hash of what the ranks must agree on about `step` (mimo.training.agreement): the
-        records in each sequence, the records skipped so far, the tokens packed, and each sequence's
-        items (and native grids)."""
+        records in each sequence and each record's token count, the records skipped so far, and each
+        sequence's items (and native grids)."""
         plan = self.plan(step)
-        what = [plan.record_ids, plan.skipped_samples, round(plan.packing_efficiency * self.G * self.S),
+        what = [plan.record_ids, plan.skipped_samples, plan.record_tokens,
                 [[s.count(n) for n in sorted(self.loaders)] for s in plan.samples],
                 [None if s.grids is None else sorted((n, [list(g) for g in gs]) for n, gs in s.grids.items())
                  for s in plan.samples]]
@@ -327,7 +328,8 @@ class LlavaDataset:
                 cur, used = [], 0
         samples = [self._sequence(s) for s in seqs]
         real = sum(len(e.input_ids) for s in seqs for e in s)
-        return PlannedStep(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped)
+        return PlannedStep(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped,
+                           [[len(e.input_ids) for e in s] for s in seqs])
 
     def _sequence(self, docs: List[Encoded]) -> Sample:
         """Records laid end to end, padded to seq_length: document ids (-1 on padding) and

@@ -13,6 +13,7 @@ stops every rank with the same `error:` line.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -24,23 +25,35 @@ from mimo.data.llava import DataError
 class PlanAgreement:
     """Collective at construction (every rank, the same point of start-up): the group it checks over."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, timeout_minutes: float):
         self.group: Optional[object] = None
         # Mock data is a function of the seed and the sample index alone: nothing read can differ.
         if hasattr(dataset, "plan_digest") and dist.get_world_size() > 1:
             # Its own group: the check runs on the loading thread while the step's collectives run
             # on the others.
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
 
     def check(self, dataset, step: int) -> None:
         """Every rank, in step order, before the step's data is used (`dataset`: the trainer's now; one
         put in its place on every rank without `plan_digest`, as the HF logits tool does, is not checked)."""
         if self.group is None or not hasattr(dataset, "plan_digest"):
             return
-        digest = dataset.plan_digest(step)
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        high, neg_low = both.tolist()
+        # Planning reads the records and media headers, and can fail on one rank only (a read error):
+        # that rank still takes its part in the reduction, with its failure flagged, so that the others
+        # do not wait for it; every rank then raises, the failed one its own error.
+        failure, digest = None, 0
+        try:
+            digest = dataset.plan_digest(step)
+        except Exception as exc:  # re-raised below, after the reduction (which is not inside the try)
+            failure = exc
+        slots = torch.tensor([digest, -digest, failure is not None], dtype=torch.int64)
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
+        high, neg_low, failed = slots.tolist()
+        if failure is not None:
+            raise failure
+        if failed:
+            raise DataError(f"error: data: another rank failed to plan step {step} (its own error line names the "
+                            "cause)")
         if high != -neg_low:
             raise DataError(f"error: data: the ranks planned different samples for step {step}: every rank must "
                             "read the same records and media (data.path, data.image_root) and tokenize them alike; "

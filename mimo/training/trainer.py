@@ -115,7 +115,7 @@ class Trainer:
                                           self.layer_offsets.get(LANGUAGE, 0), runtime.device)
 
         self.dataset = build_dataset(cfg)
-        self.agreement = PlanAgreement(self.dataset)  # collective: a group over every rank
+        self.agreement = PlanAgreement(self.dataset, cfg.training.timeout_minutes)  # collective: a group over all ranks
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
         # The encoders whose items this rank decodes: those of which it holds the first stage (later
