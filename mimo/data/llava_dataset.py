@@ -89,7 +89,7 @@ class PlannedStep:
     record_ids: List[List[str]]   # per sequence, the ids of the records packed into it
     packing_efficiency: float     # non-padding fraction of the step's tokens
     skipped_samples: int          # cumulative, through this step
-    record_tokens: Optional[List[List[int]]] = None  # per sequence, the token count of each record packed into it
+    record_tokens: List[List[int]]  # per sequence, the token count of each record packed into it
 
 
 def load_tokenizer(cfg: MimoConfig):

@@ -6,7 +6,7 @@ same: no plan travels. Ranks that read different files (a record or image rewrit
 reads it, nodes that mount another copy of the data) or tokenize differently (nodes with another
 tokenizer or transformers version) would plan different steps and post sends and receives that do
 not match; NCCL checks neither sizes nor order, so the job would hang or mix up data. Here each
-rank reduces a 56-bit digest of its plan over a gloo group of all ranks (16 bytes, on the
+rank reduces a 56-bit digest of its plan over a gloo group of all ranks (24 bytes, on the
 background thread that loads the step, before anything of the step is sent), and a disagreement
 stops every rank with the same `error:` line.
 """
