@@ -1,6 +1,6 @@
 """Host time a rank spends loading one step's data, per rank role (CPU ranks, gloo).
 
-    python tools/bench_step_data.py [--global-batch 256] [--steps 3] [--json]
+    python tools/bench_step_data.py [--global-batch 256] [--steps 3] [--image-size 64] [--turns 1]
 
 Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (non-colocated),
 `kind: llava` records with one image each, no packing. Each rank trains `--steps` steps as
@@ -9,7 +9,10 @@ Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (n
 the device; wherever it runs: the trainer may load the next step on a background thread), and
 `data_cpu_ms`, the CPU time of the thread that ran it (where the load overlaps the step, its wall
 time also counts waiting for the cores the step uses), `metrics_ms`, the time in `StepReporter.after_step` (the step record: FLOPs, MFU, sinks), and counts
-Pillow's pixel decodes. Prints one JSON line per rank (means over the steps after the first). Runs
+Pillow's pixel decodes and the records tokenised per step; `start_s` is the trainer's start-up (the
+record index is built there, each rank tokenising 1/3 of the records). `--turns N`: records of N
+question/answer turns (more text to tokenise per record). Prints one JSON line per rank (means over
+the steps after the first). Runs
 against whichever `mimo` is first on PYTHONPATH, so an older checkout can be timed the same way.
 """
 
@@ -35,11 +38,18 @@ def _rank(raw, steps):
     from mimo.training import Trainer
     from mimo.training.metrics import StepReporter
 
-    calls = []
+    from mimo.data.llava import ConversationEncoder
+
+    calls, tokenised = [], []
     getdecoder = Image._getdecoder
     Image._getdecoder = lambda *a, **k: calls.append(1) or getdecoder(*a, **k)
+    encode = ConversationEncoder.encode
+    ConversationEncoder.encode = lambda self, *a, **k: tokenised.append(1) or encode(self, *a, **k)
     cfg = load_config(raw)
+    start = time.perf_counter()
     trainer = Trainer(cfg, select_runtime("cpu"))
+    start_s = time.perf_counter() - start
+    tokenised.clear()  # counted from the first step on
     data_s = {}
     load = trainer.step_data
 
@@ -64,7 +74,8 @@ def _rank(raw, steps):
     return {"data_ms": 1e3 * sum(data_s[s][0] for s in warm) / len(warm),
             "data_cpu_ms": 1e3 * sum(data_s[s][1] for s in warm) / len(warm),
             "metrics_ms": 1e3 * sum(metrics_s[s] for s in warm) / len(warm),
-            "decodes_per_step": len(calls) / steps}
+            "decodes_per_step": len(calls) / steps, "tokenised_per_step": len(tokenised) / steps,
+            "start_s": start_s}
 
 
 def main(argv=None) -> int:
@@ -72,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--turns", type=int, default=1)
     args = p.parse_args(argv)
     import make_sample_data
 
@@ -86,16 +98,19 @@ def main(argv=None) -> int:
             out, sys.stdout = sys.stdout, quiet
             make_sample_data.main([d, "--records", "8", "--image-size", str(args.image_size)])
             sys.stdout = out
-        data = [{"id": f"r{i}", "image": f"images/img{i % 8:04d}.png", "conversations": [
-            {"from": "human", "value": "<image>\nwhat is it ?"}, {"from": "gpt", "value": "a red square ."}]}
-            for i in range(records)]
+        turns = [{"from": "human", "value": "<image>\nwhat is it ?"}, {"from": "gpt", "value": "a red square ."}]
+        turns += [{"from": "human", "value": "and then ?"}, {"from": "gpt", "value": "a blue circle ."}] * (args.turns - 1)
+        data = [{"id": f"r{i}", "image": f"images/img{i % 8:04d}.png", "conversations": turns}
+                for i in range(records)]
         with open(os.path.join(d, "train.json"), "w") as f:
             json.dump(data, f)
         raw = copy.deepcopy(TINY)
         del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
         raw["model"]["encoders"]["images"].update(image_size=args.image_size, patch_size=args.image_size // 2)
         raw["data"] = {"kind": "llava", "path": os.path.join(d, "train.json"),
-                       "tokenizer": os.path.join(d, "tokenizer"), "seq_length": 48, "packing": False}
+                       "tokenizer": os.path.join(d, "tokenizer"), "seq_length": 48 if args.turns == 1 else 16 * args.turns + 32,
+                       "packing": False}
+        raw["model"]["language"]["max_sequence_length"] = raw["data"]["seq_length"]
         raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=8, train_iters=args.steps,
                                log_interval=10 ** 6)
         raw["parallelism"] = {"language": {}, "images": {"dp": 2, "rank_offset": 1}}

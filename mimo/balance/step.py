@@ -45,8 +45,7 @@ class StepBalancer:
         """Where the step's samples (indices into `samples`) run: per LLM DP rank and microbatch."""
         if self.policy == "none":
             return contiguous(len(samples), self.dp, self.microbatches)
-        tokens = np.array([int((s.document_ids >= 0).sum()) if s.document_ids is not None
-                           else int((s.input_ids != pad_id).sum()) for s in samples])
+        tokens = np.array([s.token_count(pad_id) for s in samples])  # from the plan: no tokens made
         # Fixed-size items cost their count; native-resolution ones each their own size (its grid).
         items = {n: np.array([s.count(n) for s in samples]) for n in self.encoders if n not in self.work.native}
         grids = {n: [sample_grids(s, n) for s in samples] for n in self.encoders if n in self.work.native}

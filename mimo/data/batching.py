@@ -66,12 +66,9 @@ def stack_positions(samples: List[Sample], ids: torch.Tensor) -> torch.Tensor:
 def loss_tokens(samples: List[Sample], placeholder_ids: Dict[str, int]) -> int:
     """Positions of `samples` that carry a loss (the `loss_mask` sum `collate` would give), from their
     tokens alone: no labels, no items. Counted sample by sample: every rank counts the whole step,
-    and stacking it would copy [G, S] tensors each step."""
-    if samples[0].targets is None:
-        placeholders = torch.tensor(sorted(placeholder_ids.values()), dtype=torch.long)
-        return sum(int(((s.input_ids[1:] != PAD_ID) & ~torch.isin(s.input_ids[1:], placeholders)).sum())
-                   for s in samples)
-    return sum(int((s.targets[1:] & (s.document_ids[1:] == s.document_ids[:-1])).sum()) for s in samples)
+    and stacking it would copy [G, S] tensors each step (a planned real-data sample knows its count
+    without its tokens)."""
+    return sum(s.loss_count(placeholder_ids) for s in samples)
 
 
 def shard_indices(global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> List[List[int]]:

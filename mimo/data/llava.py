@@ -109,8 +109,11 @@ class ConversationEncoder:
         self._tags = re.compile("(" + "|".join(re.escape(t) for t in tags) + ")")
         self._image_piece = tags[0]
 
-    def encode(self, record, index: int) -> Encoded:
-        """The record's tokens; raises BadRecord with the reason when it cannot be used."""
+    def encode(self, record, index: int, known_grids: Optional[List[Tuple[int, int, int]]] = None,
+               checked: bool = False) -> Encoded:
+        """The record's tokens; raises BadRecord with the reason when it cannot be used. `checked`: its
+        media headers were read before (mimo.data.record_index), native images' grids `known_grids`:
+        no header is read again."""
         rid = record_id(record, index)
         turns = self._turns(record)
         images = self._media(record, "image", IMAGE_TAG, turns, self.image_token, "image(s)", "vision")
@@ -118,7 +121,9 @@ class ConversationEncoder:
         runs = {IMAGE_TAG: [self.image_token] * self.tokens_per_image,
                 AUDIO_TAG: [self.audio_token] * self.tokens_per_audio}
         grids = None
-        if self.image_grid is not None:  # native resolution: each image's run from its header
+        if checked:
+            grids = None if self.image_grid is None else list(known_grids or [])
+        elif self.image_grid is not None:  # native resolution: each image's run from its header
             grids = []
             for p in images:
                 try:
@@ -150,18 +155,27 @@ class ConversationEncoder:
         if len(ids) > self.seq_length:
             raise BadRecord(f"{len(ids)} tokens, longer than data.seq_length ({self.seq_length})")
         paths = [self._path(p) for p in images]  # bytes: inline
+        clips = [self._path(p) for p in audio]
+        if checked:
+            return Encoded(rid, ids, targets, paths, clips, grids)
         for p in paths if grids is None else []:  # native resolution: checked above, for the grids
             try:
                 check_image(p)
             except ImageError as exc:
                 raise BadRecord(str(exc)) from None
-        clips = [self._path(p) for p in audio]
         for p in clips:
             try:
                 self.check_audio(p)
             except ValueError as exc:
                 raise BadRecord(str(exc)) from None
         return Encoded(rid, ids, targets, paths, clips, grids)
+
+    def media(self, record) -> Tuple[List, List]:
+        """The paths (or inline bytes) of a usable record's images and audio clips, without tokenising it."""
+        turns = self._turns(record)
+        images = self._media(record, "image", IMAGE_TAG, turns, self.image_token, "image(s)", "vision")
+        audio = self._media(record, "audio", AUDIO_TAG, turns, self.audio_token, "audio clip(s)", "audio")
+        return [self._path(p) for p in images], [self._path(p) for p in audio]
 
     def _path(self, p):
         return os.path.join(self.image_root, p) if isinstance(p, str) else p

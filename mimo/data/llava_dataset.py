@@ -1,12 +1,14 @@
 """A LLaVA-format dataset as a stream of training sequences, step by step.
 
-Every rank holds this object and plans each step identically from the text
-alone: it draws records from the global sampler, tokenises them, skips bad
-ones and (with `data.packing`) packs consecutive records into sequences of at
-most `data.seq_length` tokens. Sequence j of step k is training sample
-`k * global_batch_size + j`, the index the trainers already slice by DP rank,
-so all layouts see the same samples. Images and audio clips are decoded only
-when a rank asks for a sample's items of that encoder (its encoder consumes them).
+Every rank holds this object and plans each step identically: it draws records from the global
+sampler, skips bad ones and (with `data.packing`) packs consecutive records into sequences of at
+most `data.seq_length` tokens. Sequence j of step k is training sample `k * global_batch_size + j`,
+the index the trainers already slice by DP rank, so all layouts see the same samples. In a
+multi-rank run planning reads the record index (token counts, media counts and grids, bad records;
+`build_index`, split over the ranks at start-up), and a sequence's tokens are made only when a rank
+reads them (the ranks that train on it); a single process tokenises each record as it plans it.
+Images and audio clips are decoded only when a rank asks for a sample's items of that encoder (its
+encoder consumes them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .items import grid_patches, is_native, patch_width
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
+from .record_index import RecordIndex, RecordMeta, gather_index
 from .sampler import GlobalSampler
 
 
@@ -74,6 +77,67 @@ class LazyItems(Mapping):
 
     def __len__(self) -> int:
         return len(self.paths)
+
+
+@dataclass
+class Planned:
+    """One record as a step's plan holds it: what planning needs, and its tokens once made."""
+    index: int                  # in the file (or energon's stream)
+    id: str
+    meta: RecordMeta
+    images: List                # paths (or inline bytes)
+    audio: List
+    encoded: Optional[Encoded] = None  # its tokens, when planning made them (no record index)
+
+
+class PlannedSample(Sample):
+    """A sequence of a step's plan. What every rank reads of every sequence (item counts and
+    grids, token and loss counts) is known from the plan; the token tensors are made on first use,
+    so only the ranks that train on the sequence tokenise its records."""
+
+    def __init__(self, docs: List[Planned], seq_length: int, items: LazyItems, grids, tokens: Callable):
+        self.docs, self.seq_length, self.items, self.grids = docs, seq_length, items, grids
+        self._tokens, self._made = tokens, None  # tokens(Planned) -> Encoded
+
+    def token_count(self, pad_id: int = PAD_ID) -> int:
+        return sum(d.meta.tokens for d in self.docs)
+
+    def loss_count(self, placeholder_ids=None) -> int:
+        return sum(d.meta.loss for d in self.docs)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._tensors()[0]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self._tensors()[1]
+
+    @property
+    def document_ids(self) -> torch.Tensor:
+        return self._tensors()[2]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self._tensors()[3]
+
+    def _tensors(self) -> Tuple[torch.Tensor, ...]:
+        """Records laid end to end, padded to seq_length: document ids (-1 on padding) and positions
+        that restart at 0 for each record."""
+        if self._made is None:
+            ids, targets, doc_ids, pos = [], [], [], []
+            for k, d in enumerate(self.docs):
+                e = d.encoded if d.encoded is not None else self._tokens(d)
+                ids += e.input_ids
+                targets += e.targets
+                doc_ids += [k] * len(e.input_ids)
+                pos += range(len(e.input_ids))
+            pad = self.seq_length - len(ids)
+            self._made = (torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
+                          torch.tensor(targets + [False] * pad, dtype=torch.bool),
+                          torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
+                          torch.tensor(pos + [0] * pad, dtype=torch.long))
+        return self._made
 
 
 def sample_items(dataset, step: int, samples: Sequence[int], encoders: Collection[str]) -> List[Tuple[str, int, int]]:
@@ -134,6 +198,7 @@ class LlavaDataset:
         self.sampler = GlobalSampler(len(self.records), d.seed, d.shuffle) if source is None else source
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
+        self.index: Optional[RecordIndex] = None  # built over the ranks (build_index); else planning tokenises
         self._plans: Dict[int, PlannedStep] = {}
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
@@ -143,9 +208,26 @@ class LlavaDataset:
         self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
         self._named: set = set()  # records already named in a bad-media warning (this rank)
         self._close_prefetch()
-        self._peeked = None  # (record index, Encoded): the record that did not fit the last sequence
+        self._peeked = None  # (record index, Planned): the record that did not fit the last sequence
 
     # -- the trainers' interface ---------------------------------------------------------------
+
+    def build_index(self, group) -> None:
+        """Collective over `group` (every rank, once at start-up, before any step is planned): each of
+        its W ranks tokenises every W-th record and checks its media, and all gather the numbers
+        planning needs (mimo.data.record_index). From then on a rank plans steps from the index and
+        tokenises only the records of the sequences it trains on. Energon's records stream in: its
+        steps are planned from the records, as without an index."""
+        if self.records is None:
+            return
+        self.index = gather_index(len(self.records), self._learn, group)
+
+    def _learn(self, idx: int):
+        """The record's RecordMeta, or why it is bad."""
+        try:
+            return RecordMeta.of(self.encoder.encode(self.records[idx], idx))
+        except BadRecord as exc:
+            return str(exc)
 
     def sample(self, index: int) -> Sample:
         """Sample `index` of the run, for training: its step's decoded-ahead items are taken first."""
@@ -282,16 +364,16 @@ class LlavaDataset:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def _encode(self, idx: int) -> Optional[Encoded]:
-        """The record's tokens, or None (counted, warned once) when it is bad."""
+    def _planned(self, idx: int) -> Optional[Planned]:
+        """The record as planned, or None (counted, warned once) when it is bad."""
         if self._peeked is not None and self._peeked[0] == idx:
             return self._peeked[1]
         if idx not in self.bad:
             record = self.records[idx] if self.records is not None else self.sampler.record(idx)
             try:
-                enc = self.encoder.encode(record, idx)
-                self._peeked = (idx, enc)
-                return enc
+                doc = self._plan_record(record, idx)
+                self._peeked = (idx, doc)
+                return doc
             except BadRecord as exc:
                 rid = record_id(record, idx)
                 if self.on_bad == "error":
@@ -302,61 +384,76 @@ class LlavaDataset:
         self.skipped += 1
         return None
 
+    def _plan_record(self, record, idx: int) -> Planned:
+        """From the index when there is one (no tokenising); raises BadRecord for a bad record."""
+        if self.index is None:
+            enc = self.encoder.encode(record, idx)
+            return Planned(idx, enc.id, RecordMeta.of(enc), enc.images, enc.audio, enc)
+        meta = self.index.meta(idx)
+        if isinstance(meta, str):
+            raise BadRecord(meta)
+        images, audio = self.encoder.media(record)
+        return Planned(idx, record_id(record, idx), meta, images, audio)
+
+    def _tokens(self, doc: Planned) -> Encoded:
+        """The tokens of an indexed record, for a sequence this rank trains on: its media headers were
+        read when it was indexed (and its grids kept), so only the text is tokenised here; the count
+        must be the index's, which other ranks may have made."""
+        record = self.records[doc.index]
+        try:
+            enc = self.encoder.encode(record, doc.index, doc.meta.grids, checked=True)
+            got = RecordMeta.of(enc)
+        except BadRecord as exc:
+            got = exc
+        if got != doc.meta:
+            raise DataError(f"error: data: record {doc.id!r} tokenises differently on this rank ({got}) than when "
+                            f"the ranks indexed the records ({doc.meta}): every rank needs the same tokenizer "
+                            "files and transformers/tokenizers versions")
+        return enc
+
     def _plan_next(self) -> PlannedStep:
-        seqs: List[List[Encoded]] = []
-        cur: List[Encoded] = []
+        seqs: List[List[Planned]] = []
+        cur: List[Planned] = []
         used, bad_run = 0, 0
         while len(seqs) < self.G:
-            enc = self._encode(self.sampler.peek())
-            if enc is None:
+            doc = self._planned(self.sampler.peek())
+            if doc is None:
                 bad_run += 1
                 if bad_run > self.sampler.num_records:
                     raise DataError(f"error: data.path: no usable record: all {len(self.bad)} records are bad")
                 self.sampler.advance()
                 continue
             bad_run = 0
-            n = len(enc.input_ids)
+            n = doc.meta.tokens
             if self.packing and cur and used + n > self.S:
                 seqs.append(cur)  # the record stays unconsumed: it opens the next sequence (or step)
                 cur, used = [], 0
                 continue
-            cur.append(enc)
+            cur.append(doc)
             used += n
             self.sampler.advance()
             if not self.packing:
                 seqs.append(cur)
                 cur, used = [], 0
         samples = [self._sequence(s) for s in seqs]
-        real = sum(len(e.input_ids) for s in seqs for e in s)
-        return PlannedStep(samples, [[e.id for e in s] for s in seqs], real / (self.G * self.S), self.skipped,
-                           [[len(e.input_ids) for e in s] for s in seqs])
+        real = sum(d.meta.tokens for s in seqs for d in s)
+        return PlannedStep(samples, [[d.id for d in s] for s in seqs], real / (self.G * self.S), self.skipped,
+                           [[d.meta.tokens for d in s] for s in seqs])
 
-    def _sequence(self, docs: List[Encoded]) -> Sample:
-        """Records laid end to end, padded to seq_length: document ids (-1 on padding) and
-        positions that restart at 0 for each record."""
-        ids, targets, doc_ids, pos, images, audio, grids = [], [], [], [], [], [], []
-        image_records, audio_records = [], []
-        for k, e in enumerate(docs):
-            ids += e.input_ids
-            targets += e.targets
-            doc_ids += [k] * len(e.input_ids)
-            pos += range(len(e.input_ids))
-            images += e.images
-            grids += e.grids or []
-            audio += e.audio
-            image_records += [e.id] * len(e.images)
-            audio_records += [e.id] * len(e.audio)
-        pad = self.S - len(ids)
+    def _sequence(self, docs: List[Planned]) -> PlannedSample:
+        """A sequence of records with its items (decoded when read) and, made when first read, tokens."""
+        images, audio, grids, image_records, audio_records = [], [], [], [], []
+        for d in docs:
+            images += d.images
+            grids += d.meta.grids or []
+            audio += d.audio
+            image_records += [d.id] * len(d.images)
+            audio_records += [d.id] * len(d.audio)
         media = {self.vision: (images, image_records), self.audio: (audio, audio_records)}
         paths = {n: media.get(n, ([], []))[0] for n in self.cfg.model.encoders}
         records = {n: media.get(n, ([], []))[1] for n in self.cfg.model.encoders}
-        return Sample(input_ids=torch.tensor(ids + [PAD_ID] * pad, dtype=torch.long),
-                      items=LazyItems(paths, records, self._decode, self.empty,
-                                      {self.vision: grids} if self.native else None),
-                      grids={self.vision: grids} if self.native else None,
-                      targets=torch.tensor(targets + [False] * pad, dtype=torch.bool),
-                      document_ids=torch.tensor(doc_ids + [-1] * pad, dtype=torch.long),
-                      position_ids=torch.tensor(pos + [0] * pad, dtype=torch.long))
+        items = LazyItems(paths, records, self._decode, self.empty, {self.vision: grids} if self.native else None)
+        return PlannedSample(docs, self.S, items, {self.vision: grids} if self.native else None, self._tokens)
 
 
 def _is_rank0() -> bool:

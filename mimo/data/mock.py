@@ -37,6 +37,19 @@ class Sample:
     # media header; their `items[name]` are the items' patches packed [Σ t*h*w, C*T*P*P].
     grids: Optional[Dict[str, List[Tuple[int, int, int]]]] = None
 
+    def token_count(self, pad_id: int = PAD_ID) -> int:
+        """Tokens that are not padding (real data marks padding by a negative document id)."""
+        if self.document_ids is not None:
+            return int((self.document_ids >= 0).sum())
+        return int((self.input_ids != pad_id).sum())
+
+    def loss_count(self, placeholder_ids: Mapping[str, int]) -> int:
+        """Positions that carry a loss (this sample's share of the `loss_mask` sum `collate` gives)."""
+        if self.targets is None:  # mock data: text after the first token, neither padding nor placeholder
+            placeholders = torch.tensor(sorted(placeholder_ids.values()), dtype=torch.long)
+            return int(((self.input_ids[1:] != PAD_ID) & ~torch.isin(self.input_ids[1:], placeholders)).sum())
+        return int((self.targets[1:] & (self.document_ids[1:] == self.document_ids[:-1])).sum())
+
     def count(self, name: str) -> int:
         """Items of encoder `name`, without decoding them."""
         if self.grids is not None and name in self.grids:

@@ -7,8 +7,8 @@ Two ways to load a step, one per plan family:
   (it runs them all); the loss-token count is summed over the DP group by
   the plan's `loss tokens` collective.
 * `whole` (heterogeneous plans): every rank plans the whole step from its
-  metadata (each sample's tokens and item counts, known from the text and the
-  media headers), so the boundary windows and the loss-token count need no
+  metadata (each sample's token, loss-token and item counts, from the record
+  index), so the boundary windows and the loss-token count need no
   communication. What a rank loads is its own share only: an encoder's first
   stage decodes just the items it encodes this step (`encoded_item_ids`), an
   LLM rank collates just its own microbatches, and a rank with neither loads

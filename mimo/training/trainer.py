@@ -116,6 +116,9 @@ class Trainer:
 
         self.dataset = build_dataset(cfg)
         self.agreement = PlanAgreement(self.dataset, cfg.training.timeout_minutes)  # collective: a group over all ranks
+        if self.agreement.group is not None and hasattr(self.dataset, "build_index"):
+            # Collective: each rank tokenises 1/W of the records, so that none tokenises every step's.
+            self.dataset.build_index(self.agreement.group)
         self.balancer = StepBalancer(cfg)
         self.held = [n for n in cfg.model.encoders if n in self.parts]
         # The encoders whose items this rank decodes: those of which it holds the first stage (later

@@ -1,0 +1,178 @@
+"""The record index (mimo.data.record_index): three gloo ranks that each tokenise a third of the
+records and plan from the gathered index plan exactly the steps one process plans by tokenising
+every record (tokens, loss targets, documents, positions, items, native grids, skipped records);
+a rank that fails to index ends every rank with a message; a rank that tokenises a record unlike
+the index stops naming it."""
+
+import os
+
+import pytest
+import torch
+
+from mimo.config import load_config
+from mimo.runtime import run_on_ranks
+from test_llava_data import bad_records, llava_raw, sample_dir, write_records  # noqa: F401 (fixture)
+from test_native_training import qwen_data, qwen_llava  # noqa: F401 (fixture)
+
+STEPS = 6
+
+
+def _described(ds, steps):
+    """Everything a step's plan holds, as plain lists; the token tensors made from the plan."""
+    from mimo.data import Sample
+
+    out = []
+    for step in range(steps):
+        plan = ds.plan(step)
+        rows = []
+        for s in plan.samples:
+            rows.append({"ids": s.input_ids.tolist(), "targets": s.targets.tolist(),
+                         "docs": s.document_ids.tolist(), "pos": s.position_ids.tolist(),
+                         "counts": {n: s.count(n) for n in ds.cfg.model.encoders},
+                         "paths": {n: list(p) for n, p in s.items.paths.items()},
+                         "grids": s.grids,
+                         # the plan's counts, and the same counts from the tensors (Sample's own methods)
+                         "tokens": (s.token_count(), Sample.token_count(s)),
+                         "loss": (s.loss_count(ds.cfg.placeholder_ids), Sample.loss_count(s, ds.cfg.placeholder_ids))})
+        out.append({"records": plan.record_ids, "skipped": plan.skipped_samples, "rows": rows,
+                    "efficiency": plan.packing_efficiency, "digest": ds.plan_digest(step)})
+    return out
+
+
+def _plan_on_rank(raw, steps, index):
+    import torch.distributed as dist
+
+    from mimo.data import build_dataset
+
+    ds = build_dataset(load_config(raw))
+    if index:
+        ds.build_index(dist.new_group(backend="gloo"))
+        assert not ds.index.missing()
+    return _described(ds, steps)
+
+
+def _same_plans(raw, steps):
+    indexed = run_on_ranks(_plan_on_rank, 3, raw, steps, True, timeout_s=300)
+    (reference,) = run_on_ranks(_plan_on_rank, 1, raw, steps, False, timeout_s=300)
+    for got in indexed:
+        assert got == reference
+    for step in reference:
+        for row in step["rows"]:
+            assert row["tokens"][0] == row["tokens"][1] and row["loss"][0] == row["loss"][1], row
+    return reference
+
+
+def test_indexed_ranks_plan_what_one_process_plans_with_bad_records(sample_dir, tmp_path):  # noqa: F811
+    records = bad_records(tmp_path, sample_dir) * 3 + [dict(r, id=f"{r['id']}-{k}") for k in range(4)
+                                                       for r in bad_records(tmp_path, sample_dir)[:1]]
+    raw = llava_raw(sample_dir, write_records(tmp_path, records), shuffle=True)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    reference = _same_plans(raw, STEPS)
+    assert reference[-1]["skipped"] > 0  # bad records met and skipped alike
+    assert any(len(r) > 1 for step in reference for r in step["records"])  # packed sequences
+
+
+def test_indexed_ranks_plan_what_one_process_plans_native_images(qwen_data):  # noqa: F811
+    raw = qwen_llava(qwen_data)
+    reference = _same_plans(raw, 3)
+    grids = [g for step in reference for row in step["rows"] for g in (row["grids"] or {}).get("images", [])]
+    assert len(set(map(tuple, grids))) > 1  # images of several sizes, their grids from the index
+
+
+def _index_failing_on(raw, rank_failing):
+    import errno
+
+    import torch.distributed as dist
+
+    from mimo.data import build_dataset
+    from mimo.data.images import MediaReadError
+    from mimo.data.llava import DataError
+
+    ds = build_dataset(load_config(raw))
+    if dist.get_rank() == rank_failing:
+        learn = ds._learn
+
+        def failing(idx):
+            if idx > 10:
+                raise MediaReadError(errno.EIO, "reading x.png failed: Input/output error")
+            return learn(idx)
+
+        ds._learn = failing
+    try:
+        ds.build_index(dist.new_group(backend="gloo"))
+    except (DataError, MediaReadError) as exc:
+        return str(exc)
+    return "indexed"
+
+
+def test_a_rank_that_fails_to_index_ends_every_rank_with_the_cause(sample_dir):  # noqa: F811
+    got = run_on_ranks(_index_failing_on, 3, llava_raw(sample_dir), 1, timeout_s=120)
+    assert got[1] == "[Errno 5] reading x.png failed: Input/output error"
+    assert got[0] == got[2] == "error: data: rank 1 failed to index the records: [Errno 5] reading x.png failed: " \
+                               "Input/output error"
+
+
+def _indexed_dataset(raw):
+    """A dataset with its index made in this process (what build_index gathers over the ranks)."""
+    from mimo.data.record_index import RecordIndex
+    from test_llava_data import dataset
+
+    ds = dataset(raw)
+    index = RecordIndex(len(ds.records))
+    for i in range(len(ds.records)):
+        index.add(i, ds._learn(i))
+    ds.index = index
+    return ds
+
+
+def test_a_record_that_tokenises_unlike_the_index_stops_naming_it(sample_dir):  # noqa: F811
+    from mimo.data.llava import DataError
+
+    raw = llava_raw(sample_dir, shuffle=False)
+    raw["training"].update(global_batch_size=2, micro_batch_size=1)
+    ds = _indexed_dataset(raw)
+    assert ds.plan(0).samples[1].input_ids.shape == (48,)  # the index as made: the tokens agree
+    ds = _indexed_dataset(raw)
+    ds.index.counts[0, 1] += 1  # record 0 (first, unshuffled): another rank's tokenizer counted one more target
+    first = ds.plan(0).samples[0]
+    assert first.docs[0].index == 0 and first.loss_count() > 0  # its metadata stays readable without tokens
+    with pytest.raises(DataError, match="record 'cap0000' tokenises differently on this rank .* every rank "
+                                        "needs the same tokenizer"):
+        first.input_ids
+
+
+def test_planning_from_the_index_tokenises_no_record(sample_dir, monkeypatch):  # noqa: F811
+    """Planning reads the index and each record's media paths; tokens are made only when read."""
+    from mimo.data.llava import ConversationEncoder
+
+    raw = llava_raw(sample_dir)
+    raw["training"].update(global_batch_size=8, micro_batch_size=1)
+    ds = _indexed_dataset(raw)
+    calls = []
+    encode = ConversationEncoder.encode
+    monkeypatch.setattr(ConversationEncoder, "encode", lambda self, *a, **k: calls.append(a[1]) or encode(self, *a, **k))
+    plan = ds.plan(0)
+    assert calls == [] and sum(s.token_count() for s in plan.samples) > 0
+    plan.samples[3].input_ids
+    assert sorted(calls) == sorted(d.index for d in plan.samples[3].docs)
+    images = [p for s in plan.samples for p in s.items.paths["images"]]
+    assert images and all(os.path.exists(p) for p in images)  # each image's path, from the record
+
+
+def test_a_records_loss_count_is_what_collate_counts_wherever_it_is_laid():
+    """A record's first token never carries a loss in a sequence (the token before it is another
+    document's, or none), even when it is a target; the others do when they are targets."""
+    from mimo.data import Sample, collate
+    from mimo.data.llava import Encoded
+    from mimo.data.record_index import RecordMeta
+
+    first_is_target = Encoded("a", [5, 6, 7, 8], [True, False, True, True], [])
+    other = Encoded("b", [9, 10, 11], [False, True, True], [])
+    assert RecordMeta.of(first_is_target).loss == 2 and RecordMeta.of(other).loss == 2
+    for docs in ([first_is_target, other], [other, first_is_target]):
+        ids = [t for e in docs for t in e.input_ids] + [0]
+        targets = [t for e in docs for t in e.targets] + [False]
+        doc_ids = [k for k, e in enumerate(docs) for _ in e.input_ids] + [-1]
+        s = Sample(input_ids=torch.tensor(ids), items={}, targets=torch.tensor(targets),
+                   document_ids=torch.tensor(doc_ids), position_ids=torch.zeros(len(ids), dtype=torch.long))
+        assert collate([s], {})["loss_mask"].sum() == sum(RecordMeta.of(e).loss for e in docs) == 4
