@@ -176,3 +176,103 @@ def test_a_records_loss_count_is_what_collate_counts_wherever_it_is_laid():
         s = Sample(input_ids=torch.tensor(ids), items={}, targets=torch.tensor(targets),
                    document_ids=torch.tensor(doc_ids), position_ids=torch.zeros(len(ids), dtype=torch.long))
         assert collate([s], {})["loss_mask"].sum() == sum(RecordMeta.of(e).loss for e in docs) == 4
+
+
+def _cached_on_rank(raw, steps):
+    """Plans of `steps` steps after build_index with `data.index`, and the records this rank indexed."""
+    import torch.distributed as dist
+
+    from mimo.data import build_dataset
+    from mimo.data.llava import ConversationEncoder
+
+    learned = []
+    encode = ConversationEncoder.encode
+
+    def spy(self, record, index, *a, **k):
+        if not k.get("checked"):
+            learned.append(index)
+        return encode(self, record, index, *a, **k)
+
+    ConversationEncoder.encode = spy
+    ds = build_dataset(load_config(raw))
+    ds.build_index(dist.new_group(backend="gloo"))
+    return {"plans": _described(ds, steps), "learned": len(learned)}
+
+
+def test_the_index_file_is_reused_and_rebuilt_when_the_records_change(sample_dir, tmp_path):  # noqa: F811
+    import json
+
+    records = json.load(open(os.path.join(sample_dir, "train.json")))
+    path = write_records(tmp_path, records)
+    raw = llava_raw(sample_dir, path, index=str(tmp_path / "train.index"))
+    raw["data"]["image_root"] = sample_dir
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+
+    def run():
+        got = run_on_ranks(_cached_on_rank, 3, raw, 3, timeout_s=300)
+        assert got[0]["plans"] == got[1]["plans"] == got[2]["plans"]
+        return got[0]["plans"], sum(r["learned"] for r in got)
+
+    first, learned = run()
+    assert learned == len(records) and os.path.isfile(tmp_path / "train.index")
+    again, learned = run()
+    assert learned == 0 and again == first  # loaded: nothing tokenised at start-up, the same steps
+    path = write_records(tmp_path, records + [dict(records[0], id="one-more")])  # the records changed
+    _, learned = run()
+    assert learned == len(records) + 1  # another fingerprint: indexed again (and the file replaced)
+    _, learned = run()
+    assert learned == 0
+    (tmp_path / "train.index").write_bytes(b"PK\x03\x04 not a whole file")  # damaged: indexed again
+    damaged, learned = run()
+    assert learned == len(records) + 1
+    (reference,) = run_on_ranks(_plan_on_rank, 1, raw, 3, False, timeout_s=300)
+    assert damaged == reference
+
+
+def test_a_damaged_or_foreign_index_file_is_not_used(tmp_path, capsys):
+    from mimo.data.record_index import RecordIndex, RecordMeta, load_index, save_index
+
+    index = RecordIndex(3)
+    index.add(0, RecordMeta(5, 2, 1, 0, ((1, 2, 2),)))
+    index.add(1, "image not found: x.png")
+    index.add(2, RecordMeta(7, 3, 2, 0, ((1, 2, 4), (1, 4, 4))))
+    path = str(tmp_path / "i.index")
+    save_index(index, path, "key")
+    got = load_index(path, "key", 3)
+    assert [got.meta(i) for i in range(3)] == [index.meta(i) for i in range(3)]
+    assert load_index(path, "another key", 3) is None and load_index(path, "key", 4) is None
+    assert capsys.readouterr().err == ""  # another fingerprint is not a warning: the file is simply rebuilt
+    for damage in (b"", b"PK\x03\x04 cut", open(path, "rb").read()[:-40]):
+        with open(path, "wb") as f:
+            f.write(damage)
+        assert load_index(path, "key", 3) is None
+        assert "warning: data.index: cannot read" in capsys.readouterr().err
+
+
+def test_index_config_errors(sample_dir, tmp_path):  # noqa: F811
+    from mimo.config import ConfigError
+
+    from tiny import TINY
+
+    with pytest.raises(ConfigError, match="data.index: only data.kind llava has a record index"):
+        load_config(dict(TINY, data=dict(TINY.get("data", {}), kind="mock", index=str(tmp_path / "x"))))
+    with pytest.raises(ConfigError, match="data.index: .* is a directory"):
+        load_config(llava_raw(sample_dir, index=str(tmp_path)))
+    with pytest.raises(ConfigError, match="data.index: no such directory"):
+        load_config(llava_raw(sample_dir, index=str(tmp_path / "nope" / "train.index")))
+    assert load_config(llava_raw(sample_dir, index=str(tmp_path / "train.index"))).data.index
+
+
+def test_a_native_image_whose_size_changed_since_planning_is_bad_media(qwen_data, capfd):  # noqa: F811
+    """Its patches no longer match the grid every rank planned with: zeros of the planned size,
+    named and counted, instead of a sequence whose placeholders and patches disagree."""
+    from test_native_training import _dataset
+
+    ds = _dataset(qwen_llava(qwen_data))
+    sample = next(s for s in ds.plan(0).samples if s.count("images"))
+    path, grid = sample.items.paths["images"][0], sample.grids["images"][0]
+    assert ds._decode("images", path, "rec", grid).shape[0] == grid[0] * grid[1] * grid[2]
+    other = (1, grid[1] + 2, grid[2])
+    got = ds._decode("images", path, "rec", other)
+    assert got.shape[0] == other[0] * other[1] * other[2] and not got.any() and ds.bad_media["images"] == 1
+    assert "the file changed since" in capfd.readouterr().err

@@ -1,6 +1,7 @@
 """Host time a rank spends loading one step's data, per rank role (CPU ranks, gloo).
 
     python tools/bench_step_data.py [--global-batch 256] [--steps 3] [--image-size 64] [--turns 1]
+                                    [--records N] [--index]
 
 Three ranks: the LLM alone on rank 0, a vision encoder with DP 2 on ranks 1-2 (non-colocated),
 `kind: llava` records with one image each, no packing. Each rank trains `--steps` steps as
@@ -11,7 +12,9 @@ the device; wherever it runs: the trainer may load the next step on a background
 time also counts waiting for the cores the step uses), `metrics_ms`, the time in `StepReporter.after_step` (the step record: FLOPs, MFU, sinks), and counts
 Pillow's pixel decodes and the records tokenised per step; `start_s` is the trainer's start-up (the
 record index is built there, each rank tokenising 1/3 of the records). `--turns N`: records of N
-question/answer turns (more text to tokenise per record). Prints one JSON line per rank (means over
+question/answer turns (more text to tokenise per record); `--records N`: the file's record count
+(default: global batch x steps); `--index`: keep the index in a file (`data.index`) and run twice,
+the first start building it, the second loading it. Prints one JSON line per rank (means over
 the steps after the first). Runs
 against whichever `mimo` is first on PYTHONPATH, so an older checkout can be timed the same way.
 """
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--turns", type=int, default=1)
+    p.add_argument("--records", type=int, default=0)
+    p.add_argument("--index", action="store_true")
     args = p.parse_args(argv)
     import make_sample_data
 
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny import TINY
 
-    records = args.global_batch * args.steps
+    records = max(args.records, args.global_batch * args.steps)
     with tempfile.TemporaryDirectory() as d:
         with open(os.devnull, "w") as quiet:
             out, sys.stdout = sys.stdout, quiet
@@ -114,9 +119,15 @@ def main(argv=None) -> int:
         raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=8, train_iters=args.steps,
                                log_interval=10 ** 6)
         raw["parallelism"] = {"language": {}, "images": {"dp": 2, "rank_offset": 1}}
-        results = run_on_ranks(_rank, 3, raw, args.steps, timeout_s=1800, daemon=False)
-    for rank, (role, r) in enumerate(zip(["llm", "encoder", "encoder"], results)):
-        print(json.dumps({"rank": rank, "role": role, "global_batch": args.global_batch, **r}))
+        runs = ["no index file"]
+        if args.index:
+            raw["data"]["index"] = os.path.join(d, "train.index")
+            runs = ["index file built", "index file loaded"]
+        for run in runs:
+            results = run_on_ranks(_rank, 3, raw, args.steps, timeout_s=1800, daemon=False)
+            for rank, (role, r) in enumerate(zip(["llm", "encoder", "encoder"], results)):
+                print(json.dumps({"rank": rank, "role": role, "global_batch": args.global_batch, "records": records,
+                                  "run": run, **r}))
     return 0
 
 

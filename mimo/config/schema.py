@@ -244,6 +244,9 @@ class DataConfig:
     max_audio_per_sample: int = 1
     # Data-aware microbatching: none | mmscale | entrain (see docs/balance.md).
     balance: str = "none"
+    # kind llava: a file that keeps the record index (token and media counts of every record) for
+    # later starts of a multi-rank run; rebuilt when the records, tokenizer or settings change.
+    index: Optional[str] = None
 
 
 @dataclass

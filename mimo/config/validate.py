@@ -210,6 +210,8 @@ def _check_data(cfg: MimoConfig, add) -> None:
     """Real-data fields: files exist, the tokenizer fits the LLM's vocabulary, packing can be masked."""
     d = cfg.data
     _check_choice(d.on_bad_record, BAD_RECORD_MODES, "data.on_bad_record", add)
+    if d.index is not None and d.kind != "llava":
+        add("data.index", f"only data.kind llava has a record index (energon's records stream in), not {d.kind}")
     if d.kind == "mock":
         return
     if d.packing and cfg.model.language.attention != "bitfield":
@@ -221,6 +223,12 @@ def _check_data(cfg: MimoConfig, add) -> None:
             add("data.path", f"no such file: {d.path}")
         if d.image_root is not None and not os.path.isdir(d.image_root):
             add("data.image_root", f"no such directory: {d.image_root}")
+        if d.index is not None:
+            where = os.path.dirname(os.path.abspath(d.index))
+            if os.path.isdir(d.index):
+                add("data.index", f"{d.index} is a directory: name the file that keeps the record index")
+            elif not os.path.isdir(where):
+                add("data.index", f"no such directory: {where}")
     if d.kind == "energon":
         if not d.path:
             add("data.path", "required for data.kind energon (a directory prepared with `energon prepare`)")

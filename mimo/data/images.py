@@ -44,7 +44,7 @@ def read_failure(path, exc: OSError) -> Optional[MediaReadError]:
     bad data), or its path or permissions, which every rank sees alike."""
     if exc.errno is None or exc.errno in _SAME_ON_EVERY_RANK:
         return None
-    return MediaReadError(exc.errno, f"reading {_name(path)} failed: {exc.strerror or exc} (a filesystem error, "
+    return MediaReadError(exc.errno, f"reading {media_name(path)} failed: {exc.strerror or exc} (a filesystem error, "
                                      "not a bad file; the run stops rather than skip it on one rank)")
 
 
@@ -54,7 +54,7 @@ def _open(src: Union[str, bytes]):
     return Image.open(io.BytesIO(src) if isinstance(src, bytes) else src)
 
 
-def _name(src: Union[str, bytes]) -> str:
+def media_name(src: Union[str, bytes]) -> str:
     return src if isinstance(src, str) else f"({len(src)} bytes inline)"
 
 
@@ -74,14 +74,14 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
         with _open(path) as img:
             w, h = img.size
     except Image.DecompressionBombError as exc:  # a header claiming more pixels than Pillow will decode
-        raise ImageError(f"image {_name(path)} too large: {exc}") from None
+        raise ImageError(f"image {media_name(path)} too large: {exc}") from None
     except OSError as exc:  # UnidentifiedImageError included
         failure = read_failure(path, exc)
         if failure is not None:
             raise failure from None
-        raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+        raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
     if w < 1 or h < 1:
-        raise ImageError(f"empty image {_name(path)}")
+        raise ImageError(f"empty image {media_name(path)}")
     return w, h
 
 
@@ -103,7 +103,7 @@ class ImageLoader:
             with _open(path) as img:
                 rgb = img.convert("RGB")
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not (truncated)
-            raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+            raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
         if self.processor is not None:
             return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()
         rgb = rgb.resize((self.image_size, self.image_size), Image.BICUBIC)
@@ -136,5 +136,5 @@ class NativeImageLoader:
                 img.load()
                 patches, _ = image_patches(img, self.enc, self.mean, self.std)
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not
-            raise ImageError(f"unreadable image {_name(path)}: {exc}") from None
+            raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
         return torch.from_numpy(patches)

@@ -13,6 +13,7 @@ encoder consumes them).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,12 +28,12 @@ from mimo.config import MimoConfig
 from mimo.config.hf_files import processor_dir, tokenizer_dir
 
 from .audio import AudioError, AudioLoader
-from .images import ImageError, ImageLoader, NativeImageLoader
+from .images import ImageError, ImageLoader, NativeImageLoader, media_name
 from .items import grid_patches, is_native, patch_width
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
-from .record_index import RecordIndex, RecordMeta, gather_index
+from .record_index import RecordIndex, RecordMeta, file_digest, fingerprint, gather_index, load_index, save_index
 from .sampler import GlobalSampler
 
 
@@ -216,11 +217,43 @@ class LlavaDataset:
         """Collective over `group` (every rank, once at start-up, before any step is planned): each of
         its W ranks tokenises every W-th record and checks its media, and all gather the numbers
         planning needs (mimo.data.record_index). From then on a rank plans steps from the index and
-        tokenises only the records of the sequences it trains on. Energon's records stream in: its
-        steps are planned from the records, as without an index."""
+        tokenises only the records of the sequences it trains on. With `data.index` the index is
+        loaded from that file when its fingerprint matches on every rank, else built and written
+        there (by rank 0). Energon's records stream in: its steps are planned from the records, as
+        without an index."""
+        import torch.distributed as dist
+
         if self.records is None:
             return
+        path = self.cfg.data.index
+        if path:  # every rank the same: the config is one
+            key = self._index_key()
+            index = load_index(path, key, len(self.records))
+            # Collective: the file is used only if every rank could read it (else all index again).
+            everyone = torch.tensor([index is not None], dtype=torch.int64)
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+            if int(everyone[0]):
+                self.index = index
+                return
         self.index = gather_index(len(self.records), self._learn, group)
+        if path and dist.get_rank(group) == 0:
+            save_index(self.index, path, key)
+
+    def _index_key(self) -> str:
+        """The fingerprint of what the index depends on: the records file, how records become tokens
+        (the tokenizer, its template and versions, seq_length, placeholders and the encoders'
+        settings, which give native grids and audio checks) and where media paths point."""
+        import tokenizers
+        import transformers
+
+        e, tok = self.encoder, self.encoder.tok
+        return fingerprint({
+            "records": file_digest(self.cfg.data.path), "image_root": os.path.abspath(e.image_root),
+            "seq_length": self.S, "placeholders": [e.image_token, e.tokens_per_image, e.audio_token, e.tokens_per_audio],
+            "encoders": {n: dataclasses.asdict(enc) for n, enc in self.cfg.model.encoders.items()},
+            "tokenizer": [type(tok).__name__, sorted(tok.get_vocab().items()), tok.chat_template,
+                          tok.all_special_tokens, tok.bos_token, tok.eos_token],
+            "versions": [transformers.__version__, tokenizers.__version__]})
 
     def _learn(self, idx: int):
         """The record's RecordMeta, or why it is bad."""
@@ -343,10 +376,14 @@ class LlavaDataset:
         got = self._decoded.get((name, path))
         if got is None:
             got = decode_or_reason(self.loaders[name], path)
+        # A native-resolution item's zeros take its size from the header (its grid).
+        shape = (grid_patches(grid),) + self.empty[name] if grid is not None else self.empty[name]
         if isinstance(got, str):
-            # A native-resolution item's zeros take its size from the header (its grid).
-            shape = (grid_patches(grid),) + self.empty[name] if grid is not None else self.empty[name]
             return self._bad_media(name, record, got, shape)
+        if grid is not None and got.shape[0] != shape[0]:  # the file changed since its header was read
+            return self._bad_media(name, record, f"image {media_name(path)} makes {got.shape[0]} patches, its header "
+                                   f"gave {shape[0]} when the step was planned (the file changed since; with "
+                                   "data.index, since the index was made)", shape)
         return got
 
     def _bad_media(self, name: str, record: str, reason: str, shape: tuple) -> torch.Tensor:

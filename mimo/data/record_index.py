@@ -10,10 +10,20 @@ start-up each of W ranks learns these numbers for every W-th record and one gath
 rank the whole index; from then on a rank plans from the index and tokenises only the records
 of the sequences it trains on. A bad record is learned here too, with its reason, so every
 rank skips the same ones.
+
+With `data.index: PATH` the index is also kept in a file (`save_index`), keyed by a fingerprint of
+everything that decides it (the records file's bytes, the tokenizer, the encoders' settings,
+`data.seq_length` and `data.image_root`, the transformers version): a later start whose fingerprint
+matches loads it instead of tokenising anything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -106,4 +116,71 @@ def gather_index(num_records: int, learn: Callable[[int], Union[RecordMeta, str]
         index.counts[got_rows] = counts
         index.grids.update(grids)
         index.bad.update(bad)
+    return index
+
+
+FORMAT = 1  # of the index file; part of the fingerprint
+
+
+def fingerprint(what: object) -> str:
+    """A hex digest of a JSON-able description of everything the index depends on."""
+    blob = json.dumps([FORMAT, what], sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """The file's bytes, hashed (read in 8 MB pieces)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(8 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def save_index(index: RecordIndex, path: str, key: str) -> None:
+    """Write the index for a later start (one rank): a temporary file, synced, then renamed, so that
+    a crash mid-write never leaves a half file under `path`. A failed write only warns: the run
+    does not need the file."""
+    rows = sorted(index.grids)
+    bad = sorted(index.bad)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, key=np.array(key), counts=index.counts, grid_rows=np.array(rows, dtype=np.int64),
+                     grid_lens=np.array([len(index.grids[i]) for i in rows], dtype=np.int64),
+                     grids=np.array([g for i in rows for g in index.grids[i]], dtype=np.int64).reshape(-1, 3),
+                     bad_rows=np.array(bad, dtype=np.int64), bad_reasons=np.array(json.dumps([index.bad[i] for i in bad])))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"warning: data.index: could not write {path} ({exc}); the next start indexes the records again",
+              file=sys.stderr, flush=True)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_index(path: str, key: str, num_records: int) -> Optional[RecordIndex]:
+    """The index kept in `path`, or None when there is none, it cannot be read, or it was made for
+    other records, tokenizer or settings (another fingerprint)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if str(f["key"]) != key or f["counts"].shape != (num_records, 4):
+                return None
+            index = RecordIndex(num_records)
+            index.counts[:] = f["counts"]
+            grids = f["grids"].tolist()
+            start = 0
+            for i, n in zip(f["grid_rows"].tolist(), f["grid_lens"].tolist()):
+                index.grids[i] = tuple(tuple(g) for g in grids[start:start + n])
+                start += n
+            index.bad = dict(zip(f["bad_rows"].tolist(), json.loads(str(f["bad_reasons"]))))
+        if index.missing():
+            raise ValueError(f"{len(index.missing())} records are missing from it")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a damaged or foreign file: indexed again, and replaced
+        print(f"warning: data.index: cannot read {path} ({type(exc).__name__}: {exc}); indexing the records again",
+              file=sys.stderr, flush=True)
+        return None
     return index
