@@ -137,7 +137,7 @@ def test_a_record_that_tokenises_unlike_the_index_stops_naming_it(sample_dir):  
     first = ds.plan(0).samples[0]
     assert first.docs[0].index == 0 and first.loss_count() > 0  # its metadata stays readable without tokens
     with pytest.raises(DataError, match="record 'cap0000' tokenises differently on this rank .* every rank "
-                                        "needs the same tokenizer"):
+                                        "needs the same records file"):
         first.input_ids
 
 

@@ -24,7 +24,6 @@ tags, which become the runs.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,28 +42,6 @@ class BadRecord(ValueError):
 
 class DataError(ValueError):
     """A problem that stops the run: str() is one `error: ...` line."""
-
-
-def read_records(path: str) -> List[dict]:
-    """A JSON list of records, or JSONL (one record per line)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"error: data.path: {path}: not valid JSON ({exc})") from None
-    else:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"error: data.path: {path}: line {n}: not valid JSON ({exc})") from None
-    if not records:
-        raise DataError(f"error: data.path: {path}: holds no record")
-    return records
 
 
 def record_id(record, index: int) -> str:

@@ -30,9 +30,10 @@ from mimo.config.hf_files import processor_dir, tokenizer_dir
 from .audio import AudioError, AudioLoader
 from .images import ImageError, ImageLoader, NativeImageLoader, media_name
 from .items import grid_patches, is_native, patch_width
-from .llava import BadRecord, ConversationEncoder, DataError, Encoded, read_records, record_id
+from .llava import BadRecord, ConversationEncoder, DataError, Encoded, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
+from .record_file import read_records
 from .record_index import RecordIndex, RecordMeta, file_digest, fingerprint, gather_index, load_index, save_index
 from .sampler import GlobalSampler
 
@@ -406,8 +407,9 @@ class LlavaDataset:
         if self._peeked is not None and self._peeked[0] == idx:
             return self._peeked[1]
         if idx not in self.bad:
-            record = self.records[idx] if self.records is not None else self.sampler.record(idx)
+            record = None  # a JSONL line that is not JSON is a bad record, found when it is read
             try:
+                record = self.records[idx] if self.records is not None else self.sampler.record(idx)
                 doc = self._plan_record(record, idx)
                 self._peeked = (idx, doc)
                 return doc
@@ -436,16 +438,15 @@ class LlavaDataset:
         """The tokens of an indexed record, for a sequence this rank trains on: its media headers were
         read when it was indexed (and its grids kept), so only the text is tokenised here; the count
         must be the index's, which other ranks may have made."""
-        record = self.records[doc.index]
         try:
-            enc = self.encoder.encode(record, doc.index, doc.meta.grids, checked=True)
+            enc = self.encoder.encode(self.records[doc.index], doc.index, doc.meta.grids, checked=True)
             got = RecordMeta.of(enc)
         except BadRecord as exc:
             got = exc
         if got != doc.meta:
             raise DataError(f"error: data: record {doc.id!r} tokenises differently on this rank ({got}) than when "
-                            f"the ranks indexed the records ({doc.meta}): every rank needs the same tokenizer "
-                            "files and transformers/tokenizers versions")
+                            f"the ranks indexed the records ({doc.meta}): every rank needs the same records file "
+                            "(unchanged during the run), tokenizer files and transformers/tokenizers versions")
         return enc
 
     def _plan_next(self) -> PlannedStep:

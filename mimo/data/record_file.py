@@ -1,0 +1,82 @@
+"""The records of a JSONL file, each read from disk when asked for.
+
+A rank used to hold every record of `data.path` as Python objects (several times the file's size: a
+LLaVA-665K file takes gigabytes per rank, times the ranks of a node). Since the record index, a
+rank reads a record only to plan it (its id and media paths) or to tokenise it, so for JSONL it
+keeps just where each record's line lies (two offsets and the line number: 24 bytes a record)
+and parses a line when it is read. A JSON list has no such lines and is parsed whole, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+
+from .llava import BadRecord, DataError
+
+
+def read_records(path: str):
+    """The records of `path`: a JSON list (parsed whole), or JSONL (one record per line, each parsed
+    when it is read: `mimo.data.record_file`)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+        while not head:
+            piece = f.read(1 << 20)
+            if not piece:
+                break
+            head = piece.lstrip()
+    if not head.startswith(b"["):
+        records = JsonLines(path)
+        if not len(records):
+            raise DataError(f"error: data.path: {path}: holds no record")
+        return records
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"error: data.path: {path}: not valid JSON ({exc})") from None
+    if not records:
+        raise DataError(f"error: data.path: {path}: holds no record")
+    return records
+
+
+class JsonLines(Sequence):
+    """Record i of a JSONL file (blank lines are not records). A line that is not valid JSON is a bad
+    record (BadRecord, naming the line) when it is read, skipped or fatal as `data.on_bad_record`
+    says, like any other bad record. Lines are read with `pread`, so any thread may read."""
+
+    def __init__(self, path: str):
+        self.path = path
+        starts, ends, lines = array("q"), array("q"), array("q")
+        pos = 0
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    starts.append(pos)
+                    ends.append(pos + len(line))
+                    lines.append(n)
+                pos += len(line)
+        self.spans = np.stack([np.frombuffer(a, dtype=np.int64) for a in (starts, ends, lines)], axis=1) \
+            if len(starts) else np.zeros((0, 3), dtype=np.int64)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i: int):
+        start, end, line = (int(x) for x in self.spans[i])
+        text = os.pread(self._fd, end - start, start)
+        try:
+            return json.loads(text)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            raise BadRecord(f"line {line} of {self.path} is not valid JSON ({exc})") from None
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)

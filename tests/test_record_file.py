@@ -1,0 +1,56 @@
+"""JSONL records read on demand (mimo.data.record_file): the same records as parsing the file whole,
+blank lines and CRLF endings, a line that is not JSON as a bad record under skip and error."""
+
+import json
+import os
+
+import pytest
+
+from mimo.config import load_config
+from test_llava_data import HELLO, RED, llava_raw, sample_dir  # noqa: F401 (fixture)
+
+
+def test_jsonl_records_read_on_demand_are_the_parsed_lines(tmp_path):
+    from mimo.data.record_file import JsonLines, read_records
+
+    records = [dict(HELLO, id=f"r{i}", n=i, text="é ✓ " * i) for i in range(50)]
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    path = tmp_path / "r.jsonl"
+    # blank lines (also of spaces) are not records; CRLF and LF endings mix; no newline at the end
+    path.write_bytes("\n".join(lines[:10]).encode() + b"\n\n   \n" + "\r\n".join(lines[10:]).encode())
+    got = read_records(str(path))
+    assert isinstance(got, JsonLines) and len(got) == 50
+    assert [got[i] for i in range(50)] == records
+    assert got[-1] == records[-1] and list(got)[7] == records[7]
+    listed = tmp_path / "r.json"
+    listed.write_text(" \n" + json.dumps(records))
+    assert read_records(str(listed)) == records  # a JSON list: parsed whole, as before
+    for empty in ("", "\n \n"):
+        path.write_text(empty)
+        with pytest.raises(Exception, match="holds no record"):
+            read_records(str(path))
+
+
+def _raw_with_broken_line(sample_dir, tmp_path, on_bad):  # noqa: F811
+    img = os.path.join(sample_dir, "images", "img0000.png")
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join([json.dumps(dict(RED, id="good1", image=img)), '{"id": "cut", "conversations": [',
+                               json.dumps(dict(HELLO, id="good2"))]))
+    raw = llava_raw(sample_dir, str(path), shuffle=False, packing=False, on_bad_record=on_bad)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    return raw
+
+
+def test_a_line_that_is_not_json_is_a_bad_record(sample_dir, tmp_path, capfd):  # noqa: F811
+    from mimo.data import build_dataset
+    from mimo.data.llava import DataError
+
+    ds = build_dataset(load_config(_raw_with_broken_line(sample_dir, tmp_path, "skip")))
+    assert [ds.plan(s).record_ids for s in range(3)] == [[["good1"]], [["good2"]], [["good1"]]]
+    assert ds.plan(1).skipped_samples == 1
+    err = capfd.readouterr().err
+    assert "warning: data: skipping record '#1': line 2 of" in err and "is not valid JSON" in err
+    ds = build_dataset(load_config(_raw_with_broken_line(sample_dir, tmp_path, "error")))
+    ds.plan(0)
+    with pytest.raises(DataError, match=r"error: data.path: record '#1': line 2 of .* is not valid JSON"):
+        ds.plan(1)
