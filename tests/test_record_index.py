@@ -118,10 +118,7 @@ def _indexed_dataset(raw):
     from test_llava_data import dataset
 
     ds = dataset(raw)
-    index = RecordIndex(len(ds.records))
-    for i in range(len(ds.records)):
-        index.add(i, ds._learn(i))
-    ds.index = index
+    ds.index = RecordIndex.of(len(ds.records), ds.native, ((i, ds._learn(i)) for i in range(len(ds.records))))
     return ds
 
 
@@ -232,10 +229,9 @@ def test_the_index_file_is_reused_and_rebuilt_when_the_records_change(sample_dir
 def test_a_damaged_or_foreign_index_file_is_not_used(tmp_path, capsys):
     from mimo.data.record_index import RecordIndex, RecordMeta, load_index, save_index
 
-    index = RecordIndex(3)
-    index.add(0, RecordMeta(5, 2, 1, 0, ((1, 2, 2),)))
-    index.add(1, "image not found: x.png")
-    index.add(2, RecordMeta(7, 3, 2, 0, ((1, 2, 4), (1, 4, 4))))
+    index = RecordIndex.of(3, True, [(2, RecordMeta(7, 3, 2, 0, ((1, 2, 4), (1, 4, 4)))),
+                                     (0, RecordMeta(5, 2, 1, 0, ((1, 2, 2),))), (1, "image not found: x.png")])
+    assert index.meta(0).grids == ((1, 2, 2),) and index.meta(2).grids == ((1, 2, 4), (1, 4, 4))
     path = str(tmp_path / "i.index")
     save_index(index, path, "key")
     got = load_index(path, "key", 3)
@@ -276,3 +272,140 @@ def test_a_native_image_whose_size_changed_since_planning_is_bad_media(qwen_data
     got = ds._decode("images", path, "rec", other)
     assert got.shape[0] == other[0] * other[1] * other[2] and not got.any() and ds.bad_media["images"] == 1
     assert "the file changed since" in capfd.readouterr().err
+
+
+def _train_other_copy(raw, other_rank):
+    """Losses, or the error this rank stops with. `other_rank` reads another copy of the records (each
+    answer one word longer), as a node with a stale copy of data.path would."""
+    import torch.distributed as dist
+
+    import mimo.data.llava_dataset as lds
+    from mimo.data.llava import DataError
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    if dist.get_rank() == other_rank:
+        read = lds.read_records
+
+        def other(path):
+            records = read(path)
+            for r in records:
+                r["conversations"][-1]["value"] += " red"
+            return records
+
+        lds.read_records = other
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    losses = []
+    try:
+        for step in range(raw["training"]["train_iters"]):
+            losses.append(trainer.train_step(step).loss)
+    except DataError as exc:
+        return str(exc)
+    return losses
+
+
+def test_ranks_that_read_another_copy_of_the_records_stop_together(sample_dir):  # noqa: F811
+    """The ranks plan from one gathered index, so their plans agree; the copy shows where a rank makes
+    its own sequences' tokens, inside the agreement: every rank stops at step 0 with an error line,
+    the encoder-only rank (2) too, instead of waiting in the step's collectives."""
+    raw = llava_raw(sample_dir)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    raw["training"]["train_iters"] = 2
+    got = run_on_ranks(_train_other_copy, 3, raw, 1, timeout_s=120)
+    assert all(isinstance(g, str) for g in got), got
+    assert any("tokenises differently on this rank" in g for g in got), got
+    assert got[2] == "error: data: another rank failed to plan step 0 (its own error line names the cause)", got
+
+
+def test_the_fingerprint_covers_the_tokenizers_pipeline(sample_dir, tmp_path):  # noqa: F811
+    """Same vocabulary, template and special tokens, another pre-tokenizer: another fingerprint, so a
+    kept index is not loaded for it (it would not match its tokens)."""
+    import json
+    import shutil
+
+    from test_llava_data import dataset
+
+    tok = tmp_path / "tokenizer"
+    shutil.copytree(os.path.join(sample_dir, "tokenizer"), tok)
+    raw = llava_raw(sample_dir, tokenizer=str(tok))
+    before = dataset(raw)._index_key()
+    assert dataset(raw)._index_key() == before
+    spec = json.loads((tok / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "WhitespaceSplit"}
+    (tok / "tokenizer.json").write_text(json.dumps(spec))
+    assert dataset(raw)._index_key() != before
+
+
+def test_a_compressed_member_damaged_inside_is_a_rebuild_not_a_traceback(tmp_path, capsys):
+    import struct
+    import zipfile
+
+    import numpy as np
+
+    from mimo.data.record_index import load_index
+
+    path, n = str(tmp_path / "i.index"), 3000
+    with open(path, "wb") as f:
+        np.savez_compressed(f, key=np.array("key"), counts=np.random.default_rng(0).integers(0, 100, (n, 4)),
+                            native=np.array(False), grids=np.zeros((0, 3), np.int64), bad_rows=np.zeros(0, np.int64),
+                            bad_reasons=np.array("[]"))
+    with zipfile.ZipFile(path) as z:
+        at = z.getinfo("counts.npy").header_offset
+    data = bytearray(open(path, "rb").read())
+    name, extra = struct.unpack("<HH", data[at + 26:at + 30])
+    at += 30 + name + extra + 5  # inside the member's deflate stream: zlib.error when read
+    data[at:at + 3] = b"\0" * 3
+    open(path, "wb").write(bytes(data))
+    assert load_index(path, "key", n) is None
+    assert "warning: data.index: cannot read" in capsys.readouterr().err
+
+
+def _index_one_rank_blind(raw, blind_rank, steps):
+    import torch.distributed as dist
+
+    import mimo.data.llava_dataset as lds
+    from mimo.data import build_dataset
+
+    if dist.get_rank() == blind_rank:
+        lds.load_index = lambda *a, **k: None  # this rank's node does not see the file
+    ds = build_dataset(load_config(raw))
+    ds.build_index(dist.new_group(backend="gloo"))
+    return [ds.plan(s).record_ids for s in range(steps)]
+
+
+def test_a_rank_that_cannot_read_the_index_file_makes_every_rank_index_again(sample_dir, tmp_path):  # noqa: F811
+    raw = llava_raw(sample_dir, index=str(tmp_path / "i.index"))
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    first = run_on_ranks(_index_one_rank_blind, 3, raw, None, 2, timeout_s=120)
+    again = run_on_ranks(_index_one_rank_blind, 3, raw, 1, 2, timeout_s=120)
+    assert again == first
+
+
+def _index_key_failing_on(raw, rank_failing):
+    import errno
+
+    import torch.distributed as dist
+
+    from mimo.data import build_dataset
+    from mimo.data.images import MediaReadError
+    from mimo.data.llava import DataError
+
+    ds = build_dataset(load_config(raw))
+    if dist.get_rank() == rank_failing:
+        def failing():
+            raise MediaReadError(errno.EIO, "reading train.json failed: Input/output error")
+
+        ds._index_key = failing
+    try:
+        ds.build_index(dist.new_group(backend="gloo"))
+    except (DataError, MediaReadError) as exc:
+        return str(exc)
+    return "indexed"
+
+
+def test_a_rank_that_fails_to_read_for_the_index_file_ends_every_rank(sample_dir, tmp_path):  # noqa: F811
+    got = run_on_ranks(_index_key_failing_on, 3, llava_raw(sample_dir, index=str(tmp_path / "i.index")), 2,
+                       timeout_s=120)
+    assert got[2] == "[Errno 5] reading train.json failed: Input/output error"
+    assert got[0] == got[1] == ("error: data.index: another rank failed to read the records or the index file "
+                                "(its own error line names the cause)")

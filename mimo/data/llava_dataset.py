@@ -101,6 +101,9 @@ class PlannedSample(Sample):
         self.docs, self.seq_length, self.items, self.grids = docs, seq_length, items, grids
         self._tokens, self._made = tokens, None  # tokens(Planned) -> Encoded
 
+    def __repr__(self) -> str:  # the dataclass's would make the tokens
+        return f"PlannedSample(records={[d.id for d in self.docs]})"
+
     def token_count(self, pad_id: int = PAD_ID) -> int:
         return sum(d.meta.tokens for d in self.docs)
 
@@ -228,32 +231,55 @@ class LlavaDataset:
             return
         path = self.cfg.data.index
         if path:  # every rank the same: the config is one
-            key = self._index_key()
-            index = load_index(path, key, len(self.records))
-            # Collective: the file is used only if every rank could read it (else all index again).
-            everyone = torch.tensor([index is not None], dtype=torch.int64)
-            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
-            if int(everyone[0]):
+            # Reading the records file and the index file can fail on one rank: that rank still takes
+            # its part in the reduction, flagged, so that no rank waits for it.
+            index, key, failure = None, None, None
+            try:
+                key = self._index_key()
+                index = load_index(path, key, len(self.records))
+            except Exception as exc:  # re-raised below, after the reduction (which is not inside the try)
+                failure = exc
+            # MIN of (loaded, -failed): the file is used only if every rank could load it.
+            slots = torch.tensor([index is not None, -(failure is not None)], dtype=torch.int64)
+            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=group)
+            loaded, failed = (int(x) for x in slots)
+            if failure is not None:
+                raise failure
+            if failed:
+                raise DataError("error: data.index: another rank failed to read the records or the index file (its "
+                                "own error line names the cause)")
+            if loaded:
                 self.index = index
                 return
-        self.index = gather_index(len(self.records), self._learn, group)
+            if dist.get_rank(group) == 0:
+                why = ("made for other records, tokenizer or settings, or not readable on every rank"
+                       if os.path.exists(path) else "not made yet")
+                print(f"data.index: {path} {why}: indexing the records", file=sys.stderr, flush=True)
+        self.index = gather_index(len(self.records), self.native, self._learn, group)
         if path and dist.get_rank(group) == 0:
             save_index(self.index, path, key)
 
     def _index_key(self) -> str:
-        """The fingerprint of what the index depends on: the records file, how records become tokens
-        (the tokenizer, its template and versions, seq_length, placeholders and the encoders'
-        settings, which give native grids and audio checks) and where media paths point."""
+        """The fingerprint of what the index depends on: the records file; how records become tokens
+        (the tokenizer's whole pipeline, settings and template, the library versions, mimo's own
+        encoding code, seq_length, the placeholders and the encoders' settings, which give native
+        grids and audio checks); where media paths point. Not the media files themselves."""
         import tokenizers
         import transformers
 
+        from . import audio, images, llava, native_images
+
         e, tok = self.encoder, self.encoder.tok
+        backend = getattr(tok, "backend_tokenizer", None)  # a fast tokenizer: normalizer, pre-tokenizer, model...
+        settings = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
+                    if not k.endswith(("_file", "name_or_path", "_path", "_dir"))}
         return fingerprint({
             "records": file_digest(self.cfg.data.path), "image_root": os.path.abspath(e.image_root),
             "seq_length": self.S, "placeholders": [e.image_token, e.tokens_per_image, e.audio_token, e.tokens_per_audio],
             "encoders": {n: dataclasses.asdict(enc) for n, enc in self.cfg.model.encoders.items()},
-            "tokenizer": [type(tok).__name__, sorted(tok.get_vocab().items()), tok.chat_template,
-                          tok.all_special_tokens, tok.bos_token, tok.eos_token],
+            "tokenizer": [type(tok).__name__, backend.to_str() if backend is not None else sorted(tok.get_vocab().items()),
+                          settings, tok.chat_template, tok.all_special_tokens],
+            "code": [file_digest(m.__file__) for m in (llava, images, audio, native_images)],
             "versions": [transformers.__version__, tokenizers.__version__]})
 
     def _learn(self, idx: int):
@@ -304,6 +330,13 @@ class LlavaDataset:
                  for s in plan.samples]]
         blob = json.dumps(what, separators=(",", ":")).encode()
         return int.from_bytes(hashlib.blake2b(blob, digest_size=7).digest(), "little")
+
+    def tokenise(self, step: int, samples: Sequence[int]) -> None:
+        """Make the tokens of the given sequences of `step` now (the rank's own: those it trains on),
+        so that a record that tokenises unlike the index fails where the ranks check the step."""
+        plan = self.plan(step)
+        for j in samples:
+            plan.samples[j].input_ids
 
     def skipped_samples(self, step: int) -> int:
         """Records skipped so far (cumulative), up to the end of `step`."""

@@ -12,9 +12,11 @@ of the sequences it trains on. A bad record is learned here too, with its reason
 rank skips the same ones.
 
 With `data.index: PATH` the index is also kept in a file (`save_index`), keyed by a fingerprint of
-everything that decides it (the records file's bytes, the tokenizer, the encoders' settings,
-`data.seq_length` and `data.image_root`, the transformers version): a later start whose fingerprint
-matches loads it instead of tokenising anything.
+what decides it (the records file's bytes, the tokenizer, the code that tokenises, the settings;
+`LlavaDataset._index_key`): a later start whose fingerprint matches loads it instead of tokenising
+anything. Media files are not in the fingerprint.
+
+Storage is a few arrays, not an object per record: a rank holds the index of every record.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
-import zipfile
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch.distributed as dist
@@ -53,23 +55,27 @@ class RecordMeta:
 
 
 class RecordIndex:
-    """RecordMeta of every record (by its index in the file) or the reason it is bad."""
+    """Every record's RecordMeta (by its index in the file), or the reason it is bad.
 
-    def __init__(self, num_records: int):
-        self.counts = np.full((num_records, 4), -1, dtype=np.int64)  # tokens, loss, images, audio
-        self.grids: Dict[int, Tuple[Grid, ...]] = {}
-        self.bad: Dict[int, str] = {}
+    `counts` [N, 4] int64: tokens, loss positions, images, audio clips (-1 for a bad record);
+    `grids` [Σ images, 3] int64 (native-resolution runs only, else None): each image's patch grid,
+    in record order; `bad`: index -> reason."""
+
+    def __init__(self, counts: np.ndarray, bad: Dict[int, str], grids: Optional[np.ndarray] = None):
+        self.counts, self.bad, self.grids = counts, bad, grids
+        if grids is not None:
+            images = np.where(counts[:, 0] >= 0, counts[:, 2], 0)
+            self.grid_start = np.concatenate([[0], np.cumsum(images)])
+            if self.grid_start[-1] != len(grids):
+                raise ValueError(f"{len(grids)} image grids for {self.grid_start[-1]} images")
+
+    @classmethod
+    def of(cls, num_records: int, native: bool, metas: Iterable[Tuple[int, Union[RecordMeta, str]]]):
+        """The index of the given records (the others unknown: counts -1, not bad)."""
+        return assemble(num_records, native, [part(metas)])
 
     def __len__(self) -> int:
         return len(self.counts)
-
-    def add(self, idx: int, meta: Union[RecordMeta, str]) -> None:
-        if isinstance(meta, str):
-            self.bad[idx] = meta
-            return
-        self.counts[idx] = (meta.tokens, meta.loss, meta.images, meta.audio)
-        if meta.grids is not None:
-            self.grids[idx] = meta.grids
 
     def meta(self, idx: int) -> Union[RecordMeta, str]:
         """The record's RecordMeta, or the reason it is bad."""
@@ -77,14 +83,51 @@ class RecordIndex:
         if reason is not None:
             return reason
         tokens, loss, images, audio = (int(x) for x in self.counts[idx])
-        return RecordMeta(tokens, loss, images, audio, self.grids.get(idx))
+        grids = None
+        if self.grids is not None:
+            grids = tuple(tuple(g) for g in self.grids[self.grid_start[idx]:self.grid_start[idx + 1]].tolist())
+        return RecordMeta(tokens, loss, images, audio, grids)
 
     def missing(self) -> List[int]:
         """Records neither indexed nor bad (none, once built)."""
         return [i for i in np.flatnonzero(self.counts[:, 0] < 0).tolist() if i not in self.bad]
 
 
-def gather_index(num_records: int, learn: Callable[[int], Union[RecordMeta, str]], group) -> RecordIndex:
+def part(metas: Iterable[Tuple[int, Union[RecordMeta, str]]]) -> Tuple:
+    """Some records' metas as arrays: (good rows, their counts, their grids in row order, bad)."""
+    rows, counts, grids, bad = [], [], [], {}
+    for i, meta in metas:
+        if isinstance(meta, str):
+            bad[i] = meta
+            continue
+        rows.append(i)
+        counts.append((meta.tokens, meta.loss, meta.images, meta.audio))
+        grids += meta.grids or ()
+    return (np.array(rows, dtype=np.int64), np.array(counts, dtype=np.int64).reshape(-1, 4),
+            np.array(grids, dtype=np.int64).reshape(-1, 3), bad)
+
+
+def assemble(num_records: int, native: bool, parts: List[Tuple]) -> RecordIndex:
+    """One index from disjoint parts (`part`)."""
+    counts = np.full((num_records, 4), -1, dtype=np.int64)
+    bad: Dict[int, str] = {}
+    for rows, got, _, b in parts:
+        counts[rows] = got
+        bad.update(b)
+    grids = None
+    if native:
+        start = np.concatenate([[0], np.cumsum(np.where(counts[:, 0] >= 0, counts[:, 2], 0))])
+        grids = np.zeros((int(start[-1]), 3), dtype=np.int64)
+        for rows, got, g, _ in parts:
+            n = got[:, 2]
+            # Row r's images go to grids[start[r]:start[r] + n_r], in its part's row order.
+            first = np.repeat(start[rows], n)
+            within = np.arange(len(g)) - np.repeat(np.cumsum(n) - n, n)
+            grids[first + within] = g
+    return RecordIndex(counts, bad, grids)
+
+
+def gather_index(num_records: int, native: bool, learn: Callable[[int], Union[RecordMeta, str]], group) -> RecordIndex:
     """Collective over `group` (every rank of it, at the same point of start-up): each rank learns
     every W-th record with `learn` (a RecordMeta, or a bad record's reason) and gathers the rest.
 
@@ -92,18 +135,15 @@ def gather_index(num_records: int, learn: Callable[[int], Union[RecordMeta, str]
     that rank still takes its part in the gather, flagged, so the others do not wait for it; every
     rank then raises, the failed one its own error."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = RecordIndex(num_records)
+    mine: Tuple = part([])
     failure: Optional[BaseException] = None
     try:
-        for i in range(rank, num_records, world):
-            mine.add(i, learn(i))
+        mine = part((i, learn(i)) for i in range(rank, num_records, world))
     except Exception as exc:  # re-raised below, after the gather (which is not inside the try)
         failure = exc
-    rows = np.flatnonzero(mine.counts[:, 0] >= 0)
-    # Arrays, not an object per record: a million records gather as some 40 MB, not hundreds.
-    part = (None if failure is None else str(failure), rows, mine.counts[rows], mine.grids, mine.bad)
     parts: List[object] = [None] * world
-    dist.all_gather_object(parts, part, group=group)
+    # Arrays, not an object per record: a million records gather as some 40 MB, not hundreds.
+    dist.all_gather_object(parts, (None if failure is None else str(failure), mine), group=group)
     if failure is not None:
         raise failure
     failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]
@@ -111,15 +151,10 @@ def gather_index(num_records: int, learn: Callable[[int], Union[RecordMeta, str]
         r, msg = failed[0]
         msg = msg[len("error: "):] if msg.startswith("error: ") else msg
         raise DataError(f"error: data: rank {r} failed to index the records: {msg}")
-    index = RecordIndex(num_records)
-    for _, got_rows, counts, grids, bad in parts:
-        index.counts[got_rows] = counts
-        index.grids.update(grids)
-        index.bad.update(bad)
-    return index
+    return assemble(num_records, native, [p[1] for p in parts])
 
 
-FORMAT = 1  # of the index file; part of the fingerprint
+FORMAT = 2  # of the index file; part of the fingerprint
 
 
 def fingerprint(what: object) -> str:
@@ -138,21 +173,24 @@ def file_digest(path: str) -> str:
 
 
 def save_index(index: RecordIndex, path: str, key: str) -> None:
-    """Write the index for a later start (one rank): a temporary file, synced, then renamed, so that
-    a crash mid-write never leaves a half file under `path`. A failed write only warns: the run
-    does not need the file."""
-    rows = sorted(index.grids)
+    """Write the index for a later start (one rank): a temporary file (named for this host and
+    process), synced, then renamed, so that a crash mid-write never leaves a half file under
+    `path`. A failed write only warns: the run does not need the file."""
     bad = sorted(index.bad)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, key=np.array(key), counts=index.counts, grid_rows=np.array(rows, dtype=np.int64),
-                     grid_lens=np.array([len(index.grids[i]) for i in rows], dtype=np.int64),
-                     grids=np.array([g for i in rows for g in index.grids[i]], dtype=np.int64).reshape(-1, 3),
+            np.savez(f, key=np.array(key), counts=index.counts, native=np.array(index.grids is not None),
+                     grids=index.grids if index.grids is not None else np.zeros((0, 3), dtype=np.int64),
                      bad_rows=np.array(bad, dtype=np.int64), bad_reasons=np.array(json.dumps([index.bad[i] for i in bad])))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a crash
+        finally:
+            os.close(folder)
     except OSError as exc:
         print(f"warning: data.index: could not write {path} ({exc}); the next start indexes the records again",
               file=sys.stderr, flush=True)
@@ -169,17 +207,11 @@ def load_index(path: str, key: str, num_records: int) -> Optional[RecordIndex]:
         with np.load(path, allow_pickle=False) as f:
             if str(f["key"]) != key or f["counts"].shape != (num_records, 4):
                 return None
-            index = RecordIndex(num_records)
-            index.counts[:] = f["counts"]
-            grids = f["grids"].tolist()
-            start = 0
-            for i, n in zip(f["grid_rows"].tolist(), f["grid_lens"].tolist()):
-                index.grids[i] = tuple(tuple(g) for g in grids[start:start + n])
-                start += n
-            index.bad = dict(zip(f["bad_rows"].tolist(), json.loads(str(f["bad_reasons"]))))
+            bad = dict(zip(f["bad_rows"].tolist(), json.loads(str(f["bad_reasons"]))))
+            index = RecordIndex(f["counts"], bad, f["grids"] if bool(f["native"]) else None)
         if index.missing():
             raise ValueError(f"{len(index.missing())} records are missing from it")
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a damaged or foreign file: indexed again, and replaced
+    except Exception as exc:  # noqa: BLE001 (a damaged or foreign file, whatever numpy or zlib raise: indexed again)
         print(f"warning: data.index: cannot read {path} ({type(exc).__name__}: {exc}); indexing the records again",
               file=sys.stderr, flush=True)
         return None

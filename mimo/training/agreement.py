@@ -33,19 +33,17 @@ class PlanAgreement:
             # on the others.
             self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
 
-    def check(self, dataset, step: int) -> None:
-        """Every rank, in step order, before the step's data is used (`dataset`: the trainer's now; one
-        put in its place on every rank without `plan_digest`, as the HF logits tool does, is not checked)."""
-        if self.group is None or not hasattr(dataset, "plan_digest"):
-            return
-        # Planning reads the records and media headers, and can fail on one rank only (a read error):
-        # that rank still takes its part in the reduction, with its failure flagged, so that the others
-        # do not wait for it; every rank then raises, the failed one its own error.
-        failure, digest = None, 0
-        try:
-            digest = dataset.plan_digest(step)
-        except Exception as exc:  # re-raised below, after the reduction (which is not inside the try)
-            failure = exc
+    def checks(self, dataset) -> bool:
+        """Whether steps of `dataset` are checked: the trainer's dataset, or one put in its place on every
+        rank (as the HF logits tool does; without `plan_digest` it is not checked)."""
+        return self.group is not None and hasattr(dataset, "plan_digest")
+
+    def check(self, step: int, digest: int, failure: Optional[BaseException]) -> None:
+        """Every rank, in step order, before the step's data is used: `digest` of this rank's plan of
+        `step` (`plan_digest`), or the `failure` that stopped this rank planning it. Planning can fail on
+        one rank only (a read error; a record that tokenises otherwise there than in the record index):
+        that rank still takes its part in the reduction, with its failure flagged, so that the others
+        do not wait for it; every rank then raises, the failed one its own error."""
         slots = torch.tensor([digest, -digest, failure is not None], dtype=torch.int64)
         dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
         high, neg_low, failed = slots.tolist()

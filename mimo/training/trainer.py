@@ -155,14 +155,21 @@ class Trainer:
         if not self.homogeneous:
             return [(n, j, k) for n, ids in self._encoded(step).items()
                     for j, k in item_sources(self._planned(step), n, ids)]
+        samples = self._planned(step)
+        return [(n, j, k) for j in self._trained(step) for n in self.decoding for k in range(samples[j].count(n))]
+
+    def _trained(self, step: int) -> List[int]:
+        """Step sample indices of this rank's LLM microbatches (none on a rank without an LLM stage)."""
         g = self.topo.grid(LANGUAGE)
+        if not g.is_member:
+            return []
+        if not self.homogeneous:
+            return [i for mb in self._step_windows(step).llm_indices(g.coords["dp"]) for i in mb]
         if self.balancer.policy == "none":
             tr = self.cfg.training
-            mine = [i for mb in shard_indices(G, tr.micro_batch_size, g.coords["dp"], g.layout.dp) for i in mb]
-        else:
-            mine = [i for mb in self.balancer.assignment(self._planned(step), PAD_ID).llm[g.coords["dp"]] for i in mb]
-        samples = self._planned(step)
-        return [(n, j, k) for j in mine for n in self.decoding for k in range(samples[j].count(n))]
+            G = tr.global_batch_size
+            return [i for mb in shard_indices(G, tr.micro_batch_size, g.coords["dp"], g.layout.dp) for i in mb]
+        return [i for mb in self.balancer.assignment(self._planned(step), PAD_ID).llm[g.coords["dp"]] for i in mb]
 
     def _planned(self, step: int) -> List:
         """The samples of `step` as planned (metadata only: nothing decoded, nothing taken)."""
@@ -185,12 +192,24 @@ class Trainer:
                                     self.num_microbatches) for n in self.decoding}
 
     def step_data(self, step: int) -> StepData:
-        self.agreement.check(self.dataset, step)  # before any of the step's data moves
+        if self.agreement.checks(self.dataset):  # before any of the step's data moves
+            self.agreement.check(step, *self._plan_locally(step))
         bad = getattr(self.dataset, "bad_media", {})  # mock data has none
         before = {n: bad.get(n, 0) for n in self.counting}
         data = self._load_step(step)
         data.bad_media = sum(bad.get(n, 0) - before[n] for n in self.counting)
         return data
+
+    def _plan_locally(self, step: int) -> Tuple[int, Optional[BaseException]]:
+        """(the digest of this rank's plan of `step`, None), with the tokens of its own sequences made
+        (they must tokenise as the record index counted); or (0, the failure), which the agreement
+        flags to the other ranks instead of leaving them waiting."""
+        try:
+            digest = self.dataset.plan_digest(step)
+            self.dataset.tokenise(step, self._trained(step))
+        except Exception as exc:  # local work only: the agreement's reduction runs outside, on every rank
+            return 0, exc
+        return digest, None
 
     def _load_step(self, step: int) -> StepData:
         lg = self.topo.grid(LANGUAGE)
