@@ -1,6 +1,7 @@
 """JSONL records read on demand (mimo.data.record_file): the same records as parsing the file whole,
 blank lines and CRLF endings, a line that is not JSON as a bad record under skip and error."""
 
+import copy
 import json
 import os
 
@@ -22,9 +23,17 @@ def test_jsonl_records_read_on_demand_are_the_parsed_lines(tmp_path):
     assert isinstance(got, JsonLines) and len(got) == 50
     assert [got[i] for i in range(50)] == records
     assert got[-1] == records[-1] and list(got)[7] == records[7]
+    copied = copy.copy(got)  # its own descriptor: deleting one never closes the other's
+    del got
+    assert copied[3] == records[3]
     listed = tmp_path / "r.json"
     listed.write_text(" \n" + json.dumps(records))
     assert read_records(str(listed)) == records  # a JSON list: parsed whole, as before
+    bom = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write: a list stays a list
+    listed.write_bytes(bom + b"[\n" + ",\n".join(json.dumps(r) for r in records[:3]).encode() + b"\n]\n")
+    assert read_records(str(listed)) == records[:3]
+    path.write_bytes(bom + "\n".join(lines[:3]).encode())
+    assert list(read_records(str(path))) == records[:3]
     for empty in ("", "\n \n"):
         path.write_text(empty)
         with pytest.raises(Exception, match="holds no record"):

@@ -11,7 +11,7 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks
-from test_llava_data import bad_records, llava_raw, sample_dir, write_records  # noqa: F401 (fixture)
+from test_llava_data import RED, bad_records, llava_raw, sample_dir, write_records  # noqa: F401 (fixture)
 from test_native_training import qwen_data, qwen_llava  # noqa: F401 (fixture)
 
 STEPS = 6
@@ -409,3 +409,76 @@ def test_a_rank_that_fails_to_read_for_the_index_file_ends_every_rank(sample_dir
     assert got[2] == "[Errno 5] reading train.json failed: Input/output error"
     assert got[0] == got[1] == ("error: data.index: another rank failed to read the records or the index file "
                                 "(its own error line names the cause)")
+
+
+def _train_until(raw, rank_failing=None, first_failing=None, once=False):
+    """Losses of the run, or the error it stops with; from `first_failing` on, JSONL reads fail with EIO
+    on `rank_failing` once the index is built (a disk that fails later, on one node; `once`: only the
+    first such read fails)."""
+    import errno
+
+    import torch.distributed as dist
+
+    from mimo.data.llava import DataError
+    from mimo.data.record_file import JsonLines
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    if dist.get_rank() == rank_failing:
+        read = JsonLines.__getitem__
+
+        failed = []
+
+        def failing(self, i):
+            if i >= first_failing and not (once and failed):
+                failed.append(i)
+                raise OSError(errno.EIO, "Input/output error")
+            return read(self, i)
+
+        JsonLines.__getitem__ = failing
+    losses = []
+    try:
+        for step in range(raw["training"]["train_iters"]):
+            losses.append(trainer.train_step(step).loss)
+    except (DataError, OSError) as exc:
+        return str(exc)
+    return losses
+
+
+def _ahead_raw(sample_dir, tmp_path, records, **data):  # noqa: F811
+    """LLM DP 2 on ranks 0-1, the vision encoder on rank 2 decoding ahead in two DataLoader workers
+    (which plans steps ahead on rank 2 alone), 3 steps of 8 one-record sequences."""
+    raw = llava_raw(sample_dir, write_records(tmp_path, records), shuffle=False, packing=False, num_workers=2,
+                    image_root=sample_dir, **data)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    raw["training"]["train_iters"] = 3
+    return raw
+
+
+def test_planning_ahead_for_the_decoders_fails_nowhere_alone(sample_dir, tmp_path):  # noqa: F811
+    """A bad record under `on_bad_record: error` in step 3 of a 3-step run, and a read error on the
+    encoder rank for records of step 3: the run trains its 3 steps. The encoder rank plans steps ahead
+    of the others to decode their images; a failure there is left for where every rank checks the
+    step (here never reached). Before, that rank stopped alone at step 0 and the LLM ranks were left
+    in the step's collectives."""
+    from test_llava_data import HELLO
+
+    bad = {"id": "bad", "conversations": [{"from": "human", "value": "hi"}]}
+    records = [dict(RED, id=f"r{k}") for k in range(24)] + [bad] + [dict(HELLO, id=f"h{k}") for k in range(7)]
+    got = run_on_ranks(_train_until, 3, _ahead_raw(sample_dir, tmp_path, records, on_bad_record="error"),
+                       timeout_s=180, daemon=False)
+    assert all(isinstance(x, list) and len(x) == 3 for x in got), got
+    records = [dict(RED, id=f"r{k}") for k in range(32)]
+    got = run_on_ranks(_train_until, 3, _ahead_raw(sample_dir, tmp_path, records), 2, 24, timeout_s=180,
+                       daemon=False)
+    assert all(isinstance(x, list) and len(x) == 3 for x in got), got
+    got = run_on_ranks(_train_until, 3, _ahead_raw(sample_dir, tmp_path, records), 2, 10, timeout_s=180,
+                       daemon=False)  # a read error in a step the run trains: every rank stops, named
+    assert got[2] == "[Errno 5] Input/output error", got
+    assert got[0] == got[1] and got[0].startswith("error: data: another rank failed to plan step 1"), got
+    # One failed read while planning ahead (mid-step): the step is planned again from its start where
+    # the ranks check it, whole, as the others plan it; the run trains its 3 steps.
+    got = run_on_ranks(_train_until, 3, _ahead_raw(sample_dir, tmp_path, records), 2, 10, True, timeout_s=180,
+                       daemon=False)
+    assert all(isinstance(x, list) and len(x) == 3 for x in got), got

@@ -264,23 +264,29 @@ class LlavaDataset:
         (the tokenizer's whole pipeline, settings and template, the library versions, mimo's own
         encoding code, seq_length, the placeholders and the encoders' settings, which give native
         grids and audio checks); where media paths point. Not the media files themselves."""
+        import PIL
         import tokenizers
         import transformers
 
-        from . import audio, images, llava, native_images
+        from . import audio, images, llava, native_images, record_index
 
         e, tok = self.encoder, self.encoder.tok
         backend = getattr(tok, "backend_tokenizer", None)  # a fast tokenizer: normalizer, pre-tokenizer, model...
-        settings = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
-                    if not k.endswith(("_file", "name_or_path", "_path", "_dir"))}
+        kwargs = getattr(tok, "init_kwargs", {})
+        settings = {k: v for k, v in kwargs.items() if not k.endswith(("_file", "name_or_path", "_path", "_dir"))}
+        # A slow tokenizer's model lives in its files (a SentencePiece model, vocab and merges): their bytes.
+        files = sorted(file_digest(v) for k, v in kwargs.items() if k.endswith("_file") and isinstance(v, str)
+                       and os.path.isfile(v))
         return fingerprint({
             "records": file_digest(self.cfg.data.path), "image_root": os.path.abspath(e.image_root),
             "seq_length": self.S, "placeholders": [e.image_token, e.tokens_per_image, e.audio_token, e.tokens_per_audio],
             "encoders": {n: dataclasses.asdict(enc) for n, enc in self.cfg.model.encoders.items()},
             "tokenizer": [type(tok).__name__, backend.to_str() if backend is not None else sorted(tok.get_vocab().items()),
-                          settings, tok.chat_template, tok.all_special_tokens],
-            "code": [file_digest(m.__file__) for m in (llava, images, audio, native_images)],
-            "versions": [transformers.__version__, tokenizers.__version__]})
+                          settings, files, tok.chat_template, tok.all_special_tokens],
+            # mimo's code that turns records into the index's numbers (this file: _learn).
+            "code": [file_digest(m.__file__) for m in (llava, images, audio, native_images, record_index)]
+                    + [file_digest(__file__)],
+            "versions": [transformers.__version__, tokenizers.__version__, PIL.__version__]})
 
     def _learn(self, idx: int):
         """The record's RecordMeta, or why it is bad."""
@@ -309,7 +315,16 @@ class LlavaDataset:
             if step < self._next_step:
                 self._seek(self._starts[step])
             while self._next_step <= step:
-                self._plans[self._next_step] = self._plan_next()
+                try:
+                    made = self._plan_next()
+                except BaseException:
+                    # Back to the step's start, so that planning it again (where the ranks check it, after
+                    # a failure while planning ahead) plans it whole, as the other ranks do.
+                    start = self._starts[self._next_step]
+                    self.sampler.load_state_dict(start["sampler"])
+                    self.skipped, self._peeked = int(start["skipped_samples"]), None
+                    raise
+                self._plans[self._next_step] = made
                 self._next_step += 1
                 self._starts[self._next_step] = self._position()
         done = min(step, self._trained) - 1  # a step's microbatches may still ask for the previous step
@@ -382,9 +397,15 @@ class LlavaDataset:
     # -- decoding ------------------------------------------------------------------------------
 
     def _paths(self, step: int) -> tuple:
-        """(encoder, path) of the items this rank decodes ahead in `step`."""
-        samples = self.plan(step).samples
-        return tuple((n, samples[j].items.paths[n][k]) for n, j, k in self._wanted(step))
+        """(encoder, path) of the items this rank decodes ahead in `step`: none when planning the step
+        fails here, ahead of time and on this rank only (a read error; a bad record under
+        `on_bad_record: error`). Only where the ranks check the step (mimo.training.agreement) may it
+        fail: there every rank learns of it, and a run whose last step comes before it never does."""
+        try:
+            samples = self.plan(step).samples
+            return tuple((n, samples[j].items.paths[n][k]) for n, j, k in self._wanted(step))
+        except Exception:  # noqa: BLE001 (planned again, and any failure raised, where the ranks check the step)
+            return ()
 
     def _fetch(self, step: int) -> None:
         """Take the prefetched items of `step` (the loader runs steps in order from where it started)."""

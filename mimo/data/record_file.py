@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from array import array
 from collections.abc import Sequence
 
@@ -18,12 +19,14 @@ import numpy as np
 
 from .llava import BadRecord, DataError
 
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors write first
+
 
 def read_records(path: str):
     """The records of `path`: a JSON list (parsed whole), or JSONL (one record per line, each parsed
     when it is read: `mimo.data.record_file`)."""
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(BOM).lstrip()
         while not head:
             piece = f.read(1 << 20)
             if not piece:
@@ -34,7 +37,7 @@ def read_records(path: str):
         if not len(records):
             raise DataError(f"error: data.path: {path}: holds no record")
         return records
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         text = f.read()
     try:
         records = json.loads(text)
@@ -46,15 +49,18 @@ def read_records(path: str):
 
 
 class JsonLines(Sequence):
-    """Record i of a JSONL file (blank lines are not records). A line that is not valid JSON is a bad
-    record (BadRecord, naming the line) when it is read, skipped or fatal as `data.on_bad_record`
-    says, like any other bad record. Lines are read with `pread`, so any thread may read."""
+    """Record i of a JSONL file (lines end with \\n or \\r\\n; blank lines are not records). A line that
+    is not valid JSON is a bad record (BadRecord, naming the line) when it is read, skipped or fatal
+    as `data.on_bad_record` says, like any other bad record. Lines are read with `pread` (no shared
+    file offset), so any thread may read; a copy (or a forked process) opens the file again."""
 
     def __init__(self, path: str):
         self.path = path
+        self._open()
         starts, ends, lines = array("q"), array("q"), array("q")
         pos = 0
-        with open(path, "rb") as f:
+        # The spans are taken from the descriptor the lines will be read from: the same file.
+        with open(self._fd, "rb", closefd=False) as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     starts.append(pos)
@@ -63,20 +69,26 @@ class JsonLines(Sequence):
                 pos += len(line)
         self.spans = np.stack([np.frombuffer(a, dtype=np.int64) for a in (starts, ends, lines)], axis=1) \
             if len(starts) else np.zeros((0, 3), dtype=np.int64)
-        self._fd = os.open(path, os.O_RDONLY)
+
+    def _open(self) -> None:
+        self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        weakref.finalize(self, os.close, self._fd)
+
+    def __getstate__(self):  # a copy or pickle holds no descriptor: it opens its own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fd", "_pid")}
 
     def __len__(self) -> int:
         return len(self.spans)
 
     def __getitem__(self, i: int):
         start, end, line = (int(x) for x in self.spans[i])
-        text = os.pread(self._fd, end - start, start)
+        if getattr(self, "_fd", None) is None or self._pid != os.getpid():
+            self._open()
+        try:
+            text = os.pread(self._fd, end - start, start)
+        except OSError as exc:  # a filesystem error on this rank: not a verdict on the record
+            raise OSError(exc.errno, f"reading line {line} of {self.path} failed: {exc.strerror or exc}") from None
         try:
             return json.loads(text)
         except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
             raise BadRecord(f"line {line} of {self.path} is not valid JSON ({exc})") from None
-
-    def __del__(self):
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
