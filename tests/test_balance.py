@@ -108,11 +108,13 @@ def test_subset_sum_against_brute_force():
         targets = np.array([np.arange(0, 60, 0.5)] * len(sets))
         got = closest_sums(tables, targets)
         for r, units in enumerate(sets):
-            every = {sum(c) for n in range(len(units) + 1) for c in itertools.combinations(units, n)}
+            # Any subset but the whole set (that would leave the microbatch's LLM side empty).
+            every = {sum(c) for n in range(len(units)) for c in itertools.combinations(units, n)}
             for target, best in zip(targets[r], got[r]):
                 assert best in every and abs(best - target) == min(abs(s - target) for s in every)
                 assert best == min(s for s in every if abs(s - target) == abs(best - target))  # the smaller
-                assert sum(units[i] for i in tables[r].subset(int(best))) == best
+                taken = tables[r].subset(int(best))
+                assert sum(units[i] for i in taken) == best and len(taken) < len(units)
 
 
 def test_bottleneck_matching_against_brute_force():
@@ -262,7 +264,7 @@ def _reference_entrain(enc, llm, dp, M, resolution=1024):
         tables = [SubsetTable.build(np.maximum(0, np.rint(llm[mbs[i]] / unit)).astype(np.int64).tolist())
                   for i in ol]
         delta = (loads[ol][:, None] - loads[ul][None, :]) / 2 / unit
-        sums = np.array([[_closest_scalar(t.prefixes[-1], x) for x in row] for t, row in zip(tables, delta)])
+        sums = np.array([[_closest_scalar(t.movable, x) for x in row] for t, row in zip(tables, delta)])
         V = np.maximum(loads[ol][:, None] - sums * unit, loads[ul][None, :] + sums * unit)
         _, match = bottleneck_pairs(loads[ol], loads[ul], V)
         free = [c for c in range(len(ul))[::-1] if c not in match.values()]
@@ -273,6 +275,9 @@ def _reference_entrain(enc, llm, dp, M, resolution=1024):
         for r in range(len(ol)):
             c = match[r]
             moved = [mbs[ol[r]][p] for p in tables[r].subset(int(sums[r, c]))]
+            exact = sum(llm[i] for i in moved)
+            if max(loads[ol[r]] - exact, loads[ul[c]] + exact) >= loads[ol[r]]:
+                moved = []                                  # no better on exact work: not made
             e_out += [mbs[ol[r]], mbs[ul[c]]]
             l_out += [[i for i in mbs[ol[r]] if i not in moved], mbs[ul[c]] + moved]
         e_out += [mbs[ul[c]] for c in free]
@@ -294,6 +299,36 @@ def test_entrain_fast_path_equals_reference(dp, M, m, seed):
     assert (a.encoder, a.llm) == _reference_entrain(enc, llm, dp, M)
 
 
+def test_deferral_never_empties_an_llm_microbatch_nor_worsens_a_pair():
+    """One sample per microbatch and a very long one in the step: on work rounded to 1/1024 of the
+    heaviest microbatch, moving a whole microbatch to its partner once looked best, which left the
+    LLM a microbatch of no sample (the step then failed in collate) and made the pair slower."""
+    work = WorkloadModel.from_model()
+    _, llm = work.from_tokens(np.array([16000, 5, 51, 36, 8, 329]), np.zeros(6))
+    a = entrain(np.zeros(6), llm, 1, 6)
+    assert violations(a, 6) == [] and all(a.llm[0])
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        M, m = int(rng.integers(2, 9)), int(rng.integers(1, 3))
+        tokens = np.exp(rng.uniform(np.log(4), np.log(16000), M * m)).astype(int)
+        enc, llm = work.from_tokens(tokens, rng.integers(0, 2, M * m) * 576)
+        a = entrain(enc, llm, 1, M)
+        assert violations(a, M * m) == [], (tokens, a)
+        # Each deferral pair: the overloaded microbatch and its partner run one after the other.
+        for k in range(0, len(a.llm[0]) - 1):
+            moved = [i for i in a.llm[0][k + 1] if i not in a.encoder[0][k + 1]]
+            if moved:
+                before = max(llm[a.encoder[0][k]].sum(), llm[a.encoder[0][k + 1]].sum())
+                assert max(llm[a.llm[0][k]].sum(), llm[a.llm[0][k + 1]].sum()) < before, (tokens, a)
+
+
+def test_violations_name_an_empty_llm_microbatch(work):
+    a = assign("none", *step(work, 8), 1, 4)
+    a.llm[0][1] += a.llm[0][0]
+    a.llm[0][0] = []
+    assert "dp 0 microbatch 0: the LLM runs no sample" in violations(a, 8)
+
+
 def test_tie_swaps_keep_encoder_loads_and_narrow_llm():
     enc, llm = step(WorkloadModel.from_model(), 256, seed=5)
     before = stratified(enc, llm, np.lexsort((-llm, -enc))[None], 32)
@@ -303,3 +338,45 @@ def test_tie_swaps_keep_encoder_loads_and_narrow_llm():
     spread = lambda mem: np.ptp([llm[mb].sum() for mb in lists(mem)])          # noqa: E731
     assert spread(after) < 0.5 * spread(before)
     assert np.allclose(loads[0], [llm[mb].sum() for mb in lists(after)])
+
+
+def test_packed_documents_pay_their_own_attention():
+    """A sequence packing several documents costs the LLM its tokens' linear work plus each document's
+    own attention (documents never attend to each other): four packed documents of 1,024 tokens are
+    lighter than one document of 4,096, and the balancer sees that from the samples' document ids."""
+    import copy
+
+    import torch
+
+    from mimo.balance.step import StepBalancer
+    from mimo.config import build_config
+    from mimo.data import PAD_ID, Sample
+    from tiny import TINY
+
+    work = WorkloadModel.from_model()
+    got = work.llm_documents([[1024] * 4, [4096], []])
+    assert got[0] == pytest.approx(4 * work.llm(np.array([1024.0]))[0], rel=1e-12)
+    assert got[1] == pytest.approx(work.llm(np.array([4096.0]))[0], rel=1e-12) and got[2] == 0
+    assert work.llm_quadratic > 0
+    assert got[1] - got[0] == pytest.approx(work.llm_quadratic * (4096 ** 2 - 4 * 1024 ** 2), rel=1e-9)
+
+    def sample(docs, S=64):
+        ids = torch.cat([torch.full((n,), k) for k, n in enumerate(docs)] + [torch.full((S - sum(docs),), -1)])
+        return Sample(torch.ones(S, dtype=torch.long), {}, torch.ones(S, dtype=torch.bool), ids,
+                      torch.zeros(S, dtype=torch.long))
+
+    assert sample([5, 3]).document_tokens() == [5, 3] and sample([]).document_tokens() == []
+    raw = copy.deepcopy(TINY)
+    raw["model"]["language"]["attention"] = "bitfield"
+    raw["model"]["encoders"] = {}
+    raw["parallelism"] = {"language": dict(dp=2)}
+    raw["data"].update(balance="mmscale", packing=True)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    cfg, problems = build_config(raw)
+    assert not problems, problems
+    # Two whole 60-token documents and two sequences of fifteen 4-token ones: by total tokens all four
+    # weigh the same, and the two heavy ones (0 and 2) went to one replica.
+    step_samples = [sample([60]), sample([4] * 15), sample([60]), sample([4] * 15)]
+    a = StepBalancer(cfg).assignment(step_samples, PAD_ID)
+    holds = [sorted(i for mb in rank for i in mb) for rank in a.llm]
+    assert all(len(set(h) & {0, 2}) == 1 for h in holds), holds

@@ -65,6 +65,8 @@ def violations(a: StepAssignment, num_samples: int) -> List[str]:
             seen[i] = d
         encoded = set()
         for k, (e, l) in enumerate(zip(enc, llm)):
+            if not l:  # the LLM stages would run a microbatch of no sequence
+                out.append(f"dp {d} microbatch {k}: the LLM runs no sample")
             encoded.update(e)
             early = [i for i in l if i not in encoded]
             if early:

@@ -36,6 +36,17 @@ class SubsetTable:
             prefixes.append(reach)
         return cls(list(units), prefixes)
 
+    @property
+    def movable(self) -> int:
+        """Sums of the subsets that may be deferred: any but the whole microbatch, whose LLM side
+        would be left empty. With every unit positive only the whole set reaches the total; a
+        sample of zero units is never taken (`subset` leaves what it need not take), so then the
+        total leaves that sample behind."""
+        reach = self.prefixes[-1]
+        if self.units and min(self.units) > 0:
+            reach &= ~(1 << sum(self.units))
+        return reach
+
     def subset(self, total: int) -> List[int]:
         """Positions of samples whose rounded work sums to ``total`` (a reachable sum)."""
         out = []
@@ -49,12 +60,13 @@ class SubsetTable:
 
 
 def closest_sums(tables: Sequence[SubsetTable], targets: np.ndarray) -> np.ndarray:
-    """``out[r, c]``: the sum reachable in ``tables[r]`` closest to ``targets[r, c]`` (>= 0; the
+    """``out[r, c]``: the movable sum of ``tables[r]`` closest to ``targets[r, c]`` (>= 0; the
     smaller sum on a tie). One numpy pass over every table: the set bits of all bitsets,
     keyed ``row * width + sum``, form one sorted array that a binary search answers."""
-    width = max(t.prefixes[-1].bit_length() for t in tables) + 1
+    reach = [t.movable for t in tables]
+    width = max(r.bit_length() for r in reach) + 1
     nbytes = (width + 7) // 8
-    raw = b"".join(t.prefixes[-1].to_bytes(nbytes, "little") for t in tables)
+    raw = b"".join(r.to_bytes(nbytes, "little") for r in reach)
     bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
     keys = np.flatnonzero(bits.view(bool))             # row * (8 * nbytes) + sum, ascending
     stride = 8 * nbytes
@@ -110,7 +122,7 @@ def bottleneck_pairs(over: np.ndarray, under: np.ndarray, V: np.ndarray) -> Tupl
     ``over``/``under``: loads of the two halves, each heaviest first (len(under) >= len(over));
     ``V[i, j]``: the pair's bottleneck after its best deferral. A row with ``over[i] <= T``
     needs no partner."""
-    # No T below the lightest microbatch's load, nor below any row's best option (alone or
+    # No T below the heaviest underloaded microbatch's load, nor below any row's best option (alone or
     # with its best partner): those candidates cannot pass, so they are not tried.
     floor = max(float(under.max()) if under.size else 0.0,
                 float(np.minimum(over, V.min(axis=1)).max()) if V.size else 0.0)
@@ -193,7 +205,12 @@ def defer(loads: np.ndarray, members: Sequence[Sequence[Sequence[int]]], llm: np
         pairs = []
         for r in range(h):
             c = match[r]
-            chosen = tables[n * h + r].subset(int(sums[n, r, c]))
-            pairs.append((o[r], u[c], [mbs[o[r]][p] for p in chosen]))
+            moved = [mbs[o[r]][p] for p in tables[n * h + r].subset(int(sums[n, r, c]))]
+            # The subset was chosen on rounded work: a move whose exact work leaves the pair no
+            # lighter than its overloaded microbatch alone is not made.
+            exact = sum(llm[i] for i in moved)
+            if moved and max(over[n, r] - exact, under[n, c] + exact) >= over[n, r]:
+                moved = []
+            pairs.append((o[r], u[c], moved))
         out[d] = (pairs + [(u[c], None, []) for c in free], T)
     return out

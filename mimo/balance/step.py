@@ -45,7 +45,8 @@ class StepBalancer:
         """Where the step's samples (indices into `samples`) run: per LLM DP rank and microbatch."""
         if self.policy == "none":
             return contiguous(len(samples), self.dp, self.microbatches)
-        tokens = np.array([s.token_count(pad_id) for s in samples])  # from the plan: no tokens made
+        # From the plan (no tokens made); packed documents each pay their own attention.
+        llm = self.work.llm_documents([s.document_tokens(pad_id) for s in samples])
         # Fixed-size items cost their count; native-resolution ones each their own size (its grid).
         items = {n: np.array([s.count(n) for s in samples]) for n in self.encoders if n not in self.work.native}
         grids = {n: [sample_grids(s, n) for s in samples] for n in self.encoders if n in self.work.native}
@@ -54,4 +55,4 @@ class StepBalancer:
             enc = enc + self.work.encoder(items)
         if grids:
             enc = enc + self.work.encoder_grids(grids)
-        return assign(self.policy, enc, self.work.llm(tokens), self.dp, self.microbatches, self.pipeline)
+        return assign(self.policy, enc, llm, self.dp, self.microbatches, self.pipeline)

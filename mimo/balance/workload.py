@@ -73,6 +73,9 @@ class WorkloadModel:
         self.tokens_per_item: dict[str, int] = {}
         # Native-resolution encoders: (seconds per patch, seconds per attention pair) of an item.
         self.native: dict[str, tuple[ModuleRate, ModuleRate]] = {}
+        # (encoder, grid) -> seconds: a dataset's images come in a bounded set of grids (the encoder's
+        # pixel limits and patch rounding), so each is costed once for the whole run.
+        self._item_costs: dict[tuple, float] = {}
 
         def rate(enc) -> tuple[ModuleRate, list]:
             costs = cm.module_costs(enc, 1, 1, 1.0, Workload(enc.tokens_per_item, {enc.name: 1.0}), hidden)
@@ -121,6 +124,15 @@ class WorkloadModel:
         t = np.asarray(tokens, dtype=np.float64)
         return t * (self.llm_linear + self.llm_quadratic * t)
 
+    def llm_documents(self, documents: Sequence[Sequence[int]]) -> np.ndarray:
+        """Seconds of LLM work per sequence from the token counts of the documents packed in it
+        (``documents[s]``): the linear part grows with all its tokens, attention with each
+        document's own length, since a document never attends to another."""
+        lengths = np.array([len(d) for d in documents], dtype=np.int64)
+        flat = np.fromiter((t for d in documents for t in d), dtype=np.float64, count=int(lengths.sum()))
+        return np.bincount(np.repeat(np.arange(len(documents)), lengths), weights=self.llm(flat),
+                           minlength=len(documents))
+
     def encoder(self, items: Mapping[str, np.ndarray]) -> np.ndarray:
         """Seconds of encoder work per sample from its item counts per encoder."""
         out = None
@@ -135,12 +147,19 @@ class WorkloadModel:
         t, h, w = (int(x) for x in grid)
         return per_patch.total * t * h * w + per_pair.total * self.spec.module(name).native.pairs((t, h, w))
 
+    def _cached_cost(self, name: str, grid: Sequence[int]) -> float:
+        key = (name, tuple(grid))
+        cost = self._item_costs.get(key)
+        if cost is None:
+            cost = self._item_costs[key] = self.item_cost(name, grid)
+        return cost
+
     def encoder_grids(self, grids: Mapping[str, Sequence[Sequence[Sequence[int]]]]) -> np.ndarray:
         """Seconds of encoder work per sample from its native items' grids (``grids[name][s]``:
         sample s's grids for encoder `name`)."""
         out = None
         for name, per_sample in grids.items():
-            w = np.array([sum(self.item_cost(name, g) for g in gs) for gs in per_sample], dtype=np.float64)
+            w = np.array([sum(self._cached_cost(name, g) for g in gs) for gs in per_sample], dtype=np.float64)
             out = w if out is None else out + w
         return np.zeros(0) if out is None else out
 

@@ -107,6 +107,9 @@ class PlannedSample(Sample):
     def token_count(self, pad_id: int = PAD_ID) -> int:
         return sum(d.meta.tokens for d in self.docs)
 
+    def document_tokens(self, pad_id: int = PAD_ID) -> List[int]:
+        return [d.meta.tokens for d in self.docs]
+
     def loss_count(self, placeholder_ids=None) -> int:
         return sum(d.meta.loss for d in self.docs)
 

@@ -43,6 +43,14 @@ class Sample:
             return int((self.document_ids >= 0).sum())
         return int((self.input_ids != pad_id).sum())
 
+    def document_tokens(self, pad_id: int = PAD_ID) -> List[int]:
+        """Tokens of each document packed in the sequence (one entry when nothing is packed):
+        attention never crosses documents, so its cost grows with each one's own length."""
+        if self.document_ids is not None:
+            ids = self.document_ids[self.document_ids >= 0]
+            return [n for n in torch.bincount(ids).tolist() if n] if ids.numel() else []
+        return [self.token_count(pad_id)]
+
     def loss_count(self, placeholder_ids: Mapping[str, int]) -> int:
         """Positions that carry a loss (this sample's share of the `loss_mask` sum `collate` gives)."""
         if self.targets is None:  # mock data: text after the first token, neither padding nor placeholder

@@ -27,7 +27,7 @@ import torch
 from mimo.attention import BitfieldMask, plan_context_parallel
 from mimo.attention.context_parallel import check_slots
 from mimo.config import LANGUAGE, MimoConfig
-from mimo.data import PAD_ID, collate, loss_tokens, move, shard_indices
+from mimo.data import PAD_ID, collate, loss_tokens, move
 from mimo.data.items import PackedItems, grid_patches, is_native, patch_width, sample_grids, step_item_tokens
 from mimo.data.mrope import microbatch_mrope_position_ids
 from mimo.model import attention_mask
@@ -71,14 +71,11 @@ def llm_microbatch(cfg: MimoConfig, host: Dict[str, torch.Tensor], device, dtype
     return batch
 
 
-def shard_step(cfg: MimoConfig, dataset, balancer, step: int, dp_rank: int, device, dtype) -> StepData:
-    """A homogeneous-plan rank's microbatches (every encoder's items included)."""
-    tr = cfg.training
-    G = tr.global_batch_size
-    if balancer.policy == "none":  # only this shard's samples are read
-        shard = shard_indices(G, tr.micro_batch_size, dp_rank, cfg.parallelism[LANGUAGE].dp)
-    else:
-        shard = balancer.assignment([dataset.sample(step * G + i) for i in range(G)], PAD_ID).llm[dp_rank]
+def shard_step(cfg: MimoConfig, dataset, shard: List[List[int]], step: int, device, dtype) -> StepData:
+    """A homogeneous-plan rank's microbatches (every encoder's items included): `shard` holds the step
+    sample indices of each (the trainer's slicing or the balancer's assignment); only those samples
+    are read."""
+    G = cfg.training.global_batch_size
     batches = []
     for idx in shard:
         samples = [dataset.sample(step * G + i) for i in idx]

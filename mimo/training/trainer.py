@@ -129,7 +129,10 @@ class Trainer:
                          if self.topo.grid(LANGUAGE if self.homogeneous else n).coords["tp"] == 0
                          and self.topo.grid(LANGUAGE if self.homogeneous else n).coords["cp"] == 0]
         self.bad_media = 0  # over the run so far, summed over the ranks (the same on every rank)
-        self._windows: Dict[int, object] = {}  # step -> its boundary windows (heterogeneous plans)
+        # step -> its boundary windows (heterogeneous plans) or its balancing assignment (homogeneous
+        # ones), made once for the step's read-ahead, agreement and load; dropped once it is loaded.
+        self._windows: Dict[int, object] = {}
+        self._assignments: Dict[int, object] = {}
         if self.decoding:
             self.dataset.prefetch(self._prefetched, pin_memory=runtime.is_cuda)
         self.next_step = NextStep(runtime, self.step_data)  # step k + 1's data, loaded while step k runs
@@ -160,16 +163,21 @@ class Trainer:
 
     def _trained(self, step: int) -> List[int]:
         """Step sample indices of this rank's LLM microbatches (none on a rank without an LLM stage)."""
+        return [i for mb in self._llm_microbatches(step) for i in mb]
+
+    def _llm_microbatches(self, step: int) -> List[List[int]]:
+        """Step sample indices of each of this rank's LLM microbatches."""
         g = self.topo.grid(LANGUAGE)
         if not g.is_member:
             return []
         if not self.homogeneous:
-            return [i for mb in self._step_windows(step).llm_indices(g.coords["dp"]) for i in mb]
+            return self._step_windows(step).llm_indices(g.coords["dp"])
         if self.balancer.policy == "none":
             tr = self.cfg.training
-            G = tr.global_batch_size
-            return [i for mb in shard_indices(G, tr.micro_batch_size, g.coords["dp"], g.layout.dp) for i in mb]
-        return [i for mb in self.balancer.assignment(self._planned(step), PAD_ID).llm[g.coords["dp"]] for i in mb]
+            return shard_indices(tr.global_batch_size, tr.micro_batch_size, g.coords["dp"], g.layout.dp)
+        if step not in self._assignments:
+            self._assignments[step] = self.balancer.assignment(self._planned(step), PAD_ID)
+        return self._assignments[step].llm[g.coords["dp"]]
 
     def _planned(self, step: int) -> List:
         """The samples of `step` as planned (metadata only: nothing decoded, nothing taken)."""
@@ -214,8 +222,10 @@ class Trainer:
     def _load_step(self, step: int) -> StepData:
         lg = self.topo.grid(LANGUAGE)
         if self.homogeneous:
-            return shard_step(self.cfg, self.dataset, self.balancer, step, lg.coords["dp"], self.runtime.device,
-                              self.dtype)
+            shard = self._llm_microbatches(step)
+            for done in [s for s in self._assignments if s <= step]:
+                del self._assignments[done]
+            return shard_step(self.cfg, self.dataset, shard, step, self.runtime.device, self.dtype)
         G = self.cfg.training.global_batch_size
         samples = [self.dataset.sample(step * G + i) for i in range(G)]  # takes the step's decoded-ahead items
         windows = self._step_windows(step)
