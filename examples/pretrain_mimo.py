@@ -35,6 +35,11 @@ def parse_args(argv=None):
                    help="append one JSON object per step to FILE (same as training.log_json)")
     p.add_argument("--hf-export", default=None, metavar="DIR",
                    help="after training, write the model as a Hugging Face directory (configs with model.hf)")
+    p.add_argument("--check", action="store_true",
+                   help="check everything a start on WORLD_SIZE ranks checks before its process group (the "
+                        "config, the re-plan under training.replan: auto, HF weights, training.load), print "
+                        "ok or one error line (exit 2), and write nothing: a launcher runs it before the "
+                        "ranks start, so that a requeued job does not loop on an error")
     return p.parse_args(argv)
 
 
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
         from mimo.runtime.device import preferred_device_name
 
         cfg = load_for_world(args.config, args.set, world, preferred_device_name(args.device), rank,
-                             int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                             int(os.environ.get("LOCAL_WORLD_SIZE", world)), check=args.check)
         if args.log_json:
             cfg.training.log_json = args.log_json
         from mimo.training import layout_problems
@@ -79,9 +84,9 @@ def main(argv=None) -> int:
 
         preflight(cfg)  # training.load: the files, the manifest and the resume-relevant config fields
     except CheckpointError as exc:
-        return _stop(rank, f"error: {exc}", 2)
+        return _stop(0 if args.check else rank, f"error: {exc}", 2)
     except (ConfigError, HFWeightsError) as exc:
-        if rank == 0:
+        if rank == 0 or args.check:
             print(str(exc), file=sys.stderr, flush=True)
         else:
             # Every rank finds the same problems; only rank 0 reports them. Give it time to do so
@@ -91,6 +96,9 @@ def main(argv=None) -> int:
             time.sleep(10)
         return 2
 
+    if args.check:
+        print("ok", flush=True)
+        return 0
     from mimo.checkpoint import checkpointer
     from mimo.data.llava import DataError
     from mimo.data.llava_dataset import MediaError

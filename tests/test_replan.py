@@ -56,7 +56,7 @@ def test_first_start_stores_templates_and_a_restart_reads_them(tmp_path):
     d = str(tmp_path / "ck")
     _, out = _quiet(load_for_world, CONFIG, _auto(d), 6, "cpu", 0, 6)
     assert f"templates for 5, 4, 3 ranks of cpu stored in {d}/{TEMPLATES}" in out
-    stored = read_templates(d)
+    stored, _ = read_templates(d)
     assert sorted(stored["cpu"]) == ["3", "4", "5"]
     # A valid 4-rank layout the search does not choose (LLM TP2 x DP2, images DP4, colocated):
     # a restart that takes it read the template rather than searching.
@@ -75,7 +75,7 @@ def test_first_start_stores_templates_and_a_restart_reads_them(tmp_path):
 def test_a_template_for_the_wrong_world_size_is_refused_and_replanned(tmp_path):
     d = str(tmp_path / "ck")
     _quiet(load_for_world, CONFIG, _auto(d), 6, "cpu", 0, 6)
-    stored = read_templates(d)
+    stored, _ = read_templates(d)
     good = copy.deepcopy(stored["cpu"]["4"])
     # Negative control: the 6-rank layout filed under 4 ranks.
     stored["cpu"]["4"]["parallelism"] = yaml.safe_load(open(CONFIG))["parallelism"]
@@ -145,6 +145,113 @@ def test_fewer_ranks_than_any_layout_fits_is_one_error(tmp_path, monkeypatch):
                     monkeypatch)
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("error: training.replan: no layout for 1 ranks of cpu: no layout fits on 1 x cpu"), err
+
+
+@pytest.mark.parametrize("damage", ["binary", "directory", "list_entry", "truncated"])
+def test_a_damaged_templates_file_is_planned_afresh_and_replaced(tmp_path, damage):
+    """templates.json is a cache of a deterministic search: a file that cannot be used is ignored (a
+    fresh search at a restart) and replaced at the next start on the configured size, never an error
+    (before: tracebacks, or an error on every start until someone deleted it)."""
+    d = str(tmp_path / "ck")
+    os.makedirs(d)
+    path = os.path.join(d, TEMPLATES)
+    if damage == "directory":
+        os.makedirs(path)
+    else:
+        content = {"binary": b"\xff\xfe\x00garbage", "list_entry": b'{"cpu": []}', "truncated": b'{"cpu": {"4"'}
+        with open(path, "wb") as f:
+            f.write(content[damage])
+    _fake_checkpoint(d)
+    cfg, out = _quiet(load_for_world, CONFIG, _auto(d), 4, "cpu", 0, 6)
+    assert cfg.world_size == 4 and "layout from a fresh search" in out and "; ignored)" in out, out
+    if damage == "directory":
+        return
+    err = io.StringIO()
+    with redirect_stderr(err):
+        _, out = _quiet(load_for_world, CONFIG, _auto(d), 6, "cpu", 0, 6)
+    assert err.getvalue().startswith("warning: training.replan: ") and "planned again" in err.getvalue()
+    assert "templates for 5, 4, 3 ranks of cpu stored" in out
+    assert sorted(read_templates(d)[0]["cpu"]) == ["3", "4", "5"]
+
+
+def test_replan_min_ranks_bounds_the_templates_not_the_restart(tmp_path):
+    """It bounds the sizes planned ahead; a restart below it is planned afresh (it used to be copied
+    into the new layout's config, whose check then refused every layout for fewer ranks)."""
+    d = str(tmp_path / "ck")
+    _, out = _quiet(load_for_world, CONFIG, _auto(d) + ["training.replan_min_ranks=4"], 6, "cpu", 0, 6)
+    assert "templates for 5, 4 ranks of cpu" in out
+    _fake_checkpoint(d)
+    cfg, out = _quiet(load_for_world, CONFIG, _auto(d) + ["training.replan_min_ranks=4"], 3, "cpu", 0, 6)
+    assert cfg.world_size == 3 and "layout from a fresh search (no template for 3 ranks of cpu)" in out, out
+
+
+def test_gpu_kind_takes_whole_names_and_their_memory():
+    from mimo.checkpoint.replan import gpu_kind
+
+    assert gpu_kind("NVIDIA H100 80GB HBM3") == "h100" and gpu_kind("NVIDIA H200") == "h200"
+    assert gpu_kind("NVIDIA A100-SXM4-80GB") == "a100" and gpu_kind("cpu") == "cpu"
+    # Negative controls: another chip whose name holds a known one, and a smaller memory size.
+    assert gpu_kind("NVIDIA GH200 480GB") is None and gpu_kind("NVIDIA A100-SXM4-40GB") is None
+    assert gpu_kind("NVIDIA B200") is None
+
+
+def test_an_unknown_gpu_starts_at_the_configured_size_and_stops_a_replan(tmp_path):
+    d = str(tmp_path / "ck")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        cfg, out = _quiet(load_for_world, CONFIG, _auto(d), 6, "NVIDIA B200", 0, 6)
+    assert cfg.world_size == 6 and out == "" and not os.path.exists(os.path.join(d, TEMPLATES))
+    assert "no profile for the GPU 'NVIDIA B200'" in err.getvalue() and err.getvalue().startswith("warning:")
+    _fake_checkpoint(d)
+    with pytest.raises(ConfigError, match="no profile for the GPU 'NVIDIA B200'"):
+        load_for_world(CONFIG, _auto(d), 4, "NVIDIA B200", 0, 6)
+
+
+def test_the_fingerprint_covers_the_gradient_reduction_precision():
+    from mimo.checkpoint.replan import fingerprint
+    from mimo.config import load_config
+
+    raw = yaml.safe_load(open(CONFIG))
+    raw.setdefault("training", {})["precision"] = "bf16"
+    raw["training"]["grad_reduce_in_fp32"] = True
+    a = fingerprint(load_config(raw))
+    raw["training"]["grad_reduce_in_fp32"] = False
+    assert fingerprint(load_config(raw)) != a
+
+
+def _sbatch(tmp_path, nodes_gpus, ckpt, replan):
+    """examples/slurm/pretrain_mimo.sbatch with stand-ins for srun and scontrol that record their calls."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    for tool, rc in (("srun", 1), ("scontrol", 0)):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n"
+                                    f"[ \"$1\" = show ] && echo node0\nexit {rc}\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": ROOT,
+           "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": str(nodes_gpus), "SLURM_JOB_NODELIST": "node0",
+           "SLURM_JOB_ID": "7", "CKPT_DIR": ckpt, "REPLAN": replan, "PYTHONPATH": ROOT}
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "slurm", "pretrain_mimo.sbatch"), CONFIG],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    return r, calls.read_text() if calls.exists() else ""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".venv", "bin", "activate")),
+                    reason="the Slurm script activates the checkout's .venv (scripts/setup.sh)")
+def test_slurm_script_checks_the_replan_before_srun_and_never_requeues_an_error(tmp_path):
+    """torchrun reports every worker's exit as 1, so the script cannot tell the trainer's errors from
+    a lost node after srun: the trainer's own check runs first. A start on 4 of 6 ranks with no
+    checkpoint stops with the trainer's error line, exit 2, no srun and no requeue; the positive
+    control (the configured 6 ranks) reaches srun, and its failure is requeued."""
+    d = str(tmp_path / "ck")
+    r, calls = _sbatch(tmp_path, 4, d, "auto")
+    assert r.returncode == 2 and "srun" not in calls and "requeue" not in calls, (r.stdout, r.stderr, calls)
+    assert "error: training.replan: auto on 4 ranks (the layout uses 6) resumes training.load, but " \
+           f"{d} holds no checkpoint yet; start on 6 ranks" in r.stderr
+    r, calls = _sbatch(tmp_path, 6, d, "auto")
+    assert r.returncode == 1 and "ok" in r.stdout, (r.stdout, r.stderr)
+    assert calls.startswith("scontrol show hostnames") and "srun --kill-on-bad-exit=1 torchrun" in calls
+    assert calls.rstrip().endswith("scontrol requeue 7"), calls
 
 
 # ---- end to end on CPU ranks -------------------------------------------------------------------

@@ -22,6 +22,8 @@ import copy
 import hashlib
 import json
 import os
+import re
+import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,18 +40,30 @@ def layout_file(home: str, world: int) -> str:
     return os.path.join(home, f"layout_{world}.yaml")
 
 
-def gpu_kind(device_name: str) -> str:
-    """The planner's hardware profile for a device name ("cpu" for CPU ranks)."""
-    from mimo.planner.hardware import GPUS
+def gpu_kind(device_name: str) -> Optional[str]:
+    """The planner's hardware profile for a device name ("cpu" for CPU ranks), or None when it has
+    none. The kind must be a word of the name ("NVIDIA GH200 480GB" is not an H200), and a memory
+    size the name gives must be the profile's ("NVIDIA A100-SXM4-40GB" is not the 80 GB profile):
+    a layout planned for more memory than the GPU has would run out of it after the restart."""
+    from mimo.planner.hardware import GIB, GPUS
 
     name = device_name.lower()
     if name == "cpu":
         return "cpu"
-    for kind in GPUS:
-        if kind != "cpu" and kind in name:
+    for kind, spec in GPUS.items():
+        if kind != "cpu" and re.search(rf"(?<![a-z0-9]){kind}(?![0-9])", name):
+            size = re.search(r"(\d+)\s*gb\b", name)
+            if size and abs(int(size.group(1)) * GIB - spec.memory_bytes) > 0.1 * spec.memory_bytes:
+                return None
             return kind
-    raise ConfigError([(PATH, f"the planner has no profile for the GPU {device_name!r} "
-                              f"(known: {', '.join(k for k in GPUS if k != 'cpu')})")])
+    return None
+
+
+def _no_profile(device_name: str) -> str:
+    from mimo.planner.hardware import GPUS
+
+    return (f"the planner has no profile for the GPU {device_name!r} (known: "
+            f"{', '.join(k for k in GPUS if k != 'cpu')}, each at its own memory size)")
 
 
 def template_sizes(configured: int, min_ranks: Optional[int], per_node: int) -> List[int]:
@@ -63,38 +77,64 @@ def template_sizes(configured: int, min_ranks: Optional[int], per_node: int) -> 
     return [n for n in range(configured - step, floor - 1, -step) if n >= 1]
 
 
+def _planner_code() -> str:
+    """The planner's own source: a template planned by another version of it is planned again."""
+    import mimo.planner
+
+    h = hashlib.sha256()
+    folder = os.path.dirname(mimo.planner.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
 def fingerprint(cfg: MimoConfig) -> str:
-    """What a layout was planned for besides the world size: the model and the batch arithmetic.
-    A template planned for another model or batch is refused."""
+    """What a layout was planned for besides the world size: the model, the batch arithmetic, the
+    settings the planner costs and the planner itself. A template planned otherwise is refused."""
     tr = cfg.training
     what = {"model": repr(cfg.model), "seq_length": cfg.data.seq_length, "global_batch_size": tr.global_batch_size,
             "micro_batch_size": tr.micro_batch_size, "precision": tr.precision,
-            "use_distributed_optimizer": tr.use_distributed_optimizer}
+            "use_distributed_optimizer": tr.use_distributed_optimizer,
+            "grad_reduce_in_fp32": tr.grad_reduce_in_fp32, "planner": _planner_code()}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_templates(home: str) -> Dict[str, Any]:
+def read_templates(home: str) -> Tuple[Dict[str, Any], str]:
+    """(the stored templates, "") or, for a file that cannot be used, ({}, why): the file is only a
+    cache of the planner's deterministic search, so a damaged one is planned afresh (and replaced
+    at the next start on the configured size), never a reason not to start."""
     path = os.path.join(home, TEMPLATES)
     if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        try:
+        return {}, ""
+    try:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ConfigError([(PATH, f"{path}: not JSON ({exc.msg}); delete it to plan afresh")])
-    if not isinstance(data, dict):
-        raise ConfigError([(PATH, f"{path}: expected a mapping of GPU kind -> world size -> layout")])
-    return data
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        return {}, f"{path} cannot be read ({exc}); ignored"
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        return {}, f"{path} is not a mapping of GPU kind -> world size -> layout; ignored"
+    return data, ""
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Rank 0 only; atomic, so a rank reading at the same time sees the old or the new file. A
-    directory that cannot be written is one error line, not a traceback."""
+    """Rank 0 only; atomic and durable (synced before and after the rename, so a node that crashes
+    leaves the old file or the new one, never an empty one). A directory that cannot be written
+    is one error line, not a traceback."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
         with open(path + ".tmp", "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ConfigError([(PATH, f"cannot write {path}: {exc.strerror}")]) from None
 
@@ -108,6 +148,9 @@ def with_layout(raw: Dict[str, Any], parallelism: Dict[str, Any], micro: int) ->
     out = copy.deepcopy(raw)
     out["parallelism"] = copy.deepcopy(parallelism)
     out.setdefault("training", {})["micro_batch_size"] = micro
+    # It bounds the sizes planned ahead at a start on the configured layout, which this is not; kept,
+    # it would refuse every layout for fewer ranks than it names.
+    out["training"].pop("replan_min_ranks", None)
     return out
 
 
@@ -195,7 +238,9 @@ def store_templates(raw: Dict[str, Any], cfg: MimoConfig, kind: str, per_node: i
     Returns a line for the log ("" when nothing was planned)."""
     tr, home = cfg.training, cfg.training.save
     sizes = template_sizes(cfg.world_size, tr.replan_min_ranks, per_node)
-    templates = read_templates(home)
+    templates, damaged = read_templates(home)
+    if damaged:
+        print(f"warning: {PATH}: {damaged}; its templates are planned again", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     planned, failed = [], []
     for n in sizes:
@@ -220,20 +265,23 @@ def store_templates(raw: Dict[str, Any], cfg: MimoConfig, kind: str, per_node: i
 def replan(raw: Dict[str, Any], cfg: MimoConfig, world: int, kind: str) -> Tuple[MimoConfig, Dict[str, Any], str]:
     """The config for `world` ranks: (config, its raw dict, how it was found)."""
     _resumable(cfg.training, world, cfg.world_size)
-    found, why = template(raw, cfg, world, kind, read_templates(cfg.training.save))
+    templates, damaged = read_templates(cfg.training.save)
+    found, why = template(raw, cfg, world, kind, templates)
     source = f"the template in {os.path.join(cfg.training.save, TEMPLATES)}"
     if found is None:
         found = search(raw, cfg, world, kind)
-        source = f"a fresh search ({why})"
+        source = f"a fresh search ({damaged or why})"
     new_raw = with_layout(raw, *found)
     return load_config(new_raw, world_size=world), new_raw, source
 
 
 def load_for_world(path: str, overrides, world: int, device_name: str, rank: int,
-                   per_node: int) -> MimoConfig:
+                   per_node: int, check: bool = False) -> MimoConfig:
     """`load_config` for a job on `world` ranks, re-planning under `training.replan: auto`.
 
-    With replan off (the default) this is `load_config(path, overrides, world_size=world)`."""
+    With replan off (the default) this is `load_config(path, overrides, world_size=world)`.
+    `check`: the same decisions, but nothing is written and nothing printed (a launcher's check
+    before it starts the ranks)."""
     raw = apply_overrides(read_yaml(path), list(overrides))
     cfg = load_config(raw)  # every problem except the world size
     if cfg.training.replan != "auto":
@@ -241,14 +289,20 @@ def load_for_world(path: str, overrides, world: int, device_name: str, rank: int
     kind = gpu_kind(device_name)
     if world == cfg.world_size:
         cfg = load_config(raw, world_size=world)
-        if rank == 0:
-            line = store_templates(raw, cfg, kind, per_node)
-            if line:
-                print(line, flush=True)
+        if rank == 0 and not check:
+            if kind is None:  # nothing to re-plan now; only a later restart on other sizes would need it
+                print(f"warning: {PATH}: {_no_profile(device_name)}: no layouts are planned ahead, and a "
+                      "restart on another number of ranks will stop", file=sys.stderr, flush=True)
+            else:
+                line = store_templates(raw, cfg, kind, per_node)
+                if line:
+                    print(line, flush=True)
         return cfg
+    if kind is None:
+        raise ConfigError([(PATH, _no_profile(device_name))])
     before = cfg.training.micro_batch_size
     cfg, new_raw, source = replan(raw, cfg, world, kind)
-    if rank == 0:
+    if rank == 0 and not check:
         from mimo.planner.emit import to_yaml
 
         out = layout_file(cfg.training.save, world)
