@@ -104,11 +104,13 @@ def main(argv=None) -> int:
     from mimo.data.llava_dataset import MediaError
     from mimo.runtime import init_distributed, select_runtime, setup_megatron, shutdown
     from mimo.training import Trainer
+    from mimo.training.agreement import check_same_config
     from mimo.training.metrics import StepReporter
 
     try:
         runtime = select_runtime(args.device)
         init_distributed(runtime, cfg.training.timeout_minutes)
+        check_same_config(cfg, runtime.device)  # before any group or communicator is built from it
         setup_megatron(runtime, cfg.training.seed)
         trainer = Trainer(cfg, runtime)
         if rank == 0:
@@ -136,6 +138,9 @@ def main(argv=None) -> int:
         return 0
     except CheckpointError as exc:  # found identically on every rank (checked before the collective load)
         _stop(rank, f"error: {exc}", 2)
+        os._exit(2)
+    except ConfigError as exc:  # the ranks' configs differ: every rank found it in the same reduction
+        _stop(rank, str(exc), 2)
         os._exit(2)
     except MediaError as exc:  # found by the rank that decoded the item: it reports; torchrun stops the others
         print(str(exc), file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+import torch
 import yaml
 
 from mimo.checkpoint.replan import TEMPLATES, load_for_world, read_templates, template_sizes, write_templates
@@ -252,6 +253,36 @@ def test_slurm_script_checks_the_replan_before_srun_and_never_requeues_an_error(
     assert r.returncode == 1 and "ok" in r.stdout, (r.stdout, r.stderr)
     assert calls.startswith("scontrol show hostnames") and "srun --kill-on-bad-exit=1 torchrun" in calls
     assert calls.rstrip().endswith("scontrol requeue 7"), calls
+
+
+def _config_on_rank(layouts):
+    """Rank r loads the config with `layouts[r]` as its 4-rank layout; the agreement's verdict."""
+    import torch.distributed as dist
+
+    from mimo.config import load_config
+    from mimo.training.agreement import check_same_config
+
+    raw = yaml.safe_load(open(CONFIG))
+    raw["parallelism"] = layouts[dist.get_rank()]
+    try:
+        check_same_config(load_config(raw, world_size=4), torch.device("cpu"))
+    except ConfigError as exc:
+        return str(exc)
+    return "same"
+
+
+def test_ranks_that_chose_different_layouts_stop_with_one_error():
+    """Each rank re-plans on its own; ranks whose choices differ (a templates file changed between
+    their reads, another kind of GPU) would build different groups and hang on NCCL. The check
+    right after the process group exists stops every rank with the same line; the same layout on
+    every rank (the positive control) passes."""
+    from mimo.runtime import run_on_ranks
+
+    a = {"language": {"tp": 2, "dp": 2}, "images": {"dp": 4}}
+    b = {"language": {"tp": 1, "dp": 4}, "images": {"dp": 4}}
+    assert run_on_ranks(_config_on_rank, 4, [a] * 4, timeout_s=120) == ["same"] * 4
+    got = run_on_ranks(_config_on_rank, 4, [a, a, b, a], timeout_s=120)
+    assert len(set(got)) == 1 and got[0].startswith("error: config: the ranks loaded different configs"), got
 
 
 # ---- end to end on CPU ranks -------------------------------------------------------------------

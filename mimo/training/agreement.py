@@ -13,13 +13,33 @@ stops every rank with the same `error:` line.
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from mimo.config import ConfigError, MimoConfig
 from mimo.data.llava import DataError
+
+
+def check_same_config(cfg: MimoConfig, device: torch.device) -> None:
+    """Every rank, once, right after the process group exists and before anything is built on it:
+    the ranks loaded the same config. Each rank reads its YAML, applies its overrides and, under
+    `training.replan: auto`, chooses its layout on its own; nodes that read different files (a
+    config edited while the job starts, another checkout, a templates file changed between the
+    ranks' reads) or see different GPUs would build different process groups and communicators,
+    which on NCCL hangs. One all-reduce of a 56-bit digest (its max and the max of its negation)
+    finds any difference, and every rank stops with the same line."""
+    digest = int.from_bytes(hashlib.sha256(repr(cfg).encode()).digest()[:7], "big")
+    slots = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+    high, neg_low = slots.tolist()
+    if high != -neg_low:
+        raise ConfigError([("config", "the ranks loaded different configs (the YAML file, its --set overrides, or "
+                                      "under training.replan: auto the layout each chose): every rank must read "
+                                      "the same files and see the same kind of GPU")])
 
 
 class PlanAgreement:
