@@ -99,6 +99,12 @@ def _lang(raw, **fields):
     (_lang(moe(), moe_shared_expert_intermediate_size=0), "model.language.moe_shared_expert_gate",
      "needs a shared expert"),
     (_lang(moe(), moe_aux_loss_coeff=-0.1), "model.language.moe_aux_loss_coeff", ">= 0"),
+    # CP pads its ranks' slices when 32 tokens do not deal into 2 x 128-token blocks (the router would
+    # count the padding in the load-balancing loss); 16-token blocks deal evenly (below).
+    (_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01), "model.language.moe_aux_loss_coeff",
+     "not a multiple of cp_block_size x 2 (256)"),
+    (_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01, cp_block_size=16, cp_policy="lpt_free"),
+     "model.language.moe_aux_loss_coeff", "lpt_free"),
     (_lang(moe(), num_moe_experts=None, moe_shared_expert_intermediate_size=0, moe_shared_expert_gate=False,
            moe_layer_freq=1, moe_router_topk=2, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.01),
      "model.language.moe_aux_loss_coeff", "only takes effect with model.language.num_moe_experts"),
@@ -107,6 +113,11 @@ def test_each_broken_rule_is_one_error_naming_the_field(raw, field, needle):
     probs = errors(raw)
     assert len(probs) == 1, probs
     assert probs[0][0] == field and needle in probs[0][1], probs
+
+
+def test_an_aux_loss_with_cp_is_accepted_where_the_blocks_deal_evenly():
+    assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01, cp_block_size=16)) == []
+    assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.0)) == []
 
 
 @pytest.mark.parametrize("layout,world", [(dict(dp=2, ep=2), 2), (dict(tp=2, sp=True, ep=2), 2),

@@ -147,6 +147,25 @@ def test_config_fields_from_hf(models):
     assert lv.num_moe_experts == 8 and lv.moe_token_dispatcher_type == "alltoall"
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_a_config_without_its_architecture_keys_builds_what_transformers_builds(model_type):
+    """transformers fills in missing architecture keys with its own per-model defaults (top 8 for
+    Qwen3-MoE, top 4 and a 5,632-wide shared expert for Qwen2-MoE); mimo used top 2 and no shared
+    expert, a different model from the same config.json."""
+    from transformers import AutoConfig
+
+    from mimo.config.hf_arch import moe_fields
+
+    tc = {"model_type": model_type, "num_hidden_layers": 2, "num_experts": 8, "num_local_experts": 8,
+          "moe_intermediate_size": 16, "intermediate_size": 16}
+    got = moe_fields(tc, "model.language.hf")
+    ref = AutoConfig.for_model(model_type, **{k: v for k, v in tc.items() if k != "model_type"})
+    assert got["moe_router_topk"] == ref.num_experts_per_tok
+    assert ref.num_experts_per_tok != 2 or model_type == "mixtral"  # (Mixtral's own default is 2)
+    assert got.get("moe_shared_expert_intermediate_size", 0) == (getattr(ref, "shared_expert_intermediate_size", 0) or 0)
+    assert got["moe_router_pre_softmax"] == (model_type != "mixtral" and not ref.norm_topk_prob)
+
+
 def test_causal_moe_logits_single_rank_and_negative_control(models, tmp_path):
     """Qwen3-MoE, Qwen2-MoE and Mixtral at 1 rank within tolerance; one Qwen3-MoE expert 2% off
     in mimo's copy moves the logits outside it."""

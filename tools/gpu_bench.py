@@ -418,14 +418,17 @@ def megatron_batches(cfg, runtime, steps: int):
     """The exact microbatches mimo trains on (its mock dataset, its collation), pre-built on the device,
     and the global batch's loss-token count of each step."""
     from mimo.balance.step import StepBalancer
-    from mimo.data import build_dataset
+    from mimo.data import PAD_ID, build_dataset
     from mimo.model.transformer_config import dtype_of
     from mimo.training.step_data import shard_step
 
     ds, bal = build_dataset(cfg), StepBalancer(cfg)
+    G = cfg.training.global_batch_size
     out = []
     for step in range(steps):
-        data = shard_step(cfg, ds, bal, step, 0, runtime.device, dtype_of(cfg.training.precision))
+        # DP rank 0's microbatches, as the trainer assigns them (one GPU: the whole step).
+        shard = bal.assignment([ds.sample(step * G + i) for i in range(G)], PAD_ID).llm[0]
+        data = shard_step(cfg, ds, shard, step, runtime.device, dtype_of(cfg.training.precision))
         out.append(([{k: b[k] for k in ("input_ids", "position_ids", "labels", "loss_mask")}
                      | {"attention_mask": b.get("attention_mask")} for b in data.llm_batches],
                     float(data.n_tokens)))

@@ -129,6 +129,21 @@ def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     return out
 
 
+# The architecture keys of an MoE config.json that transformers fills in when they are missing: a
+# trimmed or hand-written config must build the model transformers builds from it (the training-only
+# router_aux_loss_coef is not among them: a missing one stays 0 here).
+MOE_ARCHITECTURE_KEYS = ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                         "shared_expert_intermediate_size", "moe_intermediate_size", "intermediate_size")
+
+
+def architecture_defaults(model_type: str) -> Dict[str, Any]:
+    """transformers' own defaults for the MoE architecture keys of `model_type`."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    return {k: defaults[k] for k in MOE_ARCHITECTURE_KEYS if k in defaults}
+
+
 def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     """The mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config.
 
@@ -138,6 +153,7 @@ def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     without it the k probabilities stay as they are (megatron's `moe_router_pre_softmax: true`).
     """
     mt = tc["model_type"]
+    tc = {**architecture_defaults(mt), **tc}
     n = tc.get("num_experts") or tc.get("num_local_experts")
     if not n:
         raise HFConfigProblem(field, f"{mt} config.json has no num_experts")
@@ -153,7 +169,7 @@ def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
         raise HFConfigProblem(field, f"{mt} config.json makes no layer a mixture-of-experts layer")
     out = {
         "num_moe_experts": int(n),
-        "moe_router_topk": int(tc.get("num_experts_per_tok", 2)),
+        "moe_router_topk": int(tc["num_experts_per_tok"]),
         "moe_ffn_hidden_size": int(width),
         "moe_router_pre_softmax": not renorm,
         "moe_layer_freq": 1 if all(pattern) else pattern,

@@ -49,7 +49,11 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 def _ends(tokens_per_expert: torch.Tensor, device) -> torch.Tensor:
-    return torch.cumsum(tokens_per_expert.to(device=device, dtype=torch.int64), 0).to(torch.int32)
+    """Each expert's end row. megatron-core's dispatchers give the counts on the host: they are summed
+    there and copied without blocking, since a plain copy from pageable memory would make the host
+    wait for the stream (the tokens' all-to-all) before it queues the grouped GEMMs."""
+    ends = torch.cumsum(tokens_per_expert.to(torch.int64), 0).to(torch.int32)
+    return ends.to(device, non_blocking=True)
 
 
 class GroupedExperts(SequentialMLP):
