@@ -173,6 +173,12 @@ def test_a_damaged_templates_file_is_planned_afresh_and_replaced(tmp_path, damag
     assert err.getvalue().startswith("warning: training.replan: ") and "planned again" in err.getvalue()
     assert "templates for 5, 4, 3 ranks of cpu stored" in out
     assert sorted(read_templates(d)[0]["cpu"]) == ["3", "4", "5"]
+    if damage == "truncated":  # no size to plan ahead: the damaged file is still replaced
+        with open(path, "w") as f:
+            f.write('{"cpu": {"4"')
+        with redirect_stderr(io.StringIO()):
+            _, out = _quiet(load_for_world, CONFIG, _auto(d) + ["training.replan_min_ranks=6"], 6, "cpu", 0, 6)
+        assert read_templates(d) == ({}, "") and out.startswith(f"replan: no templates stored in {path}"), out
 
 
 def test_replan_min_ranks_bounds_the_templates_not_the_restart(tmp_path):

@@ -254,12 +254,12 @@ def store_templates(raw: Dict[str, Any], cfg: MimoConfig, kind: str, per_node: i
         templates.setdefault(kind, {})[str(n)] = {"fingerprint": fingerprint(cfg), "parallelism": par,
                                                   "micro_batch_size": micro}
         planned.append(n)
-    if not planned:
+    if not planned and not damaged:
         return ""
-    write_templates(home, templates)
+    write_templates(home, templates)  # a damaged file is replaced even when no size was planned
     none = f"; none fits {', '.join(map(str, failed))}" if failed else ""
-    return (f"replan: templates for {', '.join(map(str, planned))} ranks of {kind} stored in "
-            f"{os.path.join(home, TEMPLATES)} ({time.perf_counter() - t0:.2f} s{none})")
+    what = f"templates for {', '.join(map(str, planned))} ranks of {kind}" if planned else "no templates"
+    return f"replan: {what} stored in {os.path.join(home, TEMPLATES)} ({time.perf_counter() - t0:.2f} s{none})"
 
 
 def replan(raw: Dict[str, Any], cfg: MimoConfig, world: int, kind: str) -> Tuple[MimoConfig, Dict[str, Any], str]:
