@@ -653,9 +653,10 @@ def _check_moe_cp_padding(cfg: MimoConfig, add) -> None:
     """Context parallelism pads the CP ranks' slices to one length when the sequence's blocks do not
     deal evenly; megatron-core's router takes those padding slots for tokens, so the load-balancing
     loss (and its gradient) would count them, and differ from the same run on one rank."""
-    lang, cp = cfg.model.language, cfg.parallelism[LANGUAGE].cp
-    if not lang.is_moe or not lang.moe_aux_loss_coeff or cp <= 1:
+    lang, par = cfg.model.language, cfg.parallelism.get(LANGUAGE)  # (a missing section is reported elsewhere)
+    if not lang.is_moe or not lang.moe_aux_loss_coeff or par is None or par.cp <= 1:
         return
+    cp = par.cp
     chunks = 2 * cp if lang.cp_policy == "zigzag" else cp
     S, block = cfg.data.seq_length, lang.cp_block_size
     if lang.cp_policy == "lpt_free" or S % block or (S // block) % chunks:
