@@ -236,3 +236,34 @@ def test_every_rank_stops_on_a_corrupt_file_in_another_ranks_share(reference, tm
     data[len(data) // 2] ^= 0xFF
     open(victim, "wb").write(bytes(data))
     assert resume_errors(raw) == [f"{victim}: corrupt (CRC32 differs from the manifest)"] * world
+
+
+def test_every_rank_stops_on_a_truncated_file_only_one_rank_checks(reference, tmp_path):
+    """Sizes are checked per share too (no rank stats every file): rank 1 finds its file short, and
+    every rank stops with that rank's line before the load."""
+    import shutil
+
+    from mimo.checkpoint import manifest
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(reference["dir"], d)
+    ckpt = paths.iter_dir(d, 4)
+    raw = with_ckpt(layout(**NONCOLOCATED), load=ckpt)
+    world = load_config(raw).world_size
+    split = manifest.shares(manifest.listing(ckpt), world)
+    victim = os.path.join(ckpt, split[1][-1])  # rank 1's smallest
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.truncate(size - 1)
+    assert resume_errors(raw) == [f"{victim}: truncated or modified ({size - 1} bytes, the manifest says "
+                                  f"{size})"] * world
+
+
+def test_every_rank_names_a_checkpoint_parameter_no_rank_holds(reference):
+    """A model with one LLM layer against a two-layer checkpoint: layer 1's parameters are held by
+    no rank, found by the reduction over the checkpoint's parameter list, the same line everywhere."""
+    raw = with_ckpt(layout(**NONCOLOCATED), load=paths.iter_dir(reference["dir"], 4))
+    raw["model"]["language"]["num_layers"] = 1
+    errors = resume_errors(raw)
+    assert len(set(errors)) == 1 and len(errors) == load_config(raw).world_size, errors
+    assert "language.decoder.layers.1." in errors[0] and "but not in this model" in errors[0], errors[0]

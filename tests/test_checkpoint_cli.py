@@ -3,6 +3,7 @@
 import copy
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
@@ -143,3 +144,37 @@ def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
         preflight(load_config(fresh))
     fresh["training"]["save"] = str(tmp_path / "new" / "ckpt")  # made at the first save
     assert preflight(load_config(fresh)) is None
+
+
+@pytest.mark.parametrize("read_by_all", [False, True])
+def test_a_truncated_file_in_another_ranks_share_stops_the_job_with_that_ranks_line(saved, tmp_path, read_by_all):
+    """Under torchrun each rank checks the sizes of its own share of the files before any process
+    group exists (no rank stats every file); the one rank that finds the short file names it, and
+    torchrun stops the others, which wait for it at start-up. The index, which every rank reads,
+    every rank checks: rank 0 names it (not "unreadable"), once."""
+    from mimo.checkpoint import manifest
+
+    d = _copy(saved, tmp_path)
+    ckpt = paths.iter_dir(d, 2)
+    raw = copy.deepcopy(saved["raw"])
+    raw["parallelism"] = {"language": {}, "images": {"rank_offset": 1}, "audio": {"rank_offset": 2}}
+    raw["training"].update(load=d, save=None)
+    cfg = tmp_path / "three.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    owner = 2
+    share = [n for n in manifest.shares(manifest.listing(ckpt), 3)[owner] if n not in ("common.pt", ".metadata")]
+    victim = os.path.join(ckpt, ".metadata" if read_by_all else share[0])
+    with open(victim, "r+b") as f:
+        f.truncate(7)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        SCRIPT, "--config", str(cfg), "--device", "cpu"], capture_output=True, text=True,
+                       env={**ENV, "MIMO_DEBUG": ""}, timeout=300)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    line = errors[0]
+    assert line.startswith(f"error: {victim}: truncated or modified (7 bytes"), line
+    assert f'File "{ROOT}/mimo' not in r.stderr  # no traceback from mimo (torchrun prints its own)
+    # torchrun's summary: the owner exited 2 (its error), the others were stopped.
+    owner = 0 if read_by_all else owner
+    assert re.search(rf"rank\s*: {owner} \(local_rank: {owner}\)\s*exitcode\s*: 2", r.stderr), r.stderr[-3000:]

@@ -120,6 +120,18 @@ def test_a_native_image_costs_by_its_size_and_attention_grows_quadratically():
     assert work.encoder_grids({"images": [[(1, 16, 16), (1, 32, 32)], []]}).tolist() == [costs[0] + costs[1], 0.0]
 
 
+def test_the_per_grid_cost_cache_is_bounded(monkeypatch):
+    """Video frame counts make grids unbounded: the cache is emptied at its cap, costs unchanged."""
+    from mimo.balance import workload
+
+    work = workload.WorkloadModel.from_model(load_config(EXAMPLE).model)
+    monkeypatch.setattr(workload, "_ITEM_COST_ENTRIES", 3)
+    grids = [(t, 16, 16) for t in range(1, 9)]
+    got = work.encoder_grids({"images": [[g] for g in grids]}).tolist()
+    assert got == [work.item_cost("images", g) for g in grids]
+    assert 0 < len(work._item_costs) <= 3
+
+
 def _step(cfg, grids_per_sample):
     """Samples of one LLM length (text padding evens out the image tokens), images as given."""
     import torch

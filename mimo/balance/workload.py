@@ -63,6 +63,10 @@ class ModuleRate:
         return self.forward / self.total if self.total > 0 else 1.0
 
 
+# Distinct (encoder, grid) costs kept: about 6 MB of dict entries; image grids alone number far fewer.
+_ITEM_COST_ENTRIES = 1 << 16
+
+
 class WorkloadModel:
     def __init__(self, spec: ModelSpec, gpu: str = "h100", precision: str = "bf16"):
         self.spec = spec
@@ -151,6 +155,8 @@ class WorkloadModel:
         key = (name, tuple(grid))
         cost = self._item_costs.get(key)
         if cost is None:
+            if len(self._item_costs) >= _ITEM_COST_ENTRIES:  # video grids (frame counts) are not bounded
+                self._item_costs.clear()
             cost = self._item_costs[key] = self.item_cost(name, grid)
         return cost
 

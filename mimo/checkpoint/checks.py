@@ -1,8 +1,9 @@
 """Whether a checkpoint fits this run: read before any collective, reported as one `error:` line.
 
 * `preflight` (every rank, before process groups exist): `latest`, the directory,
-  the manifest's files and sizes, and the config fields whose change would make
-  the saved state meaningless;
+  the manifest, the sizes of this rank's share of the files (and of the two files
+  every rank reads), and the config fields whose change would make the saved
+  state meaningless;
 * `shape_problems` (after the model is built, still before the load): every
   parameter a rank holds is in the checkpoint with its full shape.
 """
@@ -13,9 +14,9 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from .manifest import verify
+from .manifest import verify_share
 from .paths import CheckpointError, read_latest, resolve
-from .safe_load import check_dcp_metadata, load_torch_file
+from .safe_load import DCP_METADATA, check_dcp_metadata, load_torch_file
 
 COMMON = "common.pt"
 META = "mimo"  # the common-state entry holding step, config, layout, data position
@@ -77,8 +78,9 @@ def check_save_dir(save: str) -> None:
         raise CheckpointError(f"training.save: {save} cannot be written ({existing} is not writable)")
 
 
-def preflight(cfg) -> Optional[str]:
-    """The checkpoint directory this run resumes from, None to start fresh; raises CheckpointError."""
+def resume_target(cfg) -> Optional[str]:
+    """The checkpoint directory this run resumes from, None to start fresh (reads only `latest`);
+    raises CheckpointError. Checks `training.save` too, found now rather than at the first save."""
     tr = cfg.training
     if tr.save is not None:
         check_save_dir(tr.save)
@@ -90,12 +92,26 @@ def preflight(cfg) -> Optional[str]:
         if same:
             return None  # auto-resume: nothing saved yet
         raise CheckpointError(f"training.load: {root} holds no checkpoint (no {os.path.join(root, 'latest')})")
-    ckpt = resolve(root)
-    verify(ckpt, checksums=False)
+    return resolve(root)
+
+
+def check_resumable(cfg, ckpt: str) -> dict:
+    """The checkpoint's record (`read_checked`), after checking that this config can resume it."""
     meta = read_checked(ckpt)
-    problems = config_problems(meta["config"], cfg, tr.load_optimizer)
+    problems = config_problems(meta["config"], cfg, cfg.training.load_optimizer)
     if problems:
         raise CheckpointError(problems[0])
+    return meta
+
+
+def preflight(cfg, share: Tuple[int, int] = (0, 1)) -> Optional[str]:
+    """Before any process group exists: the checkpoint directory this run resumes from, None to
+    start fresh; raises CheckpointError. `share`: (rank, world): the files whose presence and size
+    this process checks (`verify_share`; a problem there is a ShareError, found by this rank alone)."""
+    ckpt = resume_target(cfg)
+    if ckpt is not None:
+        verify_share(ckpt, *share, checksums=False, read_by_all=(COMMON, DCP_METADATA))
+        check_resumable(cfg, ckpt)
     return ckpt
 
 

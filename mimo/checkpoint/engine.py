@@ -4,8 +4,8 @@ A save is collective (every rank writes its own shards through megatron-core
 `dist_checkpointing`, replicas written once); every rank checksums a share of the
 files, then rank 0 writes the manifest and publishes the checkpoint (see
 mimo.checkpoint.paths). A resume checks the files (each rank the checksums of its
-share) and the architecture on every rank and agrees on the outcome with one small
-gather before the collective load, so a bad checkpoint stops every rank with the
+share) and the architecture on every rank and agrees on the outcome in a few small
+collectives before the collective load (mimo.checkpoint.verdict), so a bad checkpoint stops every rank with the
 same `error:` line instead of leaving some of them waiting.
 """
 
@@ -22,12 +22,13 @@ from megatron.core import dist_checkpointing
 
 from mimo.runtime import checkpoint_scope, cuda_available
 
-from .checks import META, preflight, read_meta, shape_problems
+from .checks import META, check_resumable, resume_target, shape_problems
 from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, discard_leftovers, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
 from .shards import assign_weights, param_shards, weights_request, weights_state
+from .verdict import FILE_PROBLEM, first_problem, held_by_none
 from .writer_helper import install as install_writer_helper
 
 FORMAT = 1
@@ -37,9 +38,6 @@ def layout_of(cfg) -> dict:
     """Per module: its parallel sizes and first rank (what `inspect` shows, what RNG restore compares)."""
     return {name: {k: getattr(p, k) for k in ("tp", "cp", "pp", "dp", "ep", "etp", "rank_offset")}
             for name, p in cfg.parallelism.items()}
-
-
-FILE_PROBLEM = (-1, -1, -1)  # sorts before every parameter's problem (module, parameter, shard indices)
 
 
 class Checkpointer:
@@ -58,36 +56,40 @@ class Checkpointer:
     def _resume(self) -> int:
         """Load `training.load` if it holds a checkpoint; the step to continue from (0: fresh)."""
         tr = self.cfg.training
-        # Every rank reads the same files, so every rank reaches the same verdict here.
-        ckpt = preflight(self.cfg)
+        ckpt = resume_target(self.cfg)
         if ckpt is None:
             return 0
-        saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `preflight` refused an unsafe index
-        problems = shape_problems(self.shards, saved, self.cfg.modules)
-        meta = read_meta(ckpt)
-        rng = None
-        try:  # sizes were checked by `preflight`; here the CRC32 of this rank's share of the files
+        # The files first, each rank its own share (present, its size and CRC32), agreed on before any
+        # of them is read: a damaged file is named by the rank that checks it, rather than met as
+        # "unreadable" by every rank that reads it.
+        try:
             verify_share(ckpt, self.rank, dist.get_world_size())
+            damaged = []
+        except CheckpointError as exc:  # names the file, the checkpoint's directory included
+            damaged = [(FILE_PROBLEM, str(exc))]
+        found = first_problem(damaged)
+        if found is not None:
+            raise CheckpointError(found[1])
+        meta = check_resumable(self.cfg, ckpt)  # the same files on every rank: the same verdict
+        saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `check_resumable` refused an unsafe index
+        problems = shape_problems(self.shards, saved, self.cfg.modules)
+        rng = None
+        try:
             # Checkpoints written before `etp` existed lack it (it was 1).
             saved_layout = {n: {"etp": 1, **lay} for n, lay in meta["layout"].items()}
             same_layout = meta["world_size"] == dist.get_world_size() and saved_layout == layout_of(self.cfg)
             if tr.load_optimizer and same_layout:
                 rng = read_rng(ckpt, self.rank)  # plain data only, read before anything is loaded
-        except CheckpointError as exc:  # names the file, the checkpoint's directory included
+        except CheckpointError as exc:
             problems.insert(0, (FILE_PROBLEM, str(exc)))
-        held = {s.key for s in self.shards}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (problems, sorted(held)))
-        problems = sorted(p for ps, _ in everyone for p in ps)
-        if not problems:
-            model_keys = set().union(*(set(keys) for _, keys in everyone))
-            extra = [k for k in saved if not k.startswith(PREFIX) and k not in model_keys]
+        found = first_problem(problems)
+        if found is None:
+            extra = held_by_none(sorted(k for k in saved if not k.startswith(PREFIX)), (s.key for s in self.shards))
             if extra:
-                problems = [((0, 0, 0), f"{sorted(extra)[0]}: in the checkpoint (shape "
-                                         f"{list(saved[sorted(extra)[0]].global_shape)}) but not in this model; "
-                                         "the checkpoint is of a different architecture")]
-        if problems:
-            where, msg = problems[0]
+                found = ((0, 0, 0), f"{extra[0]}: in the checkpoint (shape {list(saved[extra[0]].global_shape)}) but "
+                                    "not in this model; the checkpoint is of a different architecture")
+        if found is not None:
+            where, msg = found
             raise CheckpointError(msg if where == FILE_PROBLEM else f"{ckpt}: {msg}")
 
         request = {"weights": weights_request(self.shards)}

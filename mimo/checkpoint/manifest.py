@@ -5,7 +5,9 @@ shard is reported as one line naming the file instead of failing (or hanging)
 inside the distributed load. Its presence also marks the checkpoint complete.
 
 Checksums are split over the ranks: each reads about 1/N of the bytes (largest
-file first to the least-loaded rank, LPT), on save and on load. A 70B model
+file first to the least-loaded rank, LPT), on save and on load. On save rank 0
+lists the directory, sends each rank its share and gathers the entries back; on
+load every rank computes the same split from the manifest's sizes. A 70B model
 with Adam state is about a terabyte; one rank reading it all would hold every
 other rank in a barrier for minutes, past the collective timeout.
 """
@@ -20,7 +22,7 @@ from typing import Dict, List, Mapping, Sequence
 
 import torch.distributed as dist
 
-from .paths import CheckpointError
+from .paths import CheckpointError, ShareError
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
@@ -67,16 +69,20 @@ def checksum_files(ckpt: str, names: Sequence[str]) -> Dict[str, Dict[str, int]]
 
 
 def gather_checksums(ckpt: str) -> Dict[str, Dict[str, int]]:
-    """Collective: the manifest's entries for every file of `ckpt`, each file read by one rank.
+    """Collective: on rank 0, the manifest's entries for every file of `ckpt`, each file read by one
+    rank; {} on the other ranks.
 
-    Rank 0's listing decides the split (a rank on another node may list a shared directory
-    late), so every rank checksums a share of the same files."""
-    found = [listing(ckpt) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    mine = checksum_files(ckpt, shares(found[0], dist.get_world_size())[dist.get_rank()])
-    parts: List[Dict[str, Dict[str, int]]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(parts, mine)
-    return dict(sorted((k, v) for part in parts for k, v in part.items()))
+    Rank 0 lists the directory (a rank on another node may list a shared directory late), splits
+    it and sends each rank its share; the entries come back to rank 0 alone, which writes the
+    manifest. What a rank other than 0 sends and receives is its own share only."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    split = shares(listing(ckpt), world) if rank == 0 else None
+    share: List[List[str] | None] = [None]
+    dist.scatter_object_list(share, split, src=0)
+    mine = checksum_files(ckpt, share[0])
+    parts: List[Dict[str, Dict[str, int]]] | None = [{} for _ in range(world)] if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return dict(sorted((k, v) for part in parts or () for k, v in part.items()))
 
 
 def write_manifest(ckpt: str, files: Mapping[str, Dict[str, int]] | None = None) -> None:
@@ -99,22 +105,33 @@ def read_manifest(ckpt: str) -> Dict[str, Dict[str, int]]:
 
 
 def verify(ckpt: str, checksums: bool = True) -> None:
-    """Every listed file exists with its size (and, with `checksums`, its CRC32)."""
-    for rel, want in read_manifest(ckpt).items():
-        path = os.path.join(ckpt, rel)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: missing")
-        size = os.path.getsize(path)
-        if size != want["bytes"]:
-            raise CheckpointError(f"{path}: truncated or modified ({size} bytes, the manifest says {want['bytes']})")
-    if checksums:
-        verify_share(ckpt, 0, 1)
+    """Every listed file exists with its size (and, with `checksums`, its CRC32): one process, all files."""
+    verify_share(ckpt, 0, 1, checksums)
 
 
-def verify_share(ckpt: str, rank: int, world: int) -> None:
-    """The CRC32 of the files in share `rank` of `world` (sizes: `verify`, which every rank runs
-    before the model is built)."""
+def verify_share(ckpt: str, rank: int, world: int, checksums: bool = True, read_by_all: Sequence[str] = ()) -> None:
+    """The files of share `rank` of `world`: each exists with its size and, with `checksums`, its CRC32.
+    Every rank computes the same split from the manifest's sizes, so over the ranks every file is
+    checked once and no rank's work grows with the number of files (one per rank, and more).
+
+    `read_by_all`: files every rank reads next (the common state, the index): their presence and
+    size are checked here on every rank, so every rank names the same damage (CheckpointError)
+    instead of one rank naming it (ShareError) and the others failing to read the file."""
     files = read_manifest(ckpt)
+    for rel in read_by_all:
+        if rel in files:
+            _check_size(ckpt, rel, files[rel]["bytes"], CheckpointError)
     for rel in shares({rel: want["bytes"] for rel, want in files.items()}, world)[rank]:
-        if crc32(os.path.join(ckpt, rel)) != files[rel]["crc32"]:
-            raise CheckpointError(f"{os.path.join(ckpt, rel)}: corrupt (CRC32 differs from the manifest)")
+        path = _check_size(ckpt, rel, files[rel]["bytes"], ShareError)
+        if checksums and crc32(path) != files[rel]["crc32"]:
+            raise ShareError(f"{path}: corrupt (CRC32 differs from the manifest)")
+
+
+def _check_size(ckpt: str, rel: str, want: int, error: type) -> str:
+    path = os.path.join(ckpt, rel)
+    if not os.path.exists(path):
+        raise error(f"{path}: missing")
+    size = os.path.getsize(path)
+    if size != want:
+        raise error(f"{path}: truncated or modified ({size} bytes, the manifest says {want})")
+    return path

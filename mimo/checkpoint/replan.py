@@ -19,6 +19,7 @@ ConfigError, so the CLI reports it as one `error:` line and exits 2 before any c
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -77,8 +78,10 @@ def template_sizes(configured: int, min_ranks: Optional[int], per_node: int) -> 
     return [n for n in range(configured - step, floor - 1, -step) if n >= 1]
 
 
+@functools.lru_cache(maxsize=1)
 def _planner_code() -> str:
-    """The planner's own source: a template planned by another version of it is planned again."""
+    """The planner's own source: a template planned by another version of it is planned again.
+    Read once per process (the code does not change under a running job)."""
     import mimo.planner
 
     h = hashlib.sha256()

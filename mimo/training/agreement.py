@@ -24,6 +24,15 @@ from mimo.config import ConfigError, MimoConfig
 from mimo.data.llava import DataError
 
 
+def _agree(digest: int, failed: bool, device: torch.device, group) -> tuple[bool, bool]:
+    """One all-reduce (MAX) of [digest, -digest, failed]: whether every rank holds the same digest
+    (the largest equals the smallest) and whether any rank flagged a failure."""
+    slots = torch.tensor([digest, -digest, int(failed)], dtype=torch.int64, device=device)
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low, any_failed = slots.tolist()
+    return high == -neg_low, bool(any_failed)
+
+
 def check_same_config(cfg: MimoConfig, device: torch.device) -> None:
     """Every rank, once, right after the process group exists and before anything is built on it:
     the ranks loaded the same config. Each rank reads its YAML, applies its overrides and, under
@@ -33,10 +42,8 @@ def check_same_config(cfg: MimoConfig, device: torch.device) -> None:
     which on NCCL hangs. One all-reduce of a 56-bit digest (its max and the max of its negation)
     finds any difference, and every rank stops with the same line."""
     digest = int.from_bytes(hashlib.sha256(repr(cfg).encode()).digest()[:7], "big")
-    slots = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(slots, op=dist.ReduceOp.MAX)
-    high, neg_low = slots.tolist()
-    if high != -neg_low:
+    same, _ = _agree(digest, False, device, group=None)
+    if not same:
         raise ConfigError([("config", "the ranks loaded different configs (the YAML file, its --set overrides, or "
                                       "under training.replan: auto the layout each chose): every rank must read "
                                       "the same files and see the same kind of GPU")])
@@ -64,15 +71,13 @@ class PlanAgreement:
         one rank only (a read error; a record that tokenises otherwise there than in the record index):
         that rank still takes its part in the reduction, with its failure flagged, so that the others
         do not wait for it; every rank then raises, the failed one its own error."""
-        slots = torch.tensor([digest, -digest, failure is not None], dtype=torch.int64)
-        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=self.group)
-        high, neg_low, failed = slots.tolist()
+        same, failed = _agree(digest, failure is not None, torch.device("cpu"), self.group)
         if failure is not None:
             raise failure
         if failed:
             raise DataError(f"error: data: another rank failed to plan step {step} (its own error line names the "
                             "cause)")
-        if high != -neg_low:
+        if not same:
             raise DataError(f"error: data: the ranks planned different samples for step {step}: every rank must "
                             "read the same records and media (data.path, data.image_root) and tokenize them alike; "
                             "a file changed while the ranks read it, or nodes see different copies of the data or "
