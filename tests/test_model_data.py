@@ -93,3 +93,55 @@ def test_dp_shards_partition_the_global_batch(g, m, dp):
             assert mb == list(range(k * m * dp + r * m, k * m * dp + (r + 1) * m))
     with pytest.raises(ValueError):
         shard_indices(g + 1, m, 0, dp)
+
+
+def test_an_items_inputs_are_made_only_when_asked_for_and_alike_alone():
+    """Planning a sample makes none of its items' inputs; item k is the same made alone or with the rest."""
+    from mimo.data.mock import MockMultimodalDataset as Mock
+
+    cfg = load_config(tiny())
+    made = []
+    ds = Mock(cfg)
+    inputs = ds._item_inputs
+    ds._item_inputs = lambda *a, **k: made.append(a[:2]) or inputs(*a, **k)
+    samples = [ds.sample(i) for i in range(16)]
+    assert sum(s.count(n) for s in samples for n in cfg.model.encoders) > 4 and made == []
+    for s in samples:
+        for n in cfg.model.encoders:
+            for k in range(s.count(n)):
+                alone = s.item(n, k)
+                assert torch.equal(alone, s.items[n][k])
+    assert len(made) == 2 * len(set(made))  # each item made twice: by item(), then by items[] (all of them)
+
+
+def _items_made(raw):
+    """How many item inputs this rank made over a short mock run."""
+    from mimo.data import mock
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    made = []
+    inputs = mock.MockMultimodalDataset._item_inputs
+    mock.MockMultimodalDataset._item_inputs = lambda self, *a, **k: made.append(a[:2]) or inputs(self, *a, **k)
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    for step in range(raw["training"]["train_iters"]):
+        trainer.train_step(step)
+    return made
+
+
+def test_each_mock_item_is_made_once_by_the_rank_that_encodes_it():
+    """Non-colocated: the LLM rank makes no pixels, each encoder rank only its own items, each once."""
+    from mimo.runtime import run_on_ranks
+
+    raw = tiny()
+    raw["parallelism"] = {"language": {}, "images": {"rank_offset": 1}, "audio": {"rank_offset": 2}}
+    raw["training"].update(train_iters=2)
+    cfg = load_config(raw)
+    made = run_on_ranks(_items_made, 3, raw, timeout_s=240)
+    ds = MockMultimodalDataset(cfg)
+    G = cfg.training.global_batch_size
+    total = {n: sum(ds.sample(i).count(n) for i in range(2 * G)) for n in ("images", "audio")}
+    assert made[0] == []
+    assert len(made[1]) == total["images"] and {n for n, _ in made[1]} <= {"images"}, (len(made[1]), total)
+    assert len(made[2]) == total["audio"] and {n for n, _ in made[2]} <= {"audio"}, (len(made[2]), total)
+    assert len(set(made[1])) == len(made[1]) and len(set(made[2])) == len(made[2])  # each item once

@@ -9,12 +9,17 @@ order within a sample, the order the LLM consumes them in): rank i takes items
 (each encoder rank's items meet each LLM shard in at most one run) and makes
 the former sample-level division the special case where the bounds fall on
 sample edges.
+
+A sample's items are made on demand (`LazyItems`): every rank knows each
+item's count and size from the plan, but only the rank that encodes an item
+decodes (real data) or generates (mock data) its pixels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import accumulate
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -150,3 +155,41 @@ class PackedItems:
 def patch_width(enc) -> int:
     """Floats per patch of a native-resolution encoder: C * T * P * P (HF's pixel_values width)."""
     return enc.num_channels * enc.temporal_patch_size * enc.patch_size * enc.patch_size
+
+
+class LazyItems(Mapping):
+    """encoder name -> [n, ...] items, decoded on first access; counts known without decoding.
+    `decode(name, path, record)` decodes one item of encoder `name` (`record`: the id of the record
+    it belongs to, for the bad-media message)."""
+
+    def __init__(self, paths: Dict[str, List], records: Dict[str, List[str]],
+                 decode: Callable[..., torch.Tensor], empty: Dict[str, tuple],
+                 grids: Optional[Dict[str, List]] = None):
+        self.paths, self.records, self.decode, self.empty = paths, records, decode, empty
+        self.grids = grids or {}  # native-resolution encoders: each item's patch grid (t, h, w)
+        self.counts = {n: len(p) for n, p in paths.items()}
+        self._cache: Dict[str, torch.Tensor] = {}
+
+    def item(self, name: str, k: int) -> torch.Tensor:
+        """Item k of encoder `name` alone (an encoder rank decodes only the items it encodes)."""
+        if name in self.grids:  # its size comes from the header: a bad item's zeros need it
+            return self.decode(name, self.paths[name][k], self.records[name][k], self.grids[name][k])
+        return self.decode(name, self.paths[name][k], self.records[name][k])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """All items of `name`: stacked [n, ...], or for native-resolution items their patches packed."""
+        if name not in self._cache:
+            n = self.counts[name]
+            join = torch.cat if name in self.grids else torch.stack
+            self._cache[name] = (join([self.item(name, k) for k in range(n)]) if n
+                                 else torch.zeros((0,) + self.empty[name]))
+        return self._cache[name]
+
+    def __contains__(self, name) -> bool:  # Mapping's default would decode the items to find out
+        return name in self.paths
+
+    def __iter__(self):
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)

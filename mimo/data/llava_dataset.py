@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -29,7 +28,7 @@ from mimo.config.hf_files import processor_dir, tokenizer_dir
 
 from .audio import AudioError, AudioLoader
 from .images import ImageError, ImageLoader, NativeImageLoader, media_name
-from .items import grid_patches, is_native, patch_width
+from .items import LazyItems, grid_patches, is_native, patch_width
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
@@ -41,44 +40,6 @@ from .sampler import GlobalSampler
 class MediaError(DataError):
     """A media item that passed its header check but failed to decode, under `on_bad_record: error`.
     Found only by the rank that decodes it, which reports it (str() is one `error: ...` line)."""
-
-
-class LazyItems(Mapping):
-    """encoder name -> [n, ...] items, decoded on first access; counts known without decoding.
-    `decode(name, path, record)` decodes one item of encoder `name` (`record`: the id of the record
-    it belongs to, for the bad-media message)."""
-
-    def __init__(self, paths: Dict[str, List], records: Dict[str, List[str]],
-                 decode: Callable[..., torch.Tensor], empty: Dict[str, tuple],
-                 grids: Optional[Dict[str, List]] = None):
-        self.paths, self.records, self.decode, self.empty = paths, records, decode, empty
-        self.grids = grids or {}  # native-resolution encoders: each item's patch grid (t, h, w)
-        self.counts = {n: len(p) for n, p in paths.items()}
-        self._cache: Dict[str, torch.Tensor] = {}
-
-    def item(self, name: str, k: int) -> torch.Tensor:
-        """Item k of encoder `name` alone (an encoder rank decodes only the items it encodes)."""
-        if name in self.grids:  # its size comes from the header: a bad item's zeros need it
-            return self.decode(name, self.paths[name][k], self.records[name][k], self.grids[name][k])
-        return self.decode(name, self.paths[name][k], self.records[name][k])
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """All items of `name`: stacked [n, ...], or for native-resolution items their patches packed."""
-        if name not in self._cache:
-            n = self.counts[name]
-            join = torch.cat if name in self.grids else torch.stack
-            self._cache[name] = (join([self.item(name, k) for k in range(n)]) if n
-                                 else torch.zeros((0,) + self.empty[name]))
-        return self._cache[name]
-
-    def __contains__(self, name) -> bool:  # Mapping's default would decode the items to find out
-        return name in self.paths
-
-    def __iter__(self):
-        return iter(self.paths)
-
-    def __len__(self) -> int:
-        return len(self.paths)
 
 
 @dataclass

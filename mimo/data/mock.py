@@ -2,7 +2,9 @@
 
 Sample `i` of the run is a pure function of (data.seed, i): a text stream
 with a learnable pattern, 0..k images and 0..k audio clips whose placeholder
-runs sit at random positions, and some right padding. The global batch of a
+runs sit at random positions, and some right padding. An item's random inputs
+are a function of (data.seed, i, encoder, item) and are made only when a rank
+asks for them, so planning a step costs no pixels. The global batch of a
 step is therefore identical whatever the layout; layouts only decide which
 rank gets which slice.
 """
@@ -17,7 +19,7 @@ import torch
 
 from mimo.config import MimoConfig
 
-from .items import PackedItems, grid_patches, grid_tokens, is_native, patch_width
+from .items import LazyItems, PackedItems, grid_patches, grid_tokens, is_native, patch_width
 from .native_images import native_grid
 
 PAD_ID = 0
@@ -102,16 +104,19 @@ class MockMultimodalDataset:
         return d.max_images_per_sample if self.cfg.model.encoders[name].kind == "vision" else d.max_audio_per_sample
 
     def sample(self, index: int) -> Sample:
-        g = torch.Generator().manual_seed(self.cfg.data.seed * 1_000_003 + index)
+        """Sample `index`: its tokens now, its items' raw inputs only when asked for (`LazyItems`),
+        so a rank that plans a step but encodes few of its items generates few of them."""
+        g = torch.Generator().manual_seed(self._seed(index))
         s = self.seq_length
         # Decide items per modality, dropping items that would not fit (leave room for text).
         runs = []  # (name, length)
         budget = s - max(4, s // 4)
-        items, grids = {}, {}
+        counts, grids = {}, {}
         for name, enc in self.cfg.model.encoders.items():
             want = int(torch.randint(0, self._max_items(name) + 1, (1,), generator=g))
             if is_native(enc):
-                items[name], grids[name], budget = self._native_items(name, enc, want, budget, runs, g)
+                grids[name], budget = self._native_grids(name, enc, want, budget, runs, g)
+                counts[name] = len(grids[name])
                 continue
             n = 0
             for _ in range(want):
@@ -119,7 +124,7 @@ class MockMultimodalDataset:
                     budget -= enc.tokens_per_item
                     runs.append((name, enc.tokens_per_item))
                     n += 1
-            items[name] = torch.randn((n,) + self._item_shape(name), generator=g)
+            counts[name] = n
         # Shuffle the run order across modalities, then place runs at random text offsets.
         # The k-th run of a modality (left to right) is its k-th item: the packing order.
         order = torch.randperm(len(runs), generator=g).tolist() if runs else []
@@ -145,12 +150,36 @@ class MockMultimodalDataset:
         if len(self._lengths) > 2 * keep:
             self._lengths = {i: n for i, n in self._lengths.items() if i > index - keep}
         self._lengths[index] = length
+        # Each item's inputs are drawn from a generator of its own (sample, encoder, item): the same
+        # whichever rank makes it, and whichever other items are made.
+        seeds = {name: [self._seed(index, e + 1, k + 1) for k in range(counts[name])]
+                 for e, name in enumerate(self.cfg.model.encoders)}
+        items = LazyItems(seeds, {name: [None] * n for name, n in counts.items()}, self._item_inputs,
+                          {name: self._empty_shape(name) for name in counts}, grids)
         return Sample(input_ids=torch.cat(ids), items=items, grids=grids or None)
 
-    def _native_items(self, name: str, enc, want: int, budget: int, runs: List, g: torch.Generator):
+    def _seed(self, index: int, encoder: int = 0, item: int = 0) -> int:
+        """The generator seed of sample `index` (encoder 0) or of its item `item` of encoder `encoder`
+        (both from 1), distinct for every (data.seed, index, encoder, item) a run can hold."""
+        sample = self.cfg.data.seed * 1_000_003 + index
+        return ((sample * 64 + encoder) * (1 << 20) + item) % (1 << 63)
+
+    def _empty_shape(self, name: str) -> tuple:
+        enc = self.cfg.model.encoders[name]
+        return (patch_width(enc),) if is_native(enc) else self._item_shape(name)
+
+    def _item_inputs(self, name: str, seed: int, record: None, grid=None) -> torch.Tensor:
+        """One item's random raw inputs: [C, H, W] or [frames, mels]; native images their patches
+        [t*h*w, C*T*P*P]."""
+        g = torch.Generator().manual_seed(seed)
+        shape = (grid_patches(grid), patch_width(self.cfg.model.encoders[name])) if grid is not None \
+            else self._item_shape(name)
+        return torch.randn(shape, generator=g)
+
+    def _native_grids(self, name: str, enc, want: int, budget: int, runs: List, g: torch.Generator):
         """Up to `want` images of random sizes (each side drawn between sqrt(min_pixels) and
         sqrt(max_pixels), then smart-resized as the HF processor would), those whose placeholder
-        run still fits the budget; their random patches packed [Σ t*h*w, C*T*P*P] and grids."""
+        run still fits the budget: their grids, and the budget left."""
         lo, hi = max(1, math.isqrt(enc.min_pixels)), max(1, math.isqrt(enc.max_pixels))
         grids = []
         for _ in range(want):
@@ -161,8 +190,7 @@ class MockMultimodalDataset:
                 budget -= tokens
                 runs.append((name, tokens))
                 grids.append(grid)
-        patches = torch.randn((sum(grid_patches(x) for x in grids), patch_width(enc)), generator=g)
-        return patches, grids, budget
+        return grids, budget
 
     def _text(self, n: int, g: torch.Generator) -> torch.Tensor:
         """An arithmetic progression mod the text vocabulary: predictable from context, so loss falls."""
