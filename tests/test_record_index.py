@@ -11,6 +11,7 @@ import torch
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks
+from mimo.runtime.fan_in import FanIn
 from test_llava_data import RED, bad_records, llava_raw, sample_dir, write_records  # noqa: F401 (fixture)
 from test_native_training import qwen_data, qwen_llava  # noqa: F401 (fixture)
 
@@ -46,7 +47,7 @@ def _plan_on_rank(raw, steps, index):
 
     ds = build_dataset(load_config(raw))
     if index:
-        ds.build_index(dist.new_group(backend="gloo"))
+        ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
         assert not ds.index.missing()
     return _described(ds, steps)
 
@@ -99,7 +100,7 @@ def _index_failing_on(raw, rank_failing):
 
         ds._learn = failing
     try:
-        ds.build_index(dist.new_group(backend="gloo"))
+        ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
     except (DataError, MediaReadError) as exc:
         return str(exc)
     return "indexed"
@@ -192,7 +193,7 @@ def _cached_on_rank(raw, steps):
 
     ConversationEncoder.encode = spy
     ds = build_dataset(load_config(raw))
-    ds.build_index(dist.new_group(backend="gloo"))
+    ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
     return {"plans": _described(ds, steps), "learned": len(learned)}
 
 
@@ -369,7 +370,7 @@ def _index_one_rank_blind(raw, blind_rank, steps):
     if dist.get_rank() == blind_rank:
         lds.load_index = lambda *a, **k: None  # this rank's node does not see the file
     ds = build_dataset(load_config(raw))
-    ds.build_index(dist.new_group(backend="gloo"))
+    ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
     return [ds.plan(s).record_ids for s in range(steps)]
 
 
@@ -397,7 +398,7 @@ def _index_key_failing_on(raw, rank_failing):
 
         ds._index_key = failing
     try:
-        ds.build_index(dist.new_group(backend="gloo"))
+        ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
     except (DataError, MediaReadError) as exc:
         return str(exc)
     return "indexed"

@@ -182,8 +182,8 @@ class LlavaDataset:
     # -- the trainers' interface ---------------------------------------------------------------
 
     def build_index(self, group) -> None:
-        """Collective over `group` (every rank, once at start-up, before any step is planned): each of
-        its W ranks tokenises every W-th record and checks its media, and all gather the numbers
+        """Collective over `group` (a mimo.runtime.fan_in.FanIn over every rank, once at start-up,
+        before any step is planned): each of its W ranks tokenises every W-th record and checks its media, and all gather the numbers
         planning needs (mimo.data.record_index). From then on a rank plans steps from the index and
         tokenises only the records of the sequences it trains on. With `data.index` the index is
         loaded from that file when its fingerprint matches on every rank, else built and written
@@ -205,7 +205,7 @@ class LlavaDataset:
                 failure = exc
             # MIN of (loaded, -failed): the file is used only if every rank could load it.
             slots = torch.tensor([index is not None, -(failure is not None)], dtype=torch.int64)
-            dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=group)
+            group.all_reduce(slots, op=dist.ReduceOp.MIN)
             loaded, failed = (int(x) for x in slots)
             if failure is not None:
                 raise failure
@@ -215,12 +215,12 @@ class LlavaDataset:
             if loaded:
                 self.index = index
                 return
-            if dist.get_rank(group) == 0:
+            if group.rank == 0:
                 why = ("made for other records, tokenizer or settings, or not readable on every rank"
                        if os.path.exists(path) else "not made yet")
                 print(f"data.index: {path} {why}: indexing the records", file=sys.stderr, flush=True)
         self.index = gather_index(len(self.records), self.native, self._learn, group)
-        if path and dist.get_rank(group) == 0:
+        if path and group.rank == 0:
             save_index(self.index, path, key)
 
     def _index_key(self) -> str:

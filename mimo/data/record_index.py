@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
-import torch.distributed as dist
 
 from .llava import DataError, Encoded
 
@@ -128,22 +127,22 @@ def assemble(num_records: int, native: bool, parts: List[Tuple]) -> RecordIndex:
 
 
 def gather_index(num_records: int, native: bool, learn: Callable[[int], Union[RecordMeta, str]], group) -> RecordIndex:
-    """Collective over `group` (every rank of it, at the same point of start-up): each rank learns
+    """Collective over `group` (a mimo.runtime.fan_in.FanIn, every rank at the same point of
+    start-up): each rank learns
     every W-th record with `learn` (a RecordMeta, or a bad record's reason) and gathers the rest.
 
     Learning can fail on one rank only (a filesystem error reading a header, `MediaReadError`):
     that rank still takes its part in the gather, flagged, so the others do not wait for it; every
     rank then raises, the failed one its own error."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = group.rank, group.world
     mine: Tuple = part([])
     failure: Optional[BaseException] = None
     try:
         mine = part((i, learn(i)) for i in range(rank, num_records, world))
     except Exception as exc:  # re-raised below, after the gather (which is not inside the try)
         failure = exc
-    parts: List[object] = [None] * world
     # Arrays, not an object per record: a million records gather as some 40 MB, not hundreds.
-    dist.all_gather_object(parts, (None if failure is None else str(failure), mine), group=group)
+    parts = group.all_gather_object((None if failure is None else str(failure), mine))
     if failure is not None:
         raise failure
     failed = [(r, p[0]) for r, p in enumerate(parts) if p[0] is not None]

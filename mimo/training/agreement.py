@@ -6,15 +6,14 @@ same: no plan travels. Ranks that read different files (a record or image rewrit
 reads it, nodes that mount another copy of the data) or tokenize differently (nodes with another
 tokenizer or transformers version) would plan different steps and post sends and receives that do
 not match; NCCL checks neither sizes nor order, so the job would hang or mix up data. Here each
-rank reduces a 56-bit digest of its plan over a gloo group of all ranks (24 bytes, on the
-background thread that loads the step, before anything of the step is sent), and a disagreement
-stops every rank with the same `error:` line.
+rank reduces a 56-bit digest of its plan over all ranks on gloo, through each node's leader
+(mimo.runtime.fan_in: 24 bytes, on the background thread that loads the step, before anything of
+the step is sent), and a disagreement stops every rank with the same `error:` line.
 """
 
 from __future__ import annotations
 
 import hashlib
-from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -22,13 +21,17 @@ import torch.distributed as dist
 
 from mimo.config import ConfigError, MimoConfig
 from mimo.data.llava import DataError
+from mimo.runtime.fan_in import FanIn
 
 
-def _agree(digest: int, failed: bool, device: torch.device, group) -> tuple[bool, bool]:
-    """One all-reduce (MAX) of [digest, -digest, failed]: whether every rank holds the same digest
-    (the largest equals the smallest) and whether any rank flagged a failure."""
-    slots = torch.tensor([digest, -digest, int(failed)], dtype=torch.int64, device=device)
-    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+def _slots(digest: int, failed: bool, device: torch.device) -> torch.Tensor:
+    """What the ranks reduce (MAX): [digest, -digest, failed]."""
+    return torch.tensor([digest, -digest, int(failed)], dtype=torch.int64, device=device)
+
+
+def _verdict(slots: torch.Tensor) -> tuple[bool, bool]:
+    """After the MAX reduction: whether every rank holds the same digest (the largest equals the
+    smallest) and whether any rank flagged a failure."""
     high, neg_low, any_failed = slots.tolist()
     return high == -neg_low, bool(any_failed)
 
@@ -42,23 +45,24 @@ def check_same_config(cfg: MimoConfig, device: torch.device) -> None:
     which on NCCL hangs. One all-reduce of a 56-bit digest (its max and the max of its negation)
     finds any difference, and every rank stops with the same line."""
     digest = int.from_bytes(hashlib.sha256(repr(cfg).encode()).digest()[:7], "big")
-    same, _ = _agree(digest, False, device, group=None)
-    if not same:
+    slots = _slots(digest, False, device)
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX)
+    if not _verdict(slots)[0]:
         raise ConfigError([("config", "the ranks loaded different configs (the YAML file, its --set overrides, or "
                                       "under training.replan: auto the layout each chose): every rank must read "
                                       "the same files and see the same kind of GPU")])
 
 
 class PlanAgreement:
-    """Collective at construction (every rank, the same point of start-up): the group it checks over."""
+    """Collective at construction (every rank, the same point of start-up): the groups it checks over."""
 
     def __init__(self, dataset, timeout_minutes: float):
-        self.group: Optional[object] = None
+        self.group: Optional[FanIn] = None
         # Mock data is a function of the seed and the sample index alone: nothing read can differ.
         if hasattr(dataset, "plan_digest") and dist.get_world_size() > 1:
-            # Its own group: the check runs on the loading thread while the step's collectives run
-            # on the others.
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+            # Gloo groups of its own: the check runs on the loading thread while the step's
+            # collectives run on the others.
+            self.group = FanIn(timeout_minutes)
 
     def checks(self, dataset) -> bool:
         """Whether steps of `dataset` are checked: the trainer's dataset, or one put in its place on every
@@ -71,7 +75,9 @@ class PlanAgreement:
         one rank only (a read error; a record that tokenises otherwise there than in the record index):
         that rank still takes its part in the reduction, with its failure flagged, so that the others
         do not wait for it; every rank then raises, the failed one its own error."""
-        same, failed = _agree(digest, failure is not None, torch.device("cpu"), self.group)
+        slots = _slots(digest, failure is not None, torch.device("cpu"))
+        self.group.all_reduce(slots, op=dist.ReduceOp.MAX)
+        same, failed = _verdict(slots)
         if failure is not None:
             raise failure
         if failed:
