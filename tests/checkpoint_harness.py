@@ -79,7 +79,7 @@ def _gather_checksums_reads(ckpt):
     from mimo.checkpoint import manifest
 
     read, crc32 = [], manifest.crc32
-    manifest.crc32 = lambda path: read.append(os.path.relpath(path, ckpt)) or crc32(path)
+    manifest.crc32 = lambda path, *a: read.append(os.path.relpath(path, ckpt)) or crc32(path, *a)
     try:
         return manifest.gather_checksums(ckpt), read
     finally:

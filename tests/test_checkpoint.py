@@ -94,8 +94,12 @@ def test_a_save_that_died_never_becomes_latest(tmp_path):
     for step in (4, 6, 8):
         os.makedirs(paths.partial_dir(d, step), exist_ok=True)
         paths.publish(d, step)
-    paths.prune(d, 2)
+    pruned = paths.prune(d, 2)  # renamed aside at once, deleted by the caller
+    assert pruned == [paths.iter_dir(d, s) + ".pruned" for s in (2, 4)] and all(map(os.path.isdir, pruned))
     assert paths.complete_steps(d) == [6, 8] and paths.read_latest(d) == 8
+    paths.delete_pruned(pruned[:1])
+    paths.discard_leftovers(d)  # what a deletion cut short by a crash left
+    assert not [n for n in os.listdir(d) if n.endswith(".pruned")]
 
 
 
@@ -267,3 +271,40 @@ def test_every_rank_names_a_checkpoint_parameter_no_rank_holds(reference):
     errors = resume_errors(raw)
     assert len(set(errors)) == 1 and len(errors) == load_config(raw).world_size, errors
     assert "language.decoder.layers.1." in errors[0] and "but not in this model" in errors[0], errors[0]
+
+
+def test_keep_last_deletes_old_checkpoints_off_the_step(tmp_path):
+    """A save every step keeping the last 2: the older ones are gone by the end of the run, the kept
+    ones resume, and no renamed-aside directory is left."""
+    d = str(tmp_path / "ck")
+    train(with_ckpt(layout(), save=d, save_interval=1, keep_last=2, train_iters=4))
+    assert paths.complete_steps(d) == [3, 4] and paths.read_latest(d) == 4
+    assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000004", "latest"]
+
+
+def _resume_error_with_a_failing_read(raw, failing_rank):
+    """`_resume_error`, with every checksum read on `failing_rank` failing as a flaky filesystem would."""
+    import errno
+
+    import torch.distributed as dist
+
+    from checkpoint_harness import _resume_error
+    from mimo.checkpoint import manifest
+
+    if dist.get_rank() == failing_rank:
+        def fail(path, *a):
+            raise OSError(errno.EIO, "Input/output error", path)
+
+        manifest.crc32 = fail
+    return _resume_error(raw)
+
+
+def test_a_read_that_fails_on_one_rank_stops_every_rank_with_its_line(reference):
+    """An OSError on one rank (not a CheckpointError) is carried by the agreement too: no rank is
+    left waiting in it, and every rank names the failed read."""
+    from mimo.runtime import run_on_ranks
+
+    ckpt = paths.iter_dir(reference["dir"], 4)
+    raw = with_ckpt(layout(**NONCOLOCATED), load=ckpt)
+    errors = run_on_ranks(_resume_error_with_a_failing_read, 2, raw, 1, timeout_s=240, daemon=False)
+    assert len(set(errors)) == 1 and errors[0].startswith(f"{ckpt}: [Errno 5] Input/output error"), errors

@@ -213,6 +213,16 @@ def test_defaults_applied():
     assert load_config(raw).model.language.num_query_groups == 4
 
 
+def test_a_bare_off_in_yaml_is_the_word():
+    """YAML 1.1 reads `replan: off` as False: the documented default, written as documented, loads."""
+    raw = tiny()
+    raw["training"].update(yaml.safe_load("replan: off"))
+    assert raw["training"]["replan"] is False
+    assert load_config(raw).training.replan == "off"
+    raw["training"].update(yaml.safe_load("replan: on"))  # not a mode: named, not a type error
+    assert errors(raw) == [("training.replan", "must be one of off, auto, got 'on'")]
+
+
 def _cli(tmp_path, raw, *args):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -131,3 +131,17 @@ def test_local_main_grad_of_the_distributed_optimizer_fails_parity():
     for r in ranks:
         assert _worst(r["reduced"], ref) <= 1e-4
         assert _worst(r["local"], ref) > 1e-2
+
+
+def test_placement_names_are_the_contracts_three():
+    """Some encoders colocated and others on their own ranks report as non-colocated (never "mixed")."""
+    import os
+
+    from mimo.config import load_config
+    from mimo.training.parity import placement_of
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfgs = {n: load_config(os.path.join(root, "examples", "configs", f"cpu_{n}.yaml"))
+            for n in ("mixed_placement", "colocated", "noncolocated")}
+    assert {n: placement_of(c) for n, c in cfgs.items()} == {
+        "mixed_placement": "non-colocated", "colocated": "colocated", "noncolocated": "non-colocated"}

@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mimo.config import ConfigError, load_config  # noqa: E402
+from mimo.config import ConfigError, apply_overrides, load_config  # noqa: E402
 from mimo.config.schema import DATA_KINDS  # noqa: E402
 from mimo.planner.api import load_raw, positive_int, section  # noqa: E402
 from mimo.planner.best import planned_config as _config, searcher as _searcher  # noqa: E402
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the best config here (search)")
     p.add_argument("--global-batch", type=int, help="override training.global_batch_size")
     p.add_argument("--micro-batch", type=int, help="override training.micro_batch_size")
+    p.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a config field, as for examples/pretrain_mimo.py (repeatable)")
     args = p.parse_args(argv)
     try:
         if args.top < 1:
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--gpu: {exc}") from None
         if args.out is not None and not args.out.strip():
             raise ValueError("--out: empty path")
-        raw = load_raw(args.config)
+        raw = apply_overrides(load_raw(args.config), args.set)
         training = section(raw, "training")
         if args.global_batch is not None:
             training["global_batch_size"] = args.global_batch
@@ -259,6 +261,9 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as fh:
                 fh.write(text)
+    except ConfigError as exc:  # its lines start with `error:`
+        print(str(exc), file=sys.stderr)
+        return 2
     except (ValueError, OSError, KeyError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -25,7 +26,7 @@ from mimo.runtime import checkpoint_scope, cuda_available
 from .checks import META, check_resumable, resume_target, shape_problems
 from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
-from .paths import CheckpointError, discard_leftovers, partial_dir, prune, publish
+from .paths import CheckpointError, delete_pruned, discard_leftovers, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
 from .shards import assign_weights, param_shards, weights_request, weights_state
 from .verdict import FILE_PROBLEM, first_problem, held_by_none
@@ -46,6 +47,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.shards = param_shards(trainer)
         self.pending = None  # an async save in flight (AsyncCallsQueue), see `_save`
+        self.deleting: Optional[threading.Thread] = None  # rank 0: pruned checkpoints being deleted
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -61,16 +63,20 @@ class Checkpointer:
             return 0
         # The files first, each rank its own share (present, its size and CRC32), agreed on before any
         # of them is read: a damaged file is named by the rank that checks it, rather than met as
-        # "unreadable" by every rank that reads it.
+        # "unreadable" by every rank that reads it. Then the record and the index, which every rank
+        # reads: the same verdict everywhere, unless the filesystem fails one rank.
         try:
             verify_share(ckpt, self.rank, dist.get_world_size())
             damaged = []
-        except CheckpointError as exc:  # names the file, the checkpoint's directory included
-            damaged = [(FILE_PROBLEM, str(exc))]
-        found = first_problem(damaged)
-        if found is not None:
-            raise CheckpointError(found[1])
-        meta = check_resumable(self.cfg, ckpt)  # the same files on every rank: the same verdict
+        except (CheckpointError, OSError) as exc:  # the collective is outside the try
+            damaged = [(FILE_PROBLEM, _file_line(ckpt, exc))]
+        _stop_on(first_problem(damaged))
+        meta, unreadable = None, []
+        try:
+            meta = check_resumable(self.cfg, ckpt)
+        except (CheckpointError, OSError) as exc:
+            unreadable = [(FILE_PROBLEM, _file_line(ckpt, exc))]
+        _stop_on(first_problem(unreadable))
         saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `check_resumable` refused an unsafe index
         problems = shape_problems(self.shards, saved, self.cfg.modules)
         rng = None
@@ -88,9 +94,7 @@ class Checkpointer:
             if extra:
                 found = ((0, 0, 0), f"{extra[0]}: in the checkpoint (shape {list(saved[extra[0]].global_shape)}) but "
                                     "not in this model; the checkpoint is of a different architecture")
-        if found is not None:
-            where, msg = found
-            raise CheckpointError(msg if where == FILE_PROBLEM else f"{ckpt}: {msg}")
+        _stop_on(found, ckpt)
 
         request = {"weights": weights_request(self.shards)}
         if tr.load_optimizer:
@@ -166,12 +170,23 @@ class Checkpointer:
         save_rng(tmp, self.rank, rng)
         dist.barrier()
         files = gather_checksums(tmp)
+        pruned = []
         if self.rank == 0:
             write_manifest(tmp, files)
             publish(tr.save, steps_done)
             if tr.keep_last:
-                prune(tr.save, tr.keep_last)
+                pruned = prune(tr.save, tr.keep_last)  # renamed aside at once
         dist.barrier()
+        if pruned:
+            # Deleted off the step (a large checkpoint takes minutes), one deletion at a time.
+            self._wait_deleting()
+            self.deleting = threading.Thread(target=delete_pruned, args=(pruned,), name="mimo-prune", daemon=True)
+            self.deleting.start()
+
+    def _wait_deleting(self) -> None:
+        if self.deleting is not None:
+            self.deleting.join()
+            self.deleting = None
 
     def poll(self) -> None:
         """Publish a finished async save (collective; call at the same point on every rank)."""
@@ -180,10 +195,25 @@ class Checkpointer:
                 self.pending.maybe_finalize_async_calls(blocking=False)
 
     def finish(self) -> None:
-        """Wait for an async save in flight and publish it (collective)."""
+        """Wait for an async save in flight and publish it (collective), and for pruned checkpoints
+        to be deleted."""
         if self.pending is not None:
             with checkpoint_scope(self.trainer.runtime):
                 self.pending.maybe_finalize_async_calls(blocking=True)
+        self._wait_deleting()
+
+
+def _file_line(ckpt: str, exc: BaseException) -> str:
+    """A CheckpointError's line names its file; an OSError gets the checkpoint's directory."""
+    return str(exc) if isinstance(exc, CheckpointError) else f"{ckpt}: {exc}"
+
+
+def _stop_on(found, ckpt: str = "") -> None:
+    """Raise the agreed first problem (the same on every rank), if any: a file's line as it is, a
+    parameter's after the checkpoint's directory."""
+    if found is not None:
+        where, msg = found
+        raise CheckpointError(msg if where == FILE_PROBLEM else f"{ckpt}: {msg}")
 
 
 def _host_staging(request):

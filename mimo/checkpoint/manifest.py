@@ -28,14 +28,21 @@ MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
 
 
-def crc32(path: str) -> int:
+def crc32(path: str, flush: bool = False) -> int:
+    """The file's CRC32; with `flush`, also fsync it, as a save must before it publishes: the rank
+    that reads a file for its checksum flushes it, so no rank flushes them all (on a shared
+    filesystem only the writing node's flush reaches the disk, and megatron-core's writers flush
+    their own files; this covers the rest on the node that wrote them)."""
     value = 0
     with open(path, "rb") as f:
         while True:
             block = f.read(_CHUNK)
             if not block:
-                return value
+                break
             value = zlib.crc32(block, value)
+        if flush:
+            os.fsync(f.fileno())
+    return value
 
 
 def listing(ckpt: str) -> Dict[str, int]:
@@ -63,14 +70,14 @@ def shares(sizes: Mapping[str, int], world: int) -> List[List[str]]:
     return out
 
 
-def checksum_files(ckpt: str, names: Sequence[str]) -> Dict[str, Dict[str, int]]:
-    return {rel: {"bytes": os.path.getsize(os.path.join(ckpt, rel)), "crc32": crc32(os.path.join(ckpt, rel))}
+def checksum_files(ckpt: str, names: Sequence[str], flush: bool = False) -> Dict[str, Dict[str, int]]:
+    return {rel: {"bytes": os.path.getsize(os.path.join(ckpt, rel)), "crc32": crc32(os.path.join(ckpt, rel), flush)}
             for rel in names}
 
 
 def gather_checksums(ckpt: str) -> Dict[str, Dict[str, int]]:
-    """Collective: on rank 0, the manifest's entries for every file of `ckpt`, each file read by one
-    rank; {} on the other ranks.
+    """Collective: on rank 0, the manifest's entries for every file of `ckpt`, each file read (and
+    flushed to disk) by one rank; {} on the other ranks.
 
     Rank 0 lists the directory (a rank on another node may list a shared directory late), splits
     it and sends each rank its share; the entries come back to rank 0 alone, which writes the
@@ -79,7 +86,7 @@ def gather_checksums(ckpt: str) -> Dict[str, Dict[str, int]]:
     split = shares(listing(ckpt), world) if rank == 0 else None
     share: List[List[str] | None] = [None]
     dist.scatter_object_list(share, split, src=0)
-    mine = checksum_files(ckpt, share[0])
+    mine = checksum_files(ckpt, share[0], flush=True)
     parts: List[Dict[str, Dict[str, int]]] | None = [{} for _ in range(world)] if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return dict(sorted((k, v) for part in parts or () for k, v in part.items()))
@@ -91,6 +98,8 @@ def write_manifest(ckpt: str, files: Mapping[str, Dict[str, int]] | None = None)
         files = checksum_files(ckpt, list(listing(ckpt)))
     with open(os.path.join(ckpt, MANIFEST), "w") as f:
         json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_manifest(ckpt: str) -> Dict[str, Dict[str, int]]:

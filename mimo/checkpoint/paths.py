@@ -88,22 +88,17 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: str) -> None:
-    """Flush every file of a finished checkpoint (and the directories) to disk before publishing it."""
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+def fsync_dirs(path: str) -> None:
+    """Flush the directories of a finished checkpoint to disk (its files were flushed by the ranks
+    that checksummed them, each its share: `manifest.gather_checksums`)."""
+    for dirpath, _, _ in os.walk(path):
         _fsync_dir(dirpath)
 
 
 def publish(root: str, step: int) -> None:
     """Rename the finished partial directory into place, then point `latest` at it (rank 0 only)."""
     src, dst, old = partial_dir(root, step), iter_dir(root, step), replaced_dir(root, step)
-    fsync_tree(src)
+    fsync_dirs(src)
     if os.path.exists(dst):
         # An older checkpoint of this step, perhaps the one `latest` names: kept (under another
         # name, which `resolve` also reads) until `latest` names the new one.
@@ -131,8 +126,8 @@ def complete_steps(root: str) -> List[int]:
 
 
 def discard_leftovers(root: str) -> None:
-    """Delete what dead saves left (rank 0, with no save in flight): every `.partial` directory, and every
-    `.replaced` one that `resolve` would not read."""
+    """Delete what dead saves left (rank 0, with no save in flight): every `.partial` and `.pruned`
+    directory, and every `.replaced` one that `resolve` would not read."""
     if not os.path.isdir(root):
         return
     try:
@@ -142,17 +137,27 @@ def discard_leftovers(root: str) -> None:
     for name in os.listdir(root):
         base, _, kind = name.partition(".")
         m = _ITER.match(base)
-        if not m or kind not in ("partial", "replaced"):
+        if not m or kind not in ("partial", "replaced", "pruned"):
             continue
         step = int(m.group(1))
-        if kind == "partial" or latest != -1 and (step != latest or os.path.isdir(iter_dir(root, step))):
+        if kind in ("partial", "pruned") or latest != -1 and (step != latest or os.path.isdir(iter_dir(root, step))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def prune(root: str, keep_last: int) -> None:
-    """Delete complete checkpoints older than the newest `keep_last` (never the one `latest` names)."""
+def prune(root: str, keep_last: int) -> List[str]:
+    """Retire complete checkpoints older than the newest `keep_last` (never the one `latest` names):
+    each is renamed to `iter_NNNNNNN.pruned` at once (no longer a checkpoint to any reader), and the
+    renamed directories are returned for the caller to delete (`delete_pruned`, off the step: a
+    large checkpoint takes minutes to delete)."""
     latest = read_latest(root)
-    steps = complete_steps(root)
-    for step in steps[:-keep_last] if keep_last > 0 else []:
+    out = []
+    for step in complete_steps(root)[:-keep_last] if keep_last > 0 else []:
         if step != latest:
-            shutil.rmtree(iter_dir(root, step), ignore_errors=True)
+            out.append(iter_dir(root, step) + ".pruned")
+            os.rename(iter_dir(root, step), out[-1])
+    return out
+
+
+def delete_pruned(dirs: List[str]) -> None:
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)

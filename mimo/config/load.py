@@ -87,6 +87,10 @@ def _convert(tp, value: Any, path: str, problems: List[Problem]):
             except ValueError:
                 ok = False
     elif tp is str:
+        # YAML 1.1 reads a bare `off` (also `no`, `false`) as False and `on` as True: a text field
+        # written `replan: off` means the word.
+        if isinstance(value, bool):
+            value = "on" if value else "off"
         ok = isinstance(value, str)
     else:  # pragma: no cover - schema uses only the types above
         ok = True

@@ -337,3 +337,14 @@ class MimoConfig:
     def world_size(self) -> int:
         """Ranks the layout needs: the end of the furthest rank range."""
         return max(p.rank_offset + p.size for p in self.parallelism.values())
+
+
+def max_placeholder_count(enc) -> int:
+    """LLM tokens of an image resized to max_pixels: max_pixels // (patch_size * merge)^2.
+
+    smart_resize keeps h * w <= max_pixels, with two exceptions the sequence-length check
+    tolerates (the data pipeline counts each image's tokens from its header anyway): a short
+    side clamped up to one factor (aspect ratios near 200 with max_pixels < 200 * factor^2),
+    and the round-up of images scaled to min_pixels when min_pixels is close to max_pixels."""
+    factor = enc.patch_size * enc.spatial_merge_size
+    return max(1, enc.max_pixels // (factor * factor))

@@ -22,6 +22,7 @@ from .schema import (
     LANGUAGE,
     LLM_POSITION_EMBEDDINGS,
     LR_DECAY_STYLES,
+    max_placeholder_count,
     OPTIMIZERS,
     PRECISIONS,
     PROJECTOR_KINDS,
@@ -473,8 +474,6 @@ def _check_native_fits(enc: EncoderConfig, path: str, seq_length: int, add) -> N
     fixed-size item must: smart_resize keeps an image's pixels <= max_pixels, so its tokens stay
     <= max_pixels / (patch_size * spatial_merge_size)^2, give or take a few blocks for images near
     the 200:1 aspect limit (so the data must still count each image's tokens from its own grid)."""
-    from mimo.data.native_images import max_placeholder_count
-
     tokens, factor = max_placeholder_count(enc), enc.patch_size * enc.spatial_merge_size
     if tokens >= seq_length:
         add(f"{path}.max_pixels", f"an image of {enc.max_pixels} pixels is {tokens} tokens (max_pixels / "
@@ -534,12 +533,15 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
     if world_size is not None:
         used = set()
         for name in modules:
-            p = cfg.parallelism[name]
-            used.update(p.ranks)
-            if p.ranks.stop > world_size:
-                add(f"parallelism.{name}", f"needs ranks [{p.ranks.start}, {p.ranks.stop}) but the world size is {world_size}")
+            used.update(cfg.parallelism[name].ranks)
+        # One line for a world size the layout does not fit: the first module past it.
+        beyond = [n for n in modules if cfg.parallelism[n].ranks.stop > world_size]
+        if beyond:
+            p = cfg.parallelism[beyond[0]]
+            add(f"parallelism.{beyond[0]}", f"needs ranks [{p.ranks.start}, {p.ranks.stop}) but the world size is "
+                f"{world_size}")
         idle = sorted(set(range(world_size)) - used)
-        if idle:
+        if idle and not beyond:
             add("parallelism", f"ranks {_ranges(idle)} of world size {world_size} belong to no module")
 
     _check_batch(cfg, add)

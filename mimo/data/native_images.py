@@ -22,6 +22,8 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
+from mimo.config.schema import max_placeholder_count  # noqa: F401 (a pure function of the config, used there too)
+
 # OpenAI CLIP statistics: the Qwen2-VL processor's default image_mean / image_std.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -69,17 +71,6 @@ def placeholder_count(grid: Sequence[int], merge: int) -> int:
     if h % merge or w % merge:
         raise ValueError(f"grid {tuple(grid)} is not a whole number of {merge} x {merge} merge blocks")
     return t * h * w // (merge * merge)
-
-
-def max_placeholder_count(enc) -> int:
-    """LLM tokens of an image resized to max_pixels: max_pixels // (patch_size * merge)^2.
-
-    smart_resize keeps h * w <= max_pixels, with two exceptions the sequence-length check
-    tolerates (the data pipeline counts each image's tokens from its header anyway): a short
-    side clamped up to one factor (aspect ratios near 200 with max_pixels < 200 * factor^2),
-    and the round-up of images scaled to min_pixels when min_pixels is close to max_pixels."""
-    factor = enc.patch_size * enc.spatial_merge_size
-    return max(1, enc.max_pixels // (factor * factor))
 
 
 def to_rgb(image):

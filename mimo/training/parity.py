@@ -142,12 +142,14 @@ def merge_ranks(results: List[Dict], placement: str = "") -> Dict:
 
 
 def placement_of(cfg: MimoConfig) -> str:
+    """`single`, `colocated` or `non-colocated`: a layout with some encoders on the LLM's ranks and
+    others on ranks of their own counts as non-colocated (as the planner reports it)."""
     if cfg.world_size == 1:
         return "single"
     from mimo.topology import edges_of
 
     kinds = {e.placement for e in edges_of(cfg)}
-    return "mixed" if len(kinds) > 1 else kinds.pop() if kinds else "colocated"
+    return "non-colocated" if "non-colocated" in kinds else "colocated"
 
 
 def _tied_copies(state: Dict[str, torch.Tensor]):

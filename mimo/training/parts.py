@@ -21,6 +21,7 @@ from mimo.model.encoder_stages import build_encoder_stage
 from mimo.model.reference_init import expert_shard, load_shard
 from mimo.model.sharded_init import init_sharded
 from mimo.model.stages import build_llm_stage, stage_layer_offset
+from mimo.runtime import collective_device
 from mimo.topology import Topology
 
 _ALL_GROUPS = ("tp", "cp", "pp", "dp", "ep", "tp_cp", "dp_cp", "tp_dp_cp", "mp", "embd", "pos_embd",
@@ -93,8 +94,7 @@ def _copy_tied_embedding(part: torch.nn.Module, grid) -> None:
     first = dist.get_process_group_ranks(group)[0]
     w = part.shared_embedding_or_output_weight()
     # The parts are still in host memory here; NCCL moves device tensors only.
-    nccl = "nccl" in str(dist.get_backend(group))
-    t = w.data.to(torch.device("cuda", torch.cuda.current_device())) if nccl else w.data
+    t = w.data.to(collective_device())
     with torch.no_grad():
         dist.broadcast(t, src=first, group=group)
         if t is not w.data:

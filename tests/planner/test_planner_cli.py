@@ -356,3 +356,20 @@ def test_the_llm_tp_divides_its_vocabulary(capsys, tmp_path):
     path.write_text(yaml.safe_dump(raw))
     cands = _candidates(capsys, ["--config", str(path), "--gpus", "64"])
     assert {c["parallelism"]["language"]["tp"] for c in cands} == {1, 2}
+
+
+def test_set_overrides_a_field_as_the_trainer_does(tmp_path, capsys):
+    """--set PATH=VALUE is applied before the search: the same as editing the YAML."""
+    edited = load_raw(TINY)
+    edited["training"]["global_batch_size"] *= 2
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(edited, sort_keys=False))  # the encoders' order is the model's
+    n = edited["training"]["global_batch_size"]
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--json",
+                          "--set", f"training.global_batch_size={n}"]) == 0
+    with_set = json.loads(capsys.readouterr().out)
+    assert plan_cli.main(["--config", str(path), "--gpus", "4", "--gpu", "cpu", "--json"]) == 0
+    with_file = json.loads(capsys.readouterr().out)
+    assert with_set["candidates"] == with_file["candidates"]
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--set", "nonsense"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: nonsense: override must look like dotted.path=value"]
