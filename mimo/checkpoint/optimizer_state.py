@@ -12,7 +12,7 @@ stored once per parameter. The learning-rate schedule's state goes in the metada
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 from megatron.core.dist_checkpointing import ShardedTensor
@@ -79,6 +79,12 @@ def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[st
     With the distributed optimizer a rank loads only the rows holding the piece it owns (about 1/DP of
     the module part's state, not all of it) and nothing of parameters it owns no piece of."""
     of = _by_param(shards)
+    # The checkpoint's optimizer entries by parameter, once (not every entry per parameter).
+    states: Dict[str, List[Tuple[str, str]]] = {}
+    for key in saved:
+        if key.startswith(PREFIX):
+            param, _, name = key[len(PREFIX):].rpartition(".")
+            states.setdefault(param, []).append((key, name))
     out = {}
     for module in trainer.optimizers:
         ranges = trainer.optim.owned_ranges(module)
@@ -86,11 +92,8 @@ def optimizer_request(trainer, shards: List[ParamShard], saved: Dict) -> Dict[st
             if id(p) not in ranges:
                 continue
             s, rng = of[id(p)], ranges[id(p)]
-            head = f"{PREFIX}{s.key}."
-            for key, meta in saved.items():
-                if not key.startswith(head) or "." in key[len(head):]:
-                    continue
-                name = key[len(head):]
+            for key, name in states.get(s.key, []):
+                meta = saved[key]
                 if tuple(meta.global_shape) != s.full_shape:
                     out[_entry(s, name)] = [ShardedTensor.from_rank_offsets(
                         key, torch.empty(1, dtype=meta.dtype), replica_id=_scalar_replica(s))]
@@ -106,6 +109,10 @@ def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict, saved: Dic
     """Install the loaded state tensors (`optimizer_request`'s, `saved` as there) into the module
     optimizers, replacing any state they had."""
     of = _by_param(shards)
+    by_head: Dict[str, List[Tuple[str, object]]] = {}  # the loaded entries by parameter, once
+    for entry, pieces in loaded.items():
+        head, _, name = entry.rpartition(".")
+        by_head.setdefault(head + ".", []).append((name, pieces))
     for module in trainer.optimizers:
         ranges = trainer.optim.owned_ranges(module)
         states = {}
@@ -113,12 +120,8 @@ def assign_optimizer(trainer, shards: List[ParamShard], loaded: Dict, saved: Dic
             if id(p) not in ranges:
                 continue
             s, rng = of[id(p)], ranges[id(p)]
-            head = _entry(s, "")
             state = {}
-            for entry, pieces in loaded.items():
-                if not entry.startswith(head) or "." in entry[len(head):]:
-                    continue
-                name = entry[len(head):]
+            for name, pieces in by_head.get(_entry(s, ""), []):
                 t = s.join(pieces)
                 if tuple(saved[f"{PREFIX}{s.key}.{name}"].global_shape) != s.full_shape:
                     t = t.reshape(())  # a scalar (Adam's step)

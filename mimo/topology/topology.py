@@ -57,5 +57,7 @@ def build_topology(cfg: MimoConfig, backend: Optional[str] = None) -> Topology:
         tied = name == LANGUAGE and cfg.model.language.tie_embeddings
         experts = name == LANGUAGE and cfg.model.language.is_moe  # an MoE LLM's expert groups
         grids[name] = build_module_grid(name, Layout.from_config(cfg.parallelism[name]), backend, tied, experts)
-    self_group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)], backend=backend)
+    # This rank alone (a single-stage part's pipeline and embedding group): each rank makes only its
+    # own, not one per rank of the world on every rank.
+    self_group = dist.new_group([dist.get_rank()], backend=backend, use_local_synchronization=True)
     return Topology(rank=dist.get_rank(), world_size=world, grids=grids, edges=edges_of(cfg), self_group=self_group)
