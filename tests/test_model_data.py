@@ -145,3 +145,33 @@ def test_each_mock_item_is_made_once_by_the_rank_that_encodes_it():
     assert len(made[1]) == total["images"] and {n for n, _ in made[1]} <= {"images"}, (len(made[1]), total)
     assert len(made[2]) == total["audio"] and {n for n, _ in made[2]} <= {"audio"}, (len(made[2]), total)
     assert len(set(made[1])) == len(made[1]) and len(set(made[2])) == len(made[2])  # each item once
+
+
+def test_assembly_equals_masked_scatter_forward_and_backward_bit_for_bit():
+    """The static-shape gather gives masked_scatter's result and gradients exactly (the reference here),
+    on the [s, b, h] -> [b, s, h] view the LLM hands it, with two modalities."""
+    g = torch.Generator().manual_seed(0)
+    b, s, h = 3, 17, 8
+    ids = torch.randint(0, 5, (b, s), generator=g)
+    text = torch.randn(s, b, h, generator=g, requires_grad=True)
+    mods = {t: torch.randn(int((ids == t).sum()), h, generator=g, requires_grad=True) for t in (3, 4)}
+    upstream = torch.randn(b, s, h, generator=g)
+
+    def run(fn):
+        for x in (text, *mods.values()):
+            x.grad = None
+        out = fn()
+        (out * upstream).sum().backward()
+        return out.detach(), [x.grad.clone() for x in (text, *mods.values())]
+
+    def reference():
+        out = text.transpose(0, 1)
+        for token_id, tokens in mods.items():
+            out = out.masked_scatter((ids == token_id).unsqueeze(-1), tokens)
+        return out
+
+    counts = {t: int((ids == t).sum()) for t in mods}
+    want, want_grads = run(reference)
+    got, got_grads = run(lambda: assemble_embeddings(text.transpose(0, 1), ids, mods, counts))
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))

@@ -13,8 +13,9 @@ the LLM at tp 2 dp D/2 on the same ranks and the audio encoder at dp D/4 on
 its own, N = 1.5 D ranks (the loss, norm and boundary meets span them all).
 `--boundary SxD,...` times instead what an edge does per window and step: an
 encoder at dp S feeding an LLM at tp 2 cp 2 dp D, 8 samples of 2 items (576
-tokens each) per LLM shard: `EdgePlan.for_window` (mean of 10) and the
-colocated forward and backward routes (mean of 3).
+tokens each) per LLM shard: `EdgePlan.for_window` (mean of 10), the
+colocated forward and backward routes of every rank (mean of 3) and one
+rank's own moves, what its communicator lists (mean of 10).
 """
 
 from __future__ import annotations
@@ -102,8 +103,15 @@ def boundary(src_dp: int, dst_dp: int) -> str:
         window.colocated_forward_routes()
         window.colocated_backward_routes()
     routes = (time.perf_counter() - t) / 3
+    rank = src_dp // 2  # what the communicator lists: one rank's own moves (mean over 10 calls)
+    t = time.perf_counter()
+    for _ in range(10):
+        window.colocated_forward_moves_of(rank)
+        window.colocated_backward_moves_of(rank)
+    own = (time.perf_counter() - t) / 10
     return (f"boundary: encoder dp {src_dp} -> LLM tp2 cp2 dp {dst_dp}, {units} items, {len(window.pieces)} pieces: "
-            f"for_window {per_window * 1e3:.1f} ms, colocated routes fwd+bwd {routes * 1e3:.1f} ms")
+            f"for_window {per_window * 1e3:.1f} ms, colocated routes fwd+bwd {routes * 1e3:.1f} ms "
+            f"(all ranks'), {own * 1e3:.3f} ms (one rank's own moves)")
 
 
 def main() -> None:

@@ -45,9 +45,7 @@ class ColocatedCommunicator(BoundaryCommunicator):
         plan = self._window(window)
         tensor, counts = self._check_source(tensor, counts, plan)
         role, r = self.role, self.rank
-        moves = plan.colocated_forward_routes()[0]
-        sends = [m for m in moves if m.src == r]
-        recvs = [m for m in moves if m.dst == r]
+        sends, recvs = plan.colocated_forward_moves_of(r)
         if sends and not self.is_source:
             raise RuntimeError(f"rank {r} is routed to send pieces but holds no source shard")
         if self.is_source:
@@ -118,9 +116,9 @@ class ColocatedCommunicator(BoundaryCommunicator):
             _, _, t0, t1 = self.piece_range(plan.pieces[k], s0, scum)
             return t1 - t0
 
-        moves = plan.colocated_backward_routes()[0]
-        sends = [(local_grad(m.piece), m.dst) for m in moves if m.src == r]
-        bufs = {m.piece: (self.empty_wire(piece_tokens(m.piece)), m.src) for m in moves if m.dst == r}
+        out_moves, in_moves = plan.colocated_backward_moves_of(r)
+        sends = [(local_grad(m.piece), m.dst) for m in out_moves]
+        bufs = {m.piece: (self.empty_wire(piece_tokens(m.piece)), m.src) for m in in_moves}
         self.exchange(sends, list(bufs.values()))
         for payload, _ in sends:
             if payload.numel():

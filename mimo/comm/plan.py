@@ -280,6 +280,47 @@ class EdgePlan:
                         moves.append(Route(p.index, receivers[k % len(receivers)], s))
         return moves, local
 
+    def colocated_forward_moves_of(self, rank: int) -> Tuple[List[Route], List[Route]]:
+        """(sends, receives) of `rank` among `colocated_forward_routes`' transfers, in its order, found
+        from this rank's own shards: the work does not grow with the number of ranks of the edge."""
+        sends, recvs = [], []
+        i = self.src_shard_of(rank)
+        if i is not None:  # a holder serves the receivers at its position, round-robin
+            holders = self.src_holders(i)
+            h = holders.index(rank)
+            for p in self.pieces_of_src(i):
+                for k, r in enumerate(self.dst_receivers(p.j)):
+                    if r not in holders and k % len(holders) == h:
+                        sends.append(((p.j, k, p.index), Route(p.index, rank, r)))
+        j = self.dst_shard_of(rank)
+        if j is not None:
+            k = self.dst_receivers(j).index(rank)
+            for p in self.pieces_of_dst(j):
+                holders = self.src_holders(p.i)
+                if rank not in holders:
+                    recvs.append(Route(p.index, holders[k % len(holders)], rank))
+        return [m for _, m in sorted(sends, key=lambda e: e[0])], recvs
+
+    def colocated_backward_moves_of(self, rank: int) -> Tuple[List[Route], List[Route]]:
+        """(sends, receives) of `rank` among `colocated_backward_routes`' transfers, in its order."""
+        sends, recvs = [], []
+        j = self.dst_shard_of(rank)
+        if j is not None:  # a receiver serves the holders at its position, round-robin
+            receivers = self.dst_receivers(j)
+            q = receivers.index(rank)
+            for p in self.pieces_of_dst(j):
+                for k, s in enumerate(self.src_holders(p.i)):
+                    if s not in receivers and k % len(receivers) == q:
+                        sends.append(((p.i, k, p.index), Route(p.index, rank, s)))
+        i = self.src_shard_of(rank)
+        if i is not None:
+            k = self.src_holders(i).index(rank)
+            for p in self.pieces_of_src(i):
+                receivers = self.dst_receivers(p.j)
+                if rank not in receivers:
+                    recvs.append(Route(p.index, receivers[k % len(receivers)], rank))
+        return [m for _, m in sorted(sends, key=lambda e: e[0])], recvs
+
     def describe(self) -> str:
         rel = f"dp {self.src.dp}:{self.dst.dp}"
         s, d = self.src, self.dst

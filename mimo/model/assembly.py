@@ -22,16 +22,21 @@ def assemble_embeddings(text_embeddings: torch.Tensor, input_ids: torch.Tensor,
     """
     if text_embeddings.shape[:2] != input_ids.shape:
         raise ValueError(f"text_embeddings {list(text_embeddings.shape)} and input_ids {list(input_ids.shape)} disagree")
-    out = text_embeddings
+    b, s, h = text_embeddings.shape
+    out = text_embeddings.reshape(b * s, h)
     for token_id, tokens in modality_tokens.items():
-        where = input_ids == token_id
+        where = (input_ids == token_id).reshape(-1)
         n = counts[token_id] if counts is not None else int(where.sum())
         if tokens.shape[0] != n:
             raise ValueError(f"{n} placeholder tokens (id {token_id}) but {tokens.shape[0]} modality tokens")
         if n == 0:
             continue
-        if tokens.shape[1] != out.shape[2]:
-            raise ValueError(f"modality tokens have hidden size {tokens.shape[1]}, the LLM {out.shape[2]}")
-        # masked_scatter fills positions in row-major order, which is the packing order.
-        out = out.masked_scatter(where.unsqueeze(-1), tokens.to(out.dtype))
-    return out
+        if tokens.shape[1] != h:
+            raise ValueError(f"modality tokens have hidden size {tokens.shape[1]}, the LLM {h}")
+        # Placeholder p (row-major, the packing order) takes token p: its index is the number of
+        # placeholders before it. Every shape here is static, forward and backward: masked_scatter's
+        # backward selects the masked gradient (masked_select), whose size the host must wait for.
+        # The other positions gather some token too and drop it, so its gradient gains only zeros.
+        pick = (torch.cumsum(where, 0) - 1).clamp_(min=0)
+        out = torch.where(where.unsqueeze(-1), tokens.to(out.dtype).index_select(0, pick), out)
+    return out.view(b, s, h)

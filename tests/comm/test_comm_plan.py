@@ -132,3 +132,25 @@ def test_window_unit_sizes_must_cover_the_window():
     assert base.for_window([0, 1, 3], [0, 2, 3], [4, 4, 4]).unit_tokens == [4, 4, 4]
     with pytest.raises(ValueError, match="unit_tokens has 2 entries for a batch window of 3 units"):
         base.for_window([0, 1, 3], [0, 2, 3], [4, 4])
+
+
+def test_a_ranks_own_moves_are_its_part_of_the_edges_routes_in_order():
+    """What a rank exchanges, found from its own shards, is exactly its sends and receives in the whole
+    edge's routes, in their order (the order both peers post), over random colocated layouts and windows."""
+    import random
+
+    from mimo.topology.layout import Layout
+
+    rng, checked = random.Random(0), 0
+    while checked < 300:
+        src = Layout(tp=rng.choice([1, 2]), dp=rng.choice([1, 2, 4]), pp=rng.choice([1, 2]))
+        dst = Layout(tp=rng.choice([1, 2]), cp=rng.choice([1, 2]), dp=rng.choice([1, 2, 3]), pp=rng.choice([1, 2]))
+        world = src.tp * src.dp * src.pp
+        if dst.tp * dst.cp * dst.dp * dst.pp != world:
+            continue
+        p = make_plan(src, dst, rng.choice([1, 2, 3]) * src.dp * dst.dp)
+        fwd, bwd = p.colocated_forward_routes()[0], p.colocated_backward_routes()[0]
+        for r in range(world):
+            assert p.colocated_forward_moves_of(r) == ([m for m in fwd if m.src == r], [m for m in fwd if m.dst == r])
+            assert p.colocated_backward_moves_of(r) == ([m for m in bwd if m.src == r], [m for m in bwd if m.dst == r])
+            checked += 1
