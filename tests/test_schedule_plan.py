@@ -362,3 +362,18 @@ def test_trainer_checks_the_plan_before_anything_else(monkeypatch):
     monkeypatch.setattr(trainer, "build_plan", lambda cfg: _send_send(batched=False))
     with pytest.raises(PlanError, match="deadlocks"):
         trainer.Trainer(load_config(tiny()), runtime=None)
+
+
+def test_a_rank_keeps_only_its_own_actions_after_the_check():
+    """`of_rank`: the rank's actions as built, the others dropped; `through` cuts it as the full plan."""
+    from mimo.schedule.plan import LOSS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plan = build_plan(load_config(os.path.join(root, "examples", "configs", "cpu_noncolocated.yaml")))
+    check_plan(plan)
+    for rank in range(plan.world_size):
+        mine = plan.of_rank(rank)
+        assert mine.world_size == plan.world_size and mine.actions[rank] == plan.actions[rank]
+        assert all(acts == [] for r, acts in enumerate(mine.actions) if r != rank)
+        assert mine.through(LOSS).actions[rank] == plan.through(LOSS).actions[rank]
+        assert list(mine.groups(rank)) == list(plan.groups(rank))

@@ -98,10 +98,15 @@ class StepPlan:
         """Every rank's actions up to and including collective `name` (on every rank, e.g. the loss:
         a forward and backward without the step's reductions and update)."""
         cut = []
-        for acts in self.actions:
-            at = next(i for i, a in enumerate(acts) if a.op == COLLECTIVE and a.name == name)
+        for acts in self.actions:  # (a rank's list is empty in a plan kept for another rank: `of_rank`)
+            at = next((i for i, a in enumerate(acts) if a.op == COLLECTIVE and a.name == name), -1)
             cut.append(acts[:at + 1])
         return replace(self, actions=cut)
+
+    def of_rank(self, rank: int) -> "StepPlan":
+        """The plan as one rank runs it: its own actions, the other ranks' dropped (after the
+        check, which needs them all), so a rank keeps what grows with its own share only."""
+        return replace(self, actions=[acts if r == rank else [] for r, acts in enumerate(self.actions)])
 
     def lines(self, rank: Optional[int] = None) -> Iterator[str]:
         for r in range(self.world_size) if rank is None else [rank]:

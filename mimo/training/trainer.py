@@ -83,8 +83,9 @@ class Trainer:
         problems = layout_problems(cfg)
         if problems:  # before any collective
             raise ValueError("\n".join(problems))
-        self.plan = build_plan(cfg)
-        check_plan(self.plan)
+        plan = build_plan(cfg)
+        check_plan(plan)  # every rank's actions, proven to match; then this rank keeps its own
+        self.plan = plan.of_rank(dist.get_rank())
         self.cfg, self.runtime = cfg, runtime
         self.dtype = dtype_of(cfg.training.precision)
         self.num_microbatches = num_microbatches(cfg)
