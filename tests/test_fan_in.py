@@ -30,3 +30,22 @@ def test_fan_in_equals_one_group_of_every_rank(per_node):
         assert gathered == [{"rank": q, "payload": list(range(q))} for q in range(world)]  # rank order
         per = per_node or world  # None: LOCAL_WORLD_SIZE (one node under run_on_ranks)
         assert leader == r - r % per
+
+
+def _with_local_size(sizes):
+    """FanIn from LOCAL_WORLD_SIZE, which this rank sees as `sizes[rank]` (nodes launched unevenly)."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(sizes[dist.get_rank()])
+    fan = FanIn(5)
+    total = torch.tensor([dist.get_rank()], dtype=torch.int64)
+    fan.all_reduce(total, op=dist.ReduceOp.SUM)
+    return fan.leader, total.tolist(), fan.all_gather_object(dist.get_rank())
+
+
+def test_ranks_that_see_different_node_sizes_still_build_the_same_groups():
+    """Without agreeing on the node size, ranks would create different groups and hang; they take the
+    smallest, so blocks of 2 here."""
+    out = run_on_ranks(_with_local_size, 5, [3, 3, 3, 2, 2], timeout_s=120)
+    assert [leader for leader, _, _ in out] == [0, 0, 2, 2, 4]
+    assert all(total == [10] and gathered == list(range(5)) for _, total, gathered in out)

@@ -9,8 +9,9 @@ rank) to the other leaders: at 1,024 ranks on 128 nodes of 8, 7 sockets per rank
 leader. A reduction fans in to the leader, runs over the leaders and fans back out: three small
 collectives in place of one.
 
-Nodes are blocks of `per_node` consecutive ranks (torchrun numbers a node's ranks consecutively);
-where they are not, the results are the same, only the sockets are not node-local.
+Nodes are blocks of `per_node` consecutive ranks (torchrun numbers a node's ranks consecutively;
+the smallest LOCAL_WORLD_SIZE of all ranks); where they are not, the results are the same, only
+the sockets are not node-local.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from .distributed import collective_device
+
 
 class FanIn:
     """Collective at construction (every rank, the same point of start-up): the gloo groups."""
@@ -29,7 +32,12 @@ class FanIn:
     def __init__(self, timeout_minutes: float, per_node: Optional[int] = None):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if per_node is None:
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            # Every rank must make the same groups: nodes launched with different process counts
+            # take the smallest (any blocks give the same results; only the sockets are less local).
+            local = torch.tensor([int(os.environ.get("LOCAL_WORLD_SIZE", self.world))], dtype=torch.int64,
+                                 device=collective_device())
+            dist.all_reduce(local, op=dist.ReduceOp.MIN)
+            per_node = int(local)
         per_node = min(max(1, per_node), self.world)
         timeout = timedelta(minutes=timeout_minutes)
         self.leader = self.rank - self.rank % per_node  # the global rank of this node's leader
