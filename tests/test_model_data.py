@@ -175,3 +175,22 @@ def test_assembly_equals_masked_scatter_forward_and_backward_bit_for_bit():
     got, got_grads = run(lambda: assemble_embeddings(text.transpose(0, 1), ids, mods, counts))
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+
+
+def test_mock_counts_come_from_the_layout_and_equal_those_of_the_made_ids():
+    """Length, documents and loss positions are known before the ids are made, and equal what the
+    generic Sample computes from the ids, a placeholder at position 0 included."""
+    from mimo.data.mock import Sample
+
+    cfg = load_config(tiny())
+    ds = MockMultimodalDataset(cfg)
+    at_zero = 0
+    for i in range(300):
+        s = ds.sample(i)
+        counts = (s.token_count(), s.document_tokens(), s.loss_count(cfg.placeholder_ids))
+        assert s._ids is None  # nothing made yet
+        at_zero += bool(s.runs and s.cuts[0] == 0)
+        assert counts == (Sample.token_count(s), Sample.document_tokens(s), Sample.loss_count(s, cfg.placeholder_ids))
+        assert s.loss_count({}) == Sample.loss_count(s, {})  # placeholders counted as text
+        assert torch.equal(s.input_ids, ds.sample(i).input_ids)  # the same ids, made again
+    assert at_zero > 0

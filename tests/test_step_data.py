@@ -17,8 +17,11 @@ from tiny import TINY
 
 def _packed(cfg):
     """Two mock samples, the second made of two packed documents and padding."""
+    from mimo.data.mock import Sample
+
     ds = MockMultimodalDataset(cfg)
-    a, b = ds.sample(0), ds.sample(1)
+    # Plain samples with the mock ones' tokens and items (a mock sample counts from its own layout).
+    a, b = (Sample(input_ids=m.input_ids, items=m.items, grids=m.grids) for m in (ds.sample(0), ds.sample(1)))
     s = a.input_ids.shape[0]
     a.document_ids = torch.zeros(s, dtype=torch.long)
     b.document_ids = torch.tensor([0] * (s // 2) + [1] * (s // 2 - 4) + [-1] * 4)

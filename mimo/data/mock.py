@@ -2,9 +2,9 @@
 
 Sample `i` of the run is a pure function of (data.seed, i): a text stream
 with a learnable pattern, 0..k images and 0..k audio clips whose placeholder
-runs sit at random positions, and some right padding. An item's random inputs
-are a function of (data.seed, i, encoder, item) and are made only when a rank
-asks for them, so planning a step costs no pixels. The global batch of a
+runs sit at random positions, and some right padding. The token ids and each
+item's random inputs have generators of their own and are made only when a rank
+asks for them, so planning a step costs neither tokens nor pixels. The global batch of a
 step is therefore identical whatever the layout; layouts only decide which
 rank gets which slice.
 """
@@ -78,6 +78,61 @@ class Sample:
         return self.items[name][k]
 
 
+class MockSample(Sample):
+    """A mock sequence. What planning reads of every sequence of a step (its length, its loss
+    positions, its items' counts) is known from its layout; its token ids are made on first use, so
+    a rank makes those of the sequences it trains on only."""
+
+    def __init__(self, index: int, seq_length: int, length: int, runs: List[Tuple[int, int]], cuts: List[int],
+                 text_range: Tuple[int, int], text_seed: int, items, grids):
+        # runs: (placeholder id, tokens) left to right; cuts: the text tokens before each run. The
+        # text has a generator of its own: the same ids whenever, and on whichever thread, made.
+        self.index, self.seq_length, self.length, self.runs, self.cuts = index, seq_length, length, runs, cuts
+        self.text_range, self.text_seed, self._ids = text_range, text_seed, None
+        self.items, self.grids = items, grids
+        self.targets = self.document_ids = self.position_ids = None  # every text token after the first
+
+    def __repr__(self) -> str:  # the dataclass's would make the tokens
+        return f"MockSample({self.index})"
+
+    def token_count(self, pad_id: int = PAD_ID) -> int:
+        return self.length  # text ids start at 1 and placeholders sit above them: none is padding
+
+    def document_tokens(self, pad_id: int = PAD_ID) -> List[int]:
+        return [self.length]
+
+    def loss_count(self, placeholder_ids: Optional[Mapping[str, int]] = None) -> int:
+        """Positions 1 .. length-1 that are not a placeholder of `placeholder_ids` (None: every run's):
+        a placeholder at position 0 (a first run with no text before it) is not among them anyway."""
+        ids = None if placeholder_ids is None else set(placeholder_ids.values())
+        counted = [ids is None or token in ids for token, _ in self.runs]
+        dropped = sum(n for (_, n), c in zip(self.runs, counted) if c)
+        at_zero = 1 if self.runs and self.cuts[0] == 0 and counted[0] else 0
+        return self.length - 1 - dropped + at_zero
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        if self._ids is None:
+            n_text = self.length - sum(n for _, n in self.runs)
+            text = _text(n_text, torch.Generator().manual_seed(self.text_seed), *self.text_range)
+            ids, pos = [], 0
+            for (token, n), cut in zip(self.runs, self.cuts):
+                ids += [text[pos:cut], torch.full((n,), token, dtype=torch.long)]
+                pos = cut
+            ids += [text[pos:], torch.full((self.seq_length - self.length,), PAD_ID, dtype=torch.long)]
+            self._ids = torch.cat(ids)
+        return self._ids
+
+
+def _text(n: int, g: torch.Generator, low: int, high: int) -> torch.Tensor:
+    """An arithmetic progression mod the text vocabulary [low, high): predictable from context, so
+    loss falls."""
+    span = high - low
+    start = int(torch.randint(0, span, (1,), generator=g))
+    step = int(torch.randint(1, 4, (1,), generator=g))
+    return low + (start + step * torch.arange(n)) % span
+
+
 class MockMultimodalDataset:
     def __init__(self, cfg: MimoConfig):
         self.cfg = cfg
@@ -104,8 +159,9 @@ class MockMultimodalDataset:
         return d.max_images_per_sample if self.cfg.model.encoders[name].kind == "vision" else d.max_audio_per_sample
 
     def sample(self, index: int) -> Sample:
-        """Sample `index`: its tokens now, its items' raw inputs only when asked for (`LazyItems`),
-        so a rank that plans a step but encodes few of its items generates few of them."""
+        """Sample `index`: its layout now; its token ids (`MockSample`) and its items' raw inputs
+        (`LazyItems`) only when asked for, so a rank that plans a step makes only what it trains on
+        and encodes."""
         g = torch.Generator().manual_seed(self._seed(index))
         s = self.seq_length
         # Decide items per modality, dropping items that would not fit (leave room for text).
@@ -137,15 +193,6 @@ class MockMultimodalDataset:
         length = s - int(torch.randint(0, max(1, s // 8), (1,), generator=g))  # some right padding
         n_text = length - sum(r[1] for r in runs)
         cuts = sorted(torch.randint(0, n_text + 1, (len(runs),), generator=g).tolist())
-        text = self._text(n_text, g)
-        ids, pos = [], 0
-        for k, run_idx in enumerate(order):
-            name, ln = runs[run_idx]
-            ids.append(text[pos:cuts[k]])
-            pos = cuts[k]
-            ids.append(torch.full((ln,), self.placeholders[name], dtype=torch.long))
-        ids.append(text[pos:])
-        ids.append(torch.full((s - length,), PAD_ID, dtype=torch.long))
         keep = 4 * self.cfg.training.global_batch_size
         if len(self._lengths) > 2 * keep:
             self._lengths = {i: n for i, n in self._lengths.items() if i > index - keep}
@@ -156,11 +203,13 @@ class MockMultimodalDataset:
                  for e, name in enumerate(self.cfg.model.encoders)}
         items = LazyItems(seeds, {name: [None] * n for name, n in counts.items()}, self._item_inputs,
                           {name: self._empty_shape(name) for name in counts}, grids)
-        return Sample(input_ids=torch.cat(ids), items=items, grids=grids or None)
+        placed = [(self.placeholders[runs[i][0]], runs[i][1]) for i in order]
+        return MockSample(index, s, length, placed, cuts, (self.text_low, self.text_high), self._seed(index, 0, 1),
+                          items, grids or None)
 
     def _seed(self, index: int, encoder: int = 0, item: int = 0) -> int:
-        """The generator seed of sample `index` (encoder 0) or of its item `item` of encoder `encoder`
-        (both from 1), distinct for every (data.seed, index, encoder, item) a run can hold."""
+        """The generator seed of sample `index`'s layout (0, 0), its text (0, 1) or its item `item`
+        of encoder `encoder` (both from 1), distinct for every (data.seed, index, encoder, item)."""
         sample = self.cfg.data.seed * 1_000_003 + index
         return ((sample * 64 + encoder) * (1 << 20) + item) % (1 << 63)
 
@@ -191,13 +240,6 @@ class MockMultimodalDataset:
                 runs.append((name, tokens))
                 grids.append(grid)
         return grids, budget
-
-    def _text(self, n: int, g: torch.Generator) -> torch.Tensor:
-        """An arithmetic progression mod the text vocabulary: predictable from context, so loss falls."""
-        span = self.text_high - self.text_low
-        start = int(torch.randint(0, span, (1,), generator=g))
-        step = int(torch.randint(1, 4, (1,), generator=g))
-        return self.text_low + (start + step * torch.arange(n)) % span
 
     def skipped_samples(self, step: int) -> int:
         """Mock samples are never bad."""
