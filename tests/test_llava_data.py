@@ -283,6 +283,10 @@ def test_config_errors(sample_dir):
     raw = llava_raw(sample_dir)
     raw["model"]["language"]["attention"] = "sdpa"
     assert "error: data.packing: needs model.language.attention: bitfield" in problems(raw)
+    del raw["model"]["language"]["attention"]  # packing with no attention named: bitfield, its one choice
+    assert raw["data"]["packing"] and load_config(raw).model.language.attention == "bitfield"
+    raw["data"]["packing"] = False
+    assert load_config(raw).model.language.attention == "sdpa"
     raw = llava_raw(sample_dir, on_bad_record="ignore")
     assert "error: data.on_bad_record: must be one of skip, error" in problems(raw)
 

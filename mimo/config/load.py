@@ -182,4 +182,9 @@ def build_config(raw: Dict[str, Any]) -> Tuple[MimoConfig, List[Problem]]:
     cfg = _build(MimoConfig, raw, "", problems)
     if cfg is _INVALID:
         raise ConfigError(problems)
+    language = (raw.get("model") or {}).get("language")
+    if cfg.data.packing and cfg.data.kind != "mock" and isinstance(language, dict) and "attention" not in language:
+        # Packed samples must not attend to each other, and only bitfield attention masks by document:
+        # packing without an attention named takes it (one named otherwise is still an error).
+        cfg.model.language.attention = "bitfield"
     return cfg, problems
