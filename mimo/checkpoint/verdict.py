@@ -35,12 +35,12 @@ def first_problem(problems: Sequence[Tuple[Order, str]]) -> Optional[Tuple[Order
     on every rank; None when no rank has one."""
     device = collective_device()
     mine = min(problems) if problems else None
-    code = torch.tensor([_code(mine[0]) if mine else _NONE], dtype=torch.int64, device=device)
+    mine_code = _code(mine[0]) if mine else _NONE
+    code = torch.tensor([mine_code], dtype=torch.int64, device=device)
     dist.all_reduce(code, op=dist.ReduceOp.MIN)
     if int(code) == _NONE:
         return None
-    world = dist.get_world_size()
-    owner = torch.tensor([dist.get_rank() if mine and _code(mine[0]) == int(code) else world],
+    owner = torch.tensor([dist.get_rank() if mine_code == int(code) else dist.get_world_size()],
                          dtype=torch.int64, device=device)
     dist.all_reduce(owner, op=dist.ReduceOp.MIN)
     found: List[Optional[Tuple[Order, str]]] = [mine]

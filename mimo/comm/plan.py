@@ -283,42 +283,39 @@ class EdgePlan:
     def colocated_forward_moves_of(self, rank: int) -> Tuple[List[Route], List[Route]]:
         """(sends, receives) of `rank` among `colocated_forward_routes`' transfers, in its order, found
         from this rank's own shards: the work does not grow with the number of ranks of the edge."""
-        sends, recvs = [], []
-        i = self.src_shard_of(rank)
-        if i is not None:  # a holder serves the receivers at its position, round-robin
-            holders = self.src_holders(i)
-            h = holders.index(rank)
-            for p in self.pieces_of_src(i):
-                for k, r in enumerate(self.dst_receivers(p.j)):
-                    if r not in holders and k % len(holders) == h:
-                        sends.append(((p.j, k, p.index), Route(p.index, rank, r)))
-        j = self.dst_shard_of(rank)
-        if j is not None:
-            k = self.dst_receivers(j).index(rank)
-            for p in self.pieces_of_dst(j):
-                holders = self.src_holders(p.i)
-                if rank not in holders:
-                    recvs.append(Route(p.index, holders[k % len(holders)], rank))
-        return [m for _, m in sorted(sends, key=lambda e: e[0])], recvs
+        return self._moves_of(rank, (self.src_shard_of(rank), self.pieces_of_src, self.src_holders, "i"),
+                              (self.dst_shard_of(rank), self.pieces_of_dst, self.dst_receivers, "j"))
 
     def colocated_backward_moves_of(self, rank: int) -> Tuple[List[Route], List[Route]]:
         """(sends, receives) of `rank` among `colocated_backward_routes`' transfers, in its order."""
-        sends, recvs = [], []
-        j = self.dst_shard_of(rank)
-        if j is not None:  # a receiver serves the holders at its position, round-robin
-            receivers = self.dst_receivers(j)
-            q = receivers.index(rank)
-            for p in self.pieces_of_dst(j):
-                for k, s in enumerate(self.src_holders(p.i)):
-                    if s not in receivers and k % len(receivers) == q:
-                        sends.append(((p.i, k, p.index), Route(p.index, rank, s)))
-        i = self.src_shard_of(rank)
-        if i is not None:
-            k = self.src_holders(i).index(rank)
-            for p in self.pieces_of_src(i):
-                receivers = self.dst_receivers(p.j)
-                if rank not in receivers:
-                    recvs.append(Route(p.index, receivers[k % len(receivers)], rank))
+        return self._moves_of(rank, (self.dst_shard_of(rank), self.pieces_of_dst, self.dst_receivers, "j"),
+                              (self.src_shard_of(rank), self.pieces_of_src, self.src_holders, "i"))
+
+    @staticmethod
+    def _moves_of(rank: int, serving, served) -> Tuple[List[Route], List[Route]]:
+        """One direction's moves of `rank`. Each side is (this rank's shard on that side or None, the
+        pieces of a shard, the ranks of a shard, the piece field naming that side's shard). A piece
+        moves from the serving side to each served rank that does not hold it already, from the
+        serving rank at the served rank's position modulo their number (`colocated_*_routes`)."""
+        serving_shard, serving_pieces, serving_ranks, serving_field = serving
+        served_shard, served_pieces, served_ranks, served_field = served
+        sends = []
+        if serving_shard is not None:  # this rank serves
+            mine = serving_ranks(serving_shard)
+            h = mine.index(rank)
+            for p in serving_pieces(serving_shard):
+                theirs = getattr(p, served_field)
+                for k, r in enumerate(served_ranks(theirs)):
+                    if r not in mine and k % len(mine) == h:
+                        sends.append(((theirs, k, p.index), Route(p.index, rank, r)))
+        recvs = []
+        if served_shard is not None:  # this rank is served
+            k = served_ranks(served_shard).index(rank)
+            for p in served_pieces(served_shard):
+                servers = serving_ranks(getattr(p, serving_field))
+                if rank not in servers:
+                    recvs.append(Route(p.index, servers[k % len(servers)], rank))
+        # The full listing's order: the served shard, the served rank's position, the piece.
         return [m for _, m in sorted(sends, key=lambda e: e[0])], recvs
 
     def describe(self) -> str:
