@@ -13,13 +13,15 @@ from test_llava_data import HELLO, RED, llava_raw, sample_dir  # noqa: F401 (fix
 
 def test_jsonl_records_read_on_demand_are_the_parsed_lines(tmp_path):
     from mimo.data.record_file import JsonLines, read_records
+    from mimo.data.record_index import file_digest
 
     records = [dict(HELLO, id=f"r{i}", n=i, text="é ✓ " * i) for i in range(50)]
     lines = [json.dumps(r, ensure_ascii=False) for r in records]
     path = tmp_path / "r.jsonl"
     # blank lines (also of spaces) are not records; CRLF and LF endings mix; no newline at the end
     path.write_bytes("\n".join(lines[:10]).encode() + b"\n\n   \n" + "\r\n".join(lines[10:]).encode())
-    got = read_records(str(path))
+    got, digest = read_records(str(path))
+    assert digest == file_digest(str(path))  # the file's bytes, blank lines and line endings included
     assert isinstance(got, JsonLines) and len(got) == 50
     assert [got[i] for i in range(50)] == records
     assert got[-1] == records[-1] and list(got)[7] == records[7]
@@ -28,12 +30,12 @@ def test_jsonl_records_read_on_demand_are_the_parsed_lines(tmp_path):
     assert copied[3] == records[3]
     listed = tmp_path / "r.json"
     listed.write_text(" \n" + json.dumps(records))
-    assert read_records(str(listed)) == records  # a JSON list: parsed whole, as before
+    assert read_records(str(listed)) == (records, file_digest(str(listed)))  # a JSON list: parsed whole
     bom = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as some editors write: a list stays a list
     listed.write_bytes(bom + b"[\n" + ",\n".join(json.dumps(r) for r in records[:3]).encode() + b"\n]\n")
-    assert read_records(str(listed)) == records[:3]
+    assert read_records(str(listed))[0] == records[:3]
     path.write_bytes(bom + "\n".join(lines[:3]).encode())
-    assert list(read_records(str(path))) == records[:3]
+    assert list(read_records(str(path))[0]) == records[:3]
     for empty in ("", "\n \n"):
         path.write_text(empty)
         with pytest.raises(Exception, match="holds no record"):

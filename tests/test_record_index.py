@@ -139,22 +139,90 @@ def test_a_record_that_tokenises_unlike_the_index_stops_naming_it(sample_dir):  
         first.input_ids
 
 
-def test_planning_from_the_index_tokenises_no_record(sample_dir, monkeypatch):  # noqa: F811
-    """Planning reads the index and each record's media paths; tokens are made only when read."""
+class _CountedReads(list):
+    """A records list that notes each record read."""
+
+    def __init__(self, records):
+        super().__init__(records)
+        self.reads = []
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return super().__getitem__(i)
+
+
+def test_planning_from_the_index_reads_no_record(sample_dir, monkeypatch):  # noqa: F811
+    """Planning and the step's digest read only the index; a record is read when its tokens are made
+    or its items' paths are asked for, and tokenised only for its tokens."""
     from mimo.data.llava import ConversationEncoder
 
     raw = llava_raw(sample_dir)
     raw["training"].update(global_batch_size=8, micro_batch_size=1)
     ds = _indexed_dataset(raw)
+    ds.records = _CountedReads(ds.records)
     calls = []
     encode = ConversationEncoder.encode
     monkeypatch.setattr(ConversationEncoder, "encode", lambda self, *a, **k: calls.append(a[1]) or encode(self, *a, **k))
     plan = ds.plan(0)
-    assert calls == [] and sum(s.token_count() for s in plan.samples) > 0
+    ds.plan_digest(0)
+    assert calls == [] and ds.records.reads == [] and sum(s.token_count() for s in plan.samples) > 0
+    assert sum(s.count("images") for s in plan.samples) > 0  # counted from the index
     plan.samples[3].input_ids
-    assert sorted(calls) == sorted(d.index for d in plan.samples[3].docs)
+    mine = sorted(d.index for d in plan.samples[3].docs)
+    assert sorted(calls) == sorted(ds.records.reads) == mine
+    with_images = next(j for j, s in enumerate(plan.samples) if j != 3 and s.count("images"))
+    ds.tokenise(0, [], [("images", with_images, 0)])  # an item's path: its record read, not tokenised
+    holder = next(d.index for d in plan.samples[with_images].docs if d.meta.images)  # of the sequence's first image
+    assert ds.records.reads[len(mine):] == [holder] and sorted(calls) == mine
     images = [p for s in plan.samples for p in s.items.paths["images"]]
     assert images and all(os.path.exists(p) for p in images)  # each image's path, from the record
+    assert [r for s in plan.samples for r in s.items.records["images"]] == \
+        [d.id for s in plan.samples for d in s.docs for _ in range(d.meta.images)]
+
+
+def _records_read(raw):
+    """The records this rank read from the file over a 2-step run, each step's records, and which of
+    them hold images."""
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))  # the index built: each rank a third
+    ds = trainer.dataset
+    ds.records = _CountedReads(ds.records)
+    for step in range(2):
+        trainer.train_step(step)
+    steps = [[d.index for s in ds.plan(step).samples for d in s.docs] for step in range(2)]
+    return ds.records.reads, steps, [i for s in steps for i in s if ds.index.meta(i).images]
+
+
+def test_each_rank_reads_only_the_records_it_works_on(sample_dir):  # noqa: F811
+    """LLM DP 2 on ranks 0-1, the vision encoder on rank 2: an LLM rank reads its own sequences'
+    records (to tokenise them), once each; the encoder rank those holding images (their paths),
+    none of the others."""
+    raw = llava_raw(sample_dir, packing=False)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    raw["training"].update(global_batch_size=8, micro_batch_size=2, train_iters=2)
+    got = run_on_ranks(_records_read, 3, raw, timeout_s=120)
+    steps, with_images = got[0][1], set(got[0][2])
+    assert all(g[1] == steps for g in got) and len(set(steps[0] + steps[1])) == 16
+    llm = [g[0] for g in got[:2]]
+    assert all(len(r) == len(set(r)) for r in llm) and not set(llm[0]) & set(llm[1])  # once each, disjoint
+    assert sorted(llm[0] + llm[1]) == sorted(steps[0] + steps[1])
+    assert 0 < len(with_images) < 16 and set(got[2][0]) == with_images
+
+
+def test_a_record_whose_media_read_unlike_the_index_stops_naming_it(sample_dir):  # noqa: F811
+    from mimo.data.llava import DataError
+
+    raw = llava_raw(sample_dir, shuffle=False)
+    raw["training"].update(global_batch_size=2, micro_batch_size=1)
+    ds = _indexed_dataset(raw)
+    ds.index.counts[0, 2] += 1  # record 0 (first, unshuffled): another rank's file had one image more
+    first = ds.plan(0).samples[0]
+    assert first.docs[0].meta.images == 2  # as the ranks planned it
+    with pytest.raises(DataError, match="record 'cap0000' reads differently on this rank \\(\\(1, 0\\)\\) than when "
+                                        "the ranks indexed the records \\(2 image"):
+        first.items.paths["images"][0]
 
 
 def test_a_records_loss_count_is_what_collate_counts_wherever_it_is_laid():
@@ -275,9 +343,10 @@ def test_a_native_image_whose_size_changed_since_planning_is_bad_media(qwen_data
     assert "the file changed since" in capfd.readouterr().err
 
 
-def _train_other_copy(raw, other_rank):
+def _train_other_copy(raw, other_rank, other_file=None):
     """Losses, or the error this rank stops with. `other_rank` reads another copy of the records (each
-    answer one word longer), as a node with a stale copy of data.path would."""
+    answer one word longer) as a node with a stale copy of data.path would: in what it reads of the
+    file (its digest the same), or with `other_file`, a whole other file."""
     import torch.distributed as dist
 
     import mimo.data.llava_dataset as lds
@@ -289,15 +358,15 @@ def _train_other_copy(raw, other_rank):
         read = lds.read_records
 
         def other(path):
-            records = read(path)
+            records, digest = read(path)
             for r in records:
                 r["conversations"][-1]["value"] += " red"
-            return records
+            return records, digest
 
-        lds.read_records = other
-    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+        lds.read_records = other if other_file is None else (lambda path: read(other_file))
     losses = []
     try:
+        trainer = Trainer(load_config(raw), select_runtime("cpu"))
         for step in range(raw["training"]["train_iters"]):
             losses.append(trainer.train_step(step).loss)
     except DataError as exc:
@@ -316,6 +385,25 @@ def test_ranks_that_read_another_copy_of_the_records_stop_together(sample_dir): 
     assert all(isinstance(g, str) for g in got), got
     assert any("tokenises differently on this rank" in g for g in got), got
     assert got[2] == "error: data: another rank failed to plan step 0 (its own error line names the cause)", got
+
+
+def test_ranks_that_read_another_records_file_stop_at_start_up(sample_dir, tmp_path):  # noqa: F811
+    """Planned from one index, ranks that read different files would agree on every step and train
+    on other records: the files' digests are compared when the index is built, on every rank."""
+    import json
+
+    with open(os.path.join(sample_dir, "train.json")) as f:
+        records = json.load(f)
+    records[-1]["conversations"][-1]["value"] += " red"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(records))
+    raw = llava_raw(sample_dir)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    got = run_on_ranks(_train_other_copy, 3, raw, 1, str(other), timeout_s=120)
+    path = os.path.join(sample_dir, "train.json")
+    assert got == [f"error: data.path: the ranks read different files at {path} (a node with another copy, or "
+                   "the file changed while the job started): every rank needs the same records file, unchanged "
+                   "during the run"] * 3, got
 
 
 def test_the_fingerprint_covers_the_tokenizers_pipeline(sample_dir, tmp_path):  # noqa: F811
@@ -408,7 +496,7 @@ def test_a_rank_that_fails_to_read_for_the_index_file_ends_every_rank(sample_dir
     got = run_on_ranks(_index_key_failing_on, 3, llava_raw(sample_dir, index=str(tmp_path / "i.index")), 2,
                        timeout_s=120)
     assert got[2] == "[Errno 5] reading train.json failed: Input/output error"
-    assert got[0] == got[1] == ("error: data.index: another rank failed to read the records or the index file "
+    assert got[0] == got[1] == ("error: data.index: another rank failed to load the index file "
                                 "(its own error line names the cause)")
 
 

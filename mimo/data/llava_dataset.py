@@ -5,10 +5,10 @@ sampler, skips bad ones and (with `data.packing`) packs consecutive records into
 most `data.seq_length` tokens. Sequence j of step k is training sample `k * global_batch_size + j`,
 the index the trainers already slice by DP rank, so all layouts see the same samples. In a
 multi-rank run planning reads the record index (token counts, media counts and grids, bad records;
-`build_index`, split over the ranks at start-up), and a sequence's tokens are made only when a rank
-reads them (the ranks that train on it); a single process tokenises each record as it plans it.
-Images and audio clips are decoded only when a rank asks for a sample's items of that encoder (its
-encoder consumes them).
+`build_index`, split over the ranks at start-up) and no record: a record is read from the file only
+by the ranks that make its tokens (those that train on its sequence) or decode its items (for their
+paths); a single process tokenises each record as it plans it. Images and audio clips are decoded
+only when a rank asks for a sample's items of that encoder (its encoder consumes them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import hashlib
 import json
 import os
 import sys
+from bisect import bisect_right
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,15 +45,57 @@ class MediaError(DataError):
     Found only by the rank that decodes it, which reports it (str() is one `error: ...` line)."""
 
 
-@dataclass
 class Planned:
-    """One record as a step's plan holds it: what planning needs, and its tokens once made."""
-    index: int                  # in the file (or energon's stream)
-    id: str
-    meta: RecordMeta
-    images: List                # paths (or inline bytes)
-    audio: List
-    encoded: Optional[Encoded] = None  # its tokens, when planning made them (no record index)
+    """One record as a step's plan holds it: its index in the file (or energon's stream) and what
+    planning needs (`meta`); its id and media paths (or inline bytes); its tokens once made. Planned
+    from the record index, its id and paths are read from the file when first asked for
+    (`describe(index)` -> (id, images, audio)), so a rank reads only the records it works on."""
+
+    def __init__(self, index: int, meta: RecordMeta, describe: Optional[Callable] = None, *,
+                 id: Optional[str] = None, images: Optional[List] = None, audio: Optional[List] = None,
+                 encoded: Optional[Encoded] = None):
+        self.index, self.meta, self.encoded = index, meta, encoded  # encoded: made when planning tokenised
+        self._describe, self._described = describe, None if id is None else (id, images, audio)
+
+    def _read(self) -> Tuple:
+        if self._described is None:
+            self._described = self._describe(self.index)
+        return self._described
+
+    @property
+    def id(self) -> str:
+        return self._read()[0]
+
+    @property
+    def images(self) -> List:
+        return self._read()[1]
+
+    @property
+    def audio(self) -> List:
+        return self._read()[2]
+
+
+class _Media(SequenceABC):
+    """A sequence's items of one kind ("images" or "audio"), in order: each item's path, or with
+    `ids` the id of the record it belongs to. Its length comes from the plan; an item's path is read
+    from its record only when asked for (by the ranks that decode it)."""
+
+    def __init__(self, docs: List[Planned], kind: str, ids: bool = False):
+        self.docs, self.kind, self.ids = docs, kind, ids
+        self.starts = list(accumulate((getattr(d.meta, kind) for d in docs), initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k %= len(self)
+        j = bisect_right(self.starts, k) - 1  # the record holding item k (records without any are skipped)
+        doc = self.docs[j]
+        return doc.id if self.ids else getattr(doc, self.kind)[k - self.starts[j]]
 
 
 class PlannedSample(Sample):
@@ -62,8 +107,8 @@ class PlannedSample(Sample):
         self.docs, self.seq_length, self.items, self.grids = docs, seq_length, items, grids
         self._tokens, self._made = tokens, None  # tokens(Planned) -> Encoded
 
-    def __repr__(self) -> str:  # the dataclass's would make the tokens
-        return f"PlannedSample(records={[d.id for d in self.docs]})"
+    def __repr__(self) -> str:  # the dataclass's would make the tokens (and ids would read the records)
+        return f"PlannedSample(records at {[d.index for d in self.docs]})"
 
     def token_count(self, pad_id: int = PAD_ID) -> int:
         return sum(d.meta.tokens for d in self.docs)
@@ -119,10 +164,19 @@ def sample_items(dataset, step: int, samples: Sequence[int], encoders: Collectio
 @dataclass
 class PlannedStep:
     samples: List[Sample]
-    record_ids: List[List[str]]   # per sequence, the ids of the records packed into it
+    records: List[List[Planned]]  # per sequence, the records packed into it
     packing_efficiency: float     # non-padding fraction of the step's tokens
     skipped_samples: int          # cumulative, through this step
-    record_tokens: List[List[int]]  # per sequence, the token count of each record packed into it
+
+    @property
+    def record_ids(self) -> List[List[str]]:
+        """Per sequence, the ids of its records (read from the file, for records planned from the index)."""
+        return [[d.id for d in s] for s in self.records]
+
+    @property
+    def record_tokens(self) -> List[List[int]]:
+        """Per sequence, the token count of each of its records."""
+        return [[d.meta.tokens for d in s] for s in self.records]
 
 
 def load_tokenizer(cfg: MimoConfig):
@@ -138,7 +192,8 @@ class LlavaDataset:
     def __init__(self, cfg: MimoConfig, tokenizer=None, source=None):
         d = cfg.data
         self.cfg = cfg
-        self.records = read_records(d.path) if source is None else None
+        # the records, and their file's digest (which the ranks compare in build_index)
+        self.records, self.records_digest = read_records(d.path) if source is None else (None, None)
         self.G, self.S = cfg.training.global_batch_size, d.seq_length
         self.packing, self.on_bad = d.packing, d.on_bad_record
         first = lambda kind: next((n for n, e in cfg.model.encoders.items() if e.kind == kind), None)  # noqa: E731
@@ -183,35 +238,47 @@ class LlavaDataset:
 
     def build_index(self, group) -> None:
         """Collective over `group` (a mimo.runtime.fan_in.FanIn over every rank, once at start-up,
-        before any step is planned): each of its W ranks tokenises every W-th record and checks its media, and all gather the numbers
-        planning needs (mimo.data.record_index). From then on a rank plans steps from the index and
-        tokenises only the records of the sequences it trains on. With `data.index` the index is
+        before any step is planned): each of its W ranks tokenises every W-th record and checks its
+        media, and all gather the numbers planning needs (mimo.data.record_index). From then on a
+        rank plans steps from the index and reads only the records it works on (tokenises those of
+        the sequences it trains on, reads those whose items it decodes). With `data.index` the index is
         loaded from that file when its fingerprint matches on every rank, else built and written
         there (by rank 0). Energon's records stream in: its steps are planned from the records, as
-        without an index."""
+        without an index.
+
+        First the ranks check that they read the same records file (its digest): planned from one
+        index, ranks that read another copy (a node with a stale one, a file rewritten while the job
+        starts) would agree on every step's plan and then train on, or decode for, other records."""
         import torch.distributed as dist
 
         if self.records is None:
             return
-        path = self.cfg.data.index
-        if path:  # every rank the same: the config is one
-            # Reading the records file and the index file can fail on one rank: that rank still takes
-            # its part in the reduction, flagged, so that no rank waits for it.
-            index, key, failure = None, None, None
+        path = self.cfg.data.index  # every rank the same: the config is one
+        # Reading the index file can fail on one rank: that rank still takes its part in the
+        # reduction, flagged, so that no rank waits for it.
+        index, key, failure = None, None, None
+        if path:
             try:
                 key = self._index_key()
                 index = load_index(path, key, len(self.records))
             except Exception as exc:  # re-raised below, after the reduction (which is not inside the try)
                 failure = exc
-            # MIN of (loaded, -failed): the file is used only if every rank could load it.
-            slots = torch.tensor([index is not None, -(failure is not None)], dtype=torch.int64)
-            group.all_reduce(slots, op=dist.ReduceOp.MIN)
-            loaded, failed = (int(x) for x in slots)
-            if failure is not None:
-                raise failure
-            if failed:
-                raise DataError("error: data.index: another rank failed to read the records or the index file (its "
-                                "own error line names the cause)")
+        # MIN of (loaded, -failed, digest, -digest): the index file is used only if every rank could
+        # load it; the records files are the same if the smallest digest is the largest.
+        digest = int(self.records_digest[:14], 16)  # 56 bits
+        slots = torch.tensor([index is not None, -(failure is not None), digest, -digest], dtype=torch.int64)
+        group.all_reduce(slots, op=dist.ReduceOp.MIN)
+        loaded, failed, low, neg_high = (int(x) for x in slots)
+        if failure is not None:
+            raise failure
+        if failed:
+            raise DataError("error: data.index: another rank failed to load the index file (its own error line names "
+                            "the cause)")
+        if low != -neg_high:
+            raise DataError(f"error: data.path: the ranks read different files at {self.cfg.data.path} (a node with "
+                            "another copy, or the file changed while the job started): every rank needs the same "
+                            "records file, unchanged during the run")
+        if path:
             if loaded:
                 self.index = index
                 return
@@ -242,7 +309,7 @@ class LlavaDataset:
         files = sorted(file_digest(v) for k, v in kwargs.items() if k.endswith("_file") and isinstance(v, str)
                        and os.path.isfile(v))
         return fingerprint({
-            "records": file_digest(self.cfg.data.path), "image_root": os.path.abspath(e.image_root),
+            "records": self.records_digest, "image_root": os.path.abspath(e.image_root),
             "seq_length": self.S, "placeholders": [e.image_token, e.tokens_per_image, e.audio_token, e.tokens_per_audio],
             "encoders": {n: dataclasses.asdict(enc) for n, enc in self.cfg.model.encoders.items()},
             "tokenizer": [type(tok).__name__, backend.to_str() if backend is not None else sorted(tok.get_vocab().items()),
@@ -301,21 +368,27 @@ class LlavaDataset:
     def plan_digest(self, step: int) -> int:
         """56 bits of a hash of what the ranks must agree on about `step` (mimo.training.agreement): the
         records in each sequence and each record's token count, the records skipped so far, and each
-        sequence's items (and native grids)."""
+        sequence's items (and native grids). Records of a file are named by their place in it (the
+        ranks checked at start-up that they read the same file: no rank reads every record's id);
+        energon's, streamed in, by their ids."""
         plan = self.plan(step)
-        what = [plan.record_ids, plan.skipped_samples, plan.record_tokens,
+        name = (lambda d: d.index) if self.records is not None else (lambda d: d.id)  # noqa: E731
+        what = [[[name(d) for d in s] for s in plan.records], plan.skipped_samples, plan.record_tokens,
                 [[s.count(n) for n in sorted(self.loaders)] for s in plan.samples],
                 [None if s.grids is None else sorted((n, [list(g) for g in gs]) for n, gs in s.grids.items())
                  for s in plan.samples]]
         blob = json.dumps(what, separators=(",", ":")).encode()
         return int.from_bytes(hashlib.blake2b(blob, digest_size=7).digest(), "little")
 
-    def tokenise(self, step: int, samples: Sequence[int]) -> None:
-        """Make the tokens of the given sequences of `step` now (the rank's own: those it trains on),
-        so that a record that tokenises unlike the index fails where the ranks check the step."""
+    def tokenise(self, step: int, samples: Sequence[int], items: Sequence[Tuple[str, int, int]] = ()) -> None:
+        """Make the tokens of the given sequences of `step` now (the rank's own: those it trains on) and
+        read the paths of the given items ((encoder, sequence, item): those it decodes), so that a
+        record that reads or tokenises unlike the index fails where the ranks check the step."""
         plan = self.plan(step)
         for j in samples:
             plan.samples[j].input_ids
+        for n, j, k in items:
+            plan.samples[j].items.paths[n][k]
 
     def skipped_samples(self, step: int) -> int:
         """Records skipped so far (cumulative), up to the end of `step`."""
@@ -425,14 +498,12 @@ class LlavaDataset:
         if self._peeked is not None and self._peeked[0] == idx:
             return self._peeked[1]
         if idx not in self.bad:
-            record = None  # a JSONL line that is not JSON is a bad record, found when it is read
             try:
-                record = self.records[idx] if self.records is not None else self.sampler.record(idx)
-                doc = self._plan_record(record, idx)
+                doc = self._plan_record(idx)
                 self._peeked = (idx, doc)
                 return doc
             except BadRecord as exc:
-                rid = record_id(record, idx)
+                rid = self._record_id(idx)
                 if self.on_bad == "error":
                     raise DataError(f"error: data.path: record {rid!r}: {exc}") from None
                 self.bad[idx] = str(exc)
@@ -441,16 +512,43 @@ class LlavaDataset:
         self.skipped += 1
         return None
 
-    def _plan_record(self, record, idx: int) -> Planned:
-        """From the index when there is one (no tokenising); raises BadRecord for a bad record."""
+    def _record(self, idx: int):
+        return self.records[idx] if self.records is not None else self.sampler.record(idx)
+
+    def _record_id(self, idx: int) -> str:
+        """A bad record's id, for its message (`#idx` for a JSONL line that is not JSON)."""
+        try:
+            return record_id(self._record(idx), idx)
+        except BadRecord:
+            return record_id(None, idx)
+
+    def _plan_record(self, idx: int) -> Planned:
+        """From the index when there is one (nothing read: the record's id and media paths are read
+        when first asked for, `_describe`); raises BadRecord for a bad record."""
         if self.index is None:
-            enc = self.encoder.encode(record, idx)
-            return Planned(idx, enc.id, RecordMeta.of(enc), enc.images, enc.audio, enc)
+            enc = self.encoder.encode(self._record(idx), idx)
+            return Planned(idx, RecordMeta.of(enc), id=enc.id, images=enc.images, audio=enc.audio, encoded=enc)
         meta = self.index.meta(idx)
         if isinstance(meta, str):
             raise BadRecord(meta)
-        images, audio = self.encoder.media(record)
-        return Planned(idx, record_id(record, idx), meta, images, audio)
+        return Planned(idx, meta, self._describe)
+
+    def _describe(self, idx: int) -> Tuple[str, List, List]:
+        """An indexed record's id and media paths, read from the file: its media must be as the index
+        counted them, which other ranks may have done."""
+        got, record = None, None
+        try:
+            record = self.records[idx]
+            images, audio = self.encoder.media(record)
+            got = (len(images), len(audio))
+        except BadRecord as exc:
+            got = exc
+        meta = self.index.meta(idx)
+        if got != (meta.images, meta.audio):
+            raise DataError(f"error: data: record {record_id(record, idx)!r} reads differently on this rank ({got}) "
+                            f"than when the ranks indexed the records ({meta.images} image(s), {meta.audio} audio "
+                            "clip(s)): every rank needs the same records file, unchanged during the run")
+        return record_id(record, idx), images, audio
 
     def _tokens(self, doc: Planned) -> Encoded:
         """The tokens of an indexed record, for a sequence this rank trains on: its media headers were
@@ -493,21 +591,14 @@ class LlavaDataset:
                 cur, used = [], 0
         samples = [self._sequence(s) for s in seqs]
         real = sum(d.meta.tokens for s in seqs for d in s)
-        return PlannedStep(samples, [[d.id for d in s] for s in seqs], real / (self.G * self.S), self.skipped,
-                           [[d.meta.tokens for d in s] for s in seqs])
+        return PlannedStep(samples, seqs, real / (self.G * self.S), self.skipped)
 
     def _sequence(self, docs: List[Planned]) -> PlannedSample:
         """A sequence of records with its items (decoded when read) and, made when first read, tokens."""
-        images, audio, grids, image_records, audio_records = [], [], [], [], []
-        for d in docs:
-            images += d.images
-            grids += d.meta.grids or []
-            audio += d.audio
-            image_records += [d.id] * len(d.images)
-            audio_records += [d.id] * len(d.audio)
-        media = {self.vision: (images, image_records), self.audio: (audio, audio_records)}
-        paths = {n: media.get(n, ([], []))[0] for n in self.cfg.model.encoders}
-        records = {n: media.get(n, ([], []))[1] for n in self.cfg.model.encoders}
+        grids = [g for d in docs for g in d.meta.grids or ()]
+        kinds = {self.vision: "images", self.audio: "audio"}
+        paths = {n: _Media(docs, kinds[n]) if n in kinds else [] for n in self.cfg.model.encoders}
+        records = {n: _Media(docs, kinds[n], ids=True) if n in kinds else [] for n in self.cfg.model.encoders}
         items = LazyItems(paths, records, self._decode, self.empty, {self.vision: grids} if self.native else None)
         return PlannedSample(docs, self.S, items, {self.vision: grids} if self.native else None, self._tokens)
 

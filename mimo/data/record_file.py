@@ -9,6 +9,7 @@ and parses a line when it is read. A JSON list has no such lines and is parsed w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import weakref
@@ -23,8 +24,9 @@ BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors write first
 
 
 def read_records(path: str):
-    """The records of `path`: a JSON list (parsed whole), or JSONL (one record per line, each parsed
-    when it is read: `mimo.data.record_file`)."""
+    """(the records of `path`, a digest of its bytes): a JSON list (parsed whole), or JSONL (one record
+    per line, each parsed when it is read: `JsonLines`). The digest is taken in the same read, so the
+    ranks can check that they read the same file without reading it again."""
     with open(path, "rb") as f:
         head = f.read(4096).removeprefix(BOM).lstrip()
         while not head:
@@ -36,37 +38,40 @@ def read_records(path: str):
         records = JsonLines(path)
         if not len(records):
             raise DataError(f"error: data.path: {path}: holds no record")
-        return records
-    with open(path, encoding="utf-8-sig") as f:
-        text = f.read()
+        return records, records.digest
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        records = json.loads(text)
-    except json.JSONDecodeError as exc:
+        records = json.loads(raw.removeprefix(BOM).decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise DataError(f"error: data.path: {path}: not valid JSON ({exc})") from None
     if not records:
         raise DataError(f"error: data.path: {path}: holds no record")
-    return records
+    return records, hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 class JsonLines(Sequence):
     """Record i of a JSONL file (lines end with \\n or \\r\\n; blank lines are not records). A line that
     is not valid JSON is a bad record (BadRecord, naming the line) when it is read, skipped or fatal
     as `data.on_bad_record` says, like any other bad record. Lines are read with `pread` (no shared
-    file offset), so any thread may read; a copy (or a forked process) opens the file again."""
+    file offset), so any thread may read; a copy (or a forked process) opens the file again. `digest`:
+    the file's bytes hashed, taken in the scan that finds the lines."""
 
     def __init__(self, path: str):
         self.path = path
         self._open()
         starts, ends, lines = array("q"), array("q"), array("q")
-        pos = 0
+        pos, digest = 0, hashlib.blake2b(digest_size=16)
         # The spans are taken from the descriptor the lines will be read from: the same file.
         with open(self._fd, "rb", closefd=False) as f:
             for n, line in enumerate(f, 1):
+                digest.update(line)
                 if line.strip():
                     starts.append(pos)
                     ends.append(pos + len(line))
                     lines.append(n)
                 pos += len(line)
+        self.digest = digest.hexdigest()
         self.spans = np.stack([np.frombuffer(a, dtype=np.int64) for a in (starts, ends, lines)], axis=1) \
             if len(starts) else np.zeros((0, 3), dtype=np.int64)
 

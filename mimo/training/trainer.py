@@ -211,11 +211,12 @@ class Trainer:
 
     def _plan_locally(self, step: int) -> Tuple[int, Optional[BaseException]]:
         """(the digest of this rank's plan of `step`, None), with the tokens of its own sequences made
-        (they must tokenise as the record index counted); or (0, the failure), which the agreement
-        flags to the other ranks instead of leaving them waiting."""
+        (they must tokenise as the record index counted) and the records of the items it decodes read;
+        or (0, the failure), which the agreement flags to the other ranks instead of leaving them
+        waiting."""
         try:
             digest = self.dataset.plan_digest(step)
-            self.dataset.tokenise(step, self._trained(step))
+            self.dataset.tokenise(step, self._trained(step), self._prefetched(step) if self.decoding else ())
         except Exception as exc:  # local work only: the agreement's reduction runs outside, on every rank
             return 0, exc
         return digest, None
