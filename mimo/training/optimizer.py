@@ -226,6 +226,11 @@ def sq_norm_fp32(tensors: List[torch.Tensor], device) -> torch.Tensor:
     return total + torch.cat([_chunk_norms(t) for t in tensors]).square().sum()
 
 
+def _grad_kind(param: torch.nn.Parameter) -> str:
+    """The kind of group a parameter's gradient is reduced over (see `ModelOptimizer.grad_group`)."""
+    return "dp_cp" if getattr(param, "allreduce", True) else "expt_dp"
+
+
 class ModelOptimizer:
     """Per-module DDP wrappers and optimizers of this rank; one global clip for the whole model."""
 
@@ -395,19 +400,39 @@ class ModelOptimizer:
         """The group module `name`'s DDP reduces `param`'s gradient over (and, with the distributed
         optimizer, shards its state over): the expert-DP group for routed experts that
         `mark_expert_grads` sent to the expert buffers (megatron's `allreduce=False`), else DP x CP."""
-        key = "dp_cp" if getattr(param, "allreduce", True) else "expt_dp"
-        return self.topo.grid(name).groups[key]
+        return self.topo.grid(name).groups[_grad_kind(param)]
 
     def owned_ranges(self, name: str) -> Dict[int, Optional[tuple]]:
         """id(model param) -> the flat range (start, end) of it this rank's optimizer steps, None for
         all of it; with the distributed optimizer params this rank owns no piece of are absent."""
         return {pid: rng for pid, (_, rng) in self._owned(name).items()}
 
+    def _owner_spans(self, name: str, params: List[torch.nn.Parameter],
+                     owned: Dict[int, tuple]) -> List[List[Tuple[int, int]]]:
+        """With the distributed optimizer, per parameter of `params` (module `name`'s trainable ones, in
+        order) the flat range of it that each member of its `grad_group` owns, in member order ((0, 0):
+        none). Collective: one all-gather of a [params, 2] table over each kind of group, DP x CP first."""
+        kinds = [_grad_kind(p) for p in params]
+        spans: List[List[Tuple[int, int]]] = [[] for _ in params]
+        for kind in ("dp_cp", "expt_dp"):  # the same order on every rank: every rank's params have the same kinds
+            rows = [i for i, k in enumerate(kinds) if k == kind]
+            if not rows:
+                continue
+            group = self.topo.grid(name).groups[kind]
+            mine = torch.tensor([owned.get(id(params[i]), (None, (0, 0)))[1] for i in rows], dtype=torch.int64,
+                                device=self.runtime.device)
+            tables = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(tables, mine, group=group)
+            tables = [t.tolist() for t in tables]  # host copies, once per save
+            for j, i in enumerate(rows):
+                spans[i] = [tuple(t[j]) for t in tables]
+        return spans
+
     def param_state(self, name: str) -> Dict[int, Dict[str, torch.Tensor]]:
         """id(model param) -> {"exp_avg", "exp_avg_sq" (Adam, once stepped), "master" (bf16): fp32 tensors
         shaped like the model param; "step": scalar} for module `name`'s trainable params. Collective over
-        the module's DP x CP group with the distributed optimizer: each owner contributes its piece and
-        one DP rank per parameter (its writer) gets the whole state; the others get no entry for it."""
+        the module's DP x CP group with the distributed optimizer: one DP rank per parameter (its writer)
+        receives each owner's piece and gets the whole state; the others get no entry for it."""
         opt, owned = self.optimizers[name], self._owned(name)
         dist_opt = isinstance(opt, DistributedOptimizer)
         inners = [o.optimizer for o in self._module_optimizers(name)]  # dense, then experts'
@@ -432,15 +457,17 @@ class ModelOptimizer:
         names = (["exp_avg", "exp_avg_sq"] if stepped else []) + (["master"] if opt.config.bf16 else [])
         out = {}
         me = dist.get_rank()
-        for i, p in enumerate(trainable(self.ddp[name].module.parameters())):
+        params = list(trainable(self.ddp[name].module.parameters()))
+        spans = self._owner_spans(name, params, owned) if dist_opt else []
+        for i, p in enumerate(params):
             key, rng = owned.get(id(p), (None, None))
             state = state_of(key) if key is not None else {}
             # With the distributed optimizer one rank of the parameter's reduction group (`grad_group`)
             # per parameter (in turn) gathers and writes it, so a rank holds about 1/DP of the module
-            # part's state while saving. Every rank walks the same parameter list (EP ranks hold the
-            # same number of experts), so the groups' reductions come in one order everywhere.
-            param_group = self.grad_group(name, p)
-            members = dist.get_process_group_ranks(param_group)
+            # part's state while saving, and sends only the pieces it owns (about 1/DP of it too).
+            # Every rank walks the same parameter list (EP ranks hold the same number of experts) and
+            # the writer lists its receives in member order, so each pair's messages match by order.
+            members = dist.get_process_group_ranks(self.grad_group(name, p))
             writer = members[i % len(members)]
             tensors = {}
             for s in names:
@@ -448,11 +475,19 @@ class ModelOptimizer:
                 if not dist_opt:
                     tensors[s] = local.detach().view(p.shape)
                     continue
-                full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
-                if rng is not None:
-                    full[rng[0]:rng[1]] = local.detach().view(-1)
-                dist.reduce(full, dst=writer, group=param_group)  # the owners' pieces are disjoint
-                if me == writer:  # to host memory at once: the device holds one parameter's state at a time
+                ops, full = [], None
+                if me == writer:
+                    full = torch.zeros(p.numel(), dtype=torch.float32, device=self.runtime.device)
+                    if rng is not None:
+                        full[rng[0]:rng[1]] = local.detach().view(-1)
+                    ops = [dist.P2POp(dist.irecv, full[a:b], m) for m, (a, b) in zip(members, spans[i])
+                           if m != me and b > a]
+                elif rng is not None and rng[1] > rng[0]:
+                    ops = [dist.P2POp(dist.isend, local.detach().view(-1).float(), writer)]
+                if ops:
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+                if full is not None:  # to host memory at once: the device holds one parameter's state at a time
                     tensors[s] = full.view(p.shape).cpu()
             if stepped and (not dist_opt or me == writer):
                 tensors["step"] = step.clone()
