@@ -334,6 +334,27 @@ def test_checker_catches_collective_not_reached():
         check_plan(plan)
 
 
+def test_checker_meets_by_ranks_and_checks_them():
+    """Ranks made apart (their own tuples of the same ranks) meet; a collective over ranks that leave
+    out its own rank, or lie outside the world, is an error; a built plan holds each set of
+    collective ranks once, whichever rank's actions name it."""
+    a, b = RankActions(0), RankActions(1)  # no shared ranks between them
+    for out in (a, b):
+        out.collective("loss", [1, 0])
+    assert a.actions[0].ranks == b.actions[0].ranks and a.actions[0].ranks is not b.actions[0].ranks
+    check_plan(_plan(a, b))
+    for ranks, rank in (([1, 2], 0), ([0, 1, 2], 0), ([-1, 0, 1], 0)):
+        a, b = RankActions(0), RankActions(1)
+        a.collective("loss", ranks)
+        b.collective("loss", [0, 1])
+        with pytest.raises(PlanError, match=rf"rank {rank}: `collective 'loss' over ranks .* must include rank "
+                                            rf"{rank} and lie in \[0, 2\)"):
+            check_plan(_plan(a, b))
+    plan = build_plan(load_config(example("cpu_noncolocated.yaml")))
+    loss = [next(x for x in acts if x.name == "loss") for acts in plan.actions]
+    assert loss[0].ranks == tuple(range(plan.world_size)) and all(x.ranks is loss[0].ranks for x in loss)
+
+
 def test_random_heterogeneous_layouts_plan_and_check():
     """Random valid layouts (colocated, non-colocated, shared ranks, islands, frozen edges) all check,
     and the plan's reading of the config agrees with the heterogeneous trainer's."""

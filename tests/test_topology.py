@@ -32,10 +32,18 @@ def test_layout_groups_partition_the_range():
         for d in dims:
             size *= getattr(lay, d)
         assert all(len(g) == size for g in groups)
-        # Members of a group agree on every coordinate outside `dims`.
+        # Members of a group agree on every coordinate outside `dims`, and are listed with the first
+        # of `dims` (in tp, cp, dp, pp order) fastest: member k's coordinates spell k in mixed radix.
+        inner = [d for d in ("tp", "cp", "dp", "pp") if d in dims]
         for g in groups:
             others = {tuple(v for k, v in lay.coords(r).items() if k not in dims) for r in g}
             assert len(others) == 1
+            for k, r in enumerate(g):
+                c, spelled, radix = lay.coords(r), 0, 1
+                for d in inner:
+                    spelled += c[d] * radix
+                    radix *= getattr(lay, d)
+                assert spelled == k, (dims, g)
 
 
 @pytest.mark.parametrize("lay", [Layout(tp=2, cp=3, dp=2, pp=2, rank_offset=5),

@@ -21,7 +21,8 @@ Any mismatch or deadlock raises `PlanError` naming the ranks and actions.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Dict, List, Optional, Tuple, Union
+from dataclasses import replace
+from typing import Dict, FrozenSet, List, Optional, Tuple, Union
 
 from .collectives import Meet, meets
 from .plan_types import ACTIVATION, P2P, SEND, Action, PlanError, StepPlan
@@ -33,16 +34,42 @@ Where = Tuple[int, int]  # (rank, index of the step in that rank's list)
 
 def check_plan(plan: StepPlan) -> None:
     """Raise `PlanError` unless every rank of `plan` reaches the end of its actions."""
-    steps = [rank_steps(plan, r) for r in range(plan.world_size)]
+    members = _Members(plan.world_size)
+    steps = [rank_steps(plan, r, members) for r in range(plan.world_size)]
     sim = _Rendezvous(steps, _match_messages(plan, steps))
     stuck = sim.run()
     if stuck:
         raise _deadlock(plan, sim, stuck)
 
 
-def rank_steps(plan: StepPlan, rank: int) -> List[Step]:
+class _Members:
+    """One shared tuple per distinct set of meet ranks, checked once. A world-wide meet lists every
+    rank; each rank's copy of it would be hashed and scanned again at every look (quadratic in the
+    world size), while the shared one is known by its identity."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.shared: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+        self.sets: Dict[int, FrozenSet[int]] = {}  # id(shared tuple) -> its ranks, once they lie in the world
+
+    def check(self, rank: int, meet: Meet) -> Meet:
+        """The meet with its shared ranks tuple, after checking that it spans `rank` and ranks of the
+        plan only."""
+        ranks = self.shared.setdefault(meet.ranks, meet.ranks)
+        known = self.sets.get(id(ranks))
+        if known is None and ranks and min(ranks) >= 0 and max(ranks) < self.world:
+            known = self.sets[id(ranks)] = frozenset(ranks)
+        if known is None or rank not in known:
+            raise PlanError(f"rank {rank}: {meet.describe()} spans ranks {list(meet.ranks)}, "
+                            f"which must include rank {rank} and lie in [0, {self.world})")
+        return meet if ranks is meet.ranks else replace(meet, ranks=ranks)
+
+
+def rank_steps(plan: StepPlan, rank: int, members: Optional[_Members] = None) -> List[Step]:
     """Rank `rank`'s steps in order: each group of sends and receives, and every meet its other actions
-    make. Work without a collective is left out: it always completes, so it cannot hold anyone up."""
+    make. Work without a collective is left out: it always completes, so it cannot hold anyone up.
+    Meets over the same ranks share one ranks tuple (`members`, shared by the ranks of one check)."""
+    members = members if members is not None else _Members(plan.world_size)
     out: List[Step] = []
     for group in plan.groups(rank):
         if group[0].op in P2P:
@@ -52,8 +79,7 @@ def rank_steps(plan: StepPlan, rank: int) -> List[Step]:
         if len(group) > 1:
             raise PlanError(f"rank {rank}: `{group[0].describe()}` is posted in a group with other actions")
         for meet in meets(plan, group[0]):
-            _check_members(plan, rank, meet)
-            out.append(meet)
+            out.append(members.check(rank, meet))
     return out
 
 
@@ -62,14 +88,6 @@ def _check_p2p_group(rank: int, group: List[Action]) -> None:
     for a in group:
         if a.op not in P2P:
             raise PlanError(f"rank {rank}: `{a.describe()}` is posted in a group with other actions")
-
-
-def _check_members(plan: StepPlan, rank: int, meet: Meet) -> None:
-    """A meet spans its own rank and ranks of the plan only."""
-    world = plan.world_size
-    if rank not in meet.ranks or min(meet.ranks) < 0 or max(meet.ranks) >= world:
-        raise PlanError(f"rank {rank}: {meet.describe()} spans ranks {list(meet.ranks)}, "
-                        f"which must include rank {rank} and lie in [0, {world})")
 
 
 def _match_messages(plan: StepPlan, steps: List[List[Step]]) -> Dict[Tuple[int, int, int], Where]:
@@ -118,19 +136,20 @@ class _Rendezvous:
 
     A rank is looked at again only when a rank it waits for moved, and a meet counts the members
     that reached it rather than asking each member where it is on every wake-up (which made meets
-    over the whole world cubic in its size)."""
+    over the whole world cubic in its size). A meet is known by its key and the identity of its
+    shared ranks tuple (`_Members`), not by hashing every rank in it."""
 
     def __init__(self, steps: List[List[Step]], partner: Dict[Tuple[int, int, int], Where]):
         self.steps, self.partner = steps, partner
         self.pos = [0] * len(steps)
-        self.arrived: Dict[Tuple, int] = {}  # (key, ranks) of a meet -> members whose current step it is
+        self.arrived: Dict[Tuple, int] = {}  # a meet's `_meet_key` -> members whose current step it is
         for r in range(len(steps)):
             self._arrive(r)
 
     def _arrive(self, r: int) -> None:
         step = self.current(r)
-        if isinstance(step, Meet) and r in step.ranks:
-            k = (step.key, step.ranks)
+        if isinstance(step, Meet):  # one of its ranks: `rank_steps` checked that
+            k = _meet_key(step)
             self.arrived[k] = self.arrived.get(k, 0) + 1
 
     def current(self, r: int) -> Optional[Step]:
@@ -141,7 +160,7 @@ class _Rendezvous:
         counterpart posted (its peer at or past the counterpart's step)."""
         step = self.current(r)
         if isinstance(step, Meet):
-            return self.arrived.get((step.key, step.ranks), 0) == len(step.ranks)
+            return self.arrived.get(_meet_key(step), 0) == len(step.ranks)
         return all(self.pos[pr] >= ps for pr, ps in (self.partner[(r, self.pos[r], k)] for k in range(len(step))))
 
     def waits(self, r: int) -> List[str]:
@@ -179,7 +198,7 @@ class _Rendezvous:
                 # halves complete when they are looked at).
                 movers = list(step.ranks) if isinstance(step, Meet) else [r]
                 if isinstance(step, Meet):
-                    del self.arrived[(step.key, step.ranks)]
+                    del self.arrived[_meet_key(step)]
                 for m in movers:
                     old = self.current(m)
                     self.pos[m] += 1
@@ -190,8 +209,12 @@ class _Rendezvous:
         return [r for r in range(world) if self.current(r) is not None]
 
 
+def _meet_key(meet: Meet) -> Tuple:
+    return meet.key, id(meet.ranks)
+
+
 def _same_meet(step: Optional[Step], meet: Meet) -> bool:
-    return isinstance(step, Meet) and (step.key, step.ranks) == (meet.key, meet.ranks)
+    return isinstance(step, Meet) and _meet_key(step) == _meet_key(meet)
 
 
 def _peers(step: Optional[Step]) -> List[int]:

@@ -26,7 +26,7 @@ from mimo.topology.layout import Layout
 from .plan_nodes import (Edge, Join, Link, Member, Node, Source, fused_node, island_actions, node_actions,
                          stage_nodes, work)
 from .plan_types import (BACKWARD, FORWARD, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER, RELOAD,
-                         PlanError, RankActions, StepPlan)
+                         PlanError, RankActions, SharedRanks, StepPlan)
 
 HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
 
@@ -72,8 +72,9 @@ def build_plan(cfg: MimoConfig, num_microbatches: Optional[int] = None) -> StepP
     # The layouts travel with the plan: the checker derives from them the collectives that run
     # inside forward, backward and optimizer actions.
     plan = StepPlan(family, layouts=layouts, distributed_optimizer=cfg.training.use_distributed_optimizer)
+    shared = SharedRanks()  # each distinct set of collective ranks once, for every rank's actions
     for rank in range(cfg.world_size):
-        out = RankActions(rank)
+        out = RankActions(rank, shared)
         held = [n for n in list(cfg.model.encoders) + [LANGUAGE] if layouts[n].contains(rank)]
         if family == HOMOGENEOUS:
             _homogeneous(cfg, layouts[LANGUAGE], rank, out)
@@ -94,7 +95,7 @@ def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> N
     M = num_microbatches(cfg)
     # The loss-token count is summed over the language's DP group first.
     dp = lay.group_of(rank, ["dp"])
-    out.collective(f"{LOSS_TOKENS} dp {dp}", dp)
+    out.collective(f"{LOSS_TOKENS} dp", dp)
     if lay.pp == 1 and lay.cp == 1:
         # One backward call per microbatch covers every module: the LLM first, then the encoders.
         encoders = list(cfg.model.encoders)
@@ -108,6 +109,11 @@ def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> N
     stage = link.stage
     node_actions(M, lay.pp - 1 - stage, link, link, work(out, FORWARD, [(LANGUAGE, stage)]),
                  work(out, BACKWARD, [(LANGUAGE, stage)]))
+
+
+@lru_cache(maxsize=None)  # the same on every rank of a plan
+def _world(size: int) -> Tuple[int, ...]:
+    return tuple(range(size))
 
 
 @lru_cache(maxsize=None)  # the same on every rank of a plan
@@ -225,18 +231,18 @@ def _reductions(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, held: Li
     sequence-parallel weights). Their groups lie inside the module's ranks, and every rank of a
     module runs the same modules in the same order (rank ranges are identical or disjoint), so
     running them together keeps every group's members in step."""
-    world = list(range(cfg.world_size))
+    world = _world(cfg.world_size)
     out.collective(LOSS, world)
     stepped = [n for n in held if stage_trainable(cfg, n, layouts[n].coords(rank)["pp"])]
     for n in stepped:
         lay = layouts[n]
         dp_cp = lay.group_of(rank, ["cp", "dp"])
         if len(dp_cp) > 1:
-            out.collective(f"{GRAD_SYNC} {n} dp_cp {dp_cp}", dp_cp, n)
+            out.collective(f"{GRAD_SYNC} {n} dp_cp", dp_cp, n)
         transformer_trainable = not (cfg.model.language if n == LANGUAGE else cfg.model.encoders[n]).frozen
         if cfg.parallelism[n].sp and lay.tp > 1 and transformer_trainable:
             tp = lay.group_of(rank, ["tp"])
-            out.collective(f"{GRAD_SYNC} {n} tp {tp}", tp, n)
+            out.collective(f"{GRAD_SYNC} {n} tp", tp, n)
     out.collective(GRAD_NORM, world)
     for n in stepped:
         out.local(OPTIMIZER, n)

@@ -121,7 +121,7 @@ class Edge:
     """One boundary communicator as this rank calls it: a collective per call."""
 
     def __init__(self, out: RankActions, name: str, ranks: Sequence[int]):
-        self.out, self.name, self.ranks = out, name, sorted(ranks)
+        self.out, self.name, self.ranks = out, name, tuple(sorted(ranks))
 
     def forward(self, mb: Optional[int]) -> None:
         label = "step" if mb is None else f"mb {mb}"

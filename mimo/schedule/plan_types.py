@@ -119,11 +119,33 @@ class StepPlan:
                 yield json.dumps(a.to_dict())
 
 
-class RankActions:
-    """Appends one rank's actions, numbering the groups as they are posted."""
+class SharedRanks:
+    """Collective ranks as one sorted tuple per distinct set, for the ranks of a plan: a world-wide
+    collective's ranks are held once for the plan, not once per rank (quadratic in the world size).
+    A tuple passed again (a cached group) is known by its identity, without sorting or hashing it."""
 
-    def __init__(self, rank: int):
+    def __init__(self):
+        self._by_set: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+        self._by_id: Dict[int, Tuple[tuple, Tuple[int, ...]]] = {}  # id(a tuple passed) -> (it, its shared tuple)
+
+    def __call__(self, ranks: Sequence[int]) -> Tuple[int, ...]:
+        seen = self._by_id.get(id(ranks))
+        if seen is not None and seen[0] is ranks:
+            return seen[1]
+        key = tuple(sorted(ranks))
+        shared = self._by_set.setdefault(key, key)
+        if isinstance(ranks, tuple):  # kept alive here, so its id names it for the whole build
+            self._by_id[id(ranks)] = (ranks, shared)
+        return shared
+
+
+class RankActions:
+    """Appends one rank's actions, numbering the groups as they are posted. `shared` (one for the
+    ranks of a plan) holds each distinct set of collective ranks once."""
+
+    def __init__(self, rank: int, shared: Optional["SharedRanks"] = None):
         self.rank, self.actions, self._group = rank, [], 0
+        self._shared = shared if shared is not None else SharedRanks()
 
     def _post(self, specs: Sequence[Dict]) -> None:
         if not specs:
@@ -145,4 +167,4 @@ class RankActions:
 
     def collective(self, name: str, ranks: Sequence[int], module: Optional[str] = None, mb: Optional[int] = None,
                    tensor: Optional[str] = None) -> None:
-        self._post([dict(op=COLLECTIVE, module=module, mb=mb, tensor=tensor, ranks=tuple(sorted(ranks)), name=name)])
+        self._post([dict(op=COLLECTIVE, module=module, mb=mb, tensor=tensor, ranks=self._shared(ranks), name=name)])

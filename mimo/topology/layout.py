@@ -59,8 +59,14 @@ def _groups(sizes: Dict[str, int], all_dims: Sequence[str], dims: Sequence[str],
 def _members(sizes: Dict[str, int], all_dims: Sequence[str], inner: Sequence[str], fixed: Dict[str, int],
              offset: int) -> List[int]:
     """The group whose other coordinates are `fixed`: its ranks, the first of `inner` fastest."""
-    return [offset + _local_rank(sizes, all_dims, {**fixed, **dict(zip(reversed(inner), ic))})
-            for ic in product(*[range(sizes[d]) for d in reversed(inner)])]
+    stride, strides = 1, {}
+    for d in all_dims:
+        strides[d] = stride
+        stride *= sizes[d]
+    out = [offset + _local_rank(sizes, all_dims, fixed)]  # the member at inner coordinates 0
+    for d in inner:  # each next dim steps over the ranks listed so far, so the first stays fastest
+        out = [r + c * strides[d] for c in range(sizes[d]) for r in out]
+    return out
 
 
 def _group_of(sizes: Dict[str, int], all_dims: Sequence[str], dims: Sequence[str], offset: int,
