@@ -503,12 +503,13 @@ class LlavaDataset:
                 self._peeked = (idx, doc)
                 return doc
             except BadRecord as exc:
-                rid = self._record_id(idx)
+                # Its id is read from the file only for the message (indexed, the verdict needed none).
                 if self.on_bad == "error":
-                    raise DataError(f"error: data.path: record {rid!r}: {exc}") from None
+                    raise DataError(f"error: data.path: record {self._record_id(idx)!r}: {exc}") from None
                 self.bad[idx] = str(exc)
                 if _is_rank0():
-                    print(f"warning: data: skipping record {rid!r}: {exc}", file=sys.stderr, flush=True)
+                    print(f"warning: data: skipping record {self._record_id(idx)!r}: {exc}", file=sys.stderr,
+                          flush=True)
         self.skipped += 1
         return None
 
@@ -554,13 +555,16 @@ class LlavaDataset:
         """The tokens of an indexed record, for a sequence this rank trains on: its media headers were
         read when it was indexed (and its grids kept), so only the text is tokenised here; the count
         must be the index's, which other ranks may have made."""
+        record = None
         try:
-            enc = self.encoder.encode(self.records[doc.index], doc.index, doc.meta.grids, checked=True)
+            record = self.records[doc.index]
+            enc = self.encoder.encode(record, doc.index, doc.meta.grids, checked=True)
             got = RecordMeta.of(enc)
         except BadRecord as exc:
             got = exc
         if got != doc.meta:
-            raise DataError(f"error: data: record {doc.id!r} tokenises differently on this rank ({got}) than when "
+            rid = record_id(record, doc.index)  # as read here (its media paths need not be read)
+            raise DataError(f"error: data: record {rid!r} tokenises differently on this rank ({got}) than when "
                             f"the ranks indexed the records ({doc.meta}): every rank needs the same records file "
                             "(unchanged during the run), tokenizer files and transformers/tokenizers versions")
         return enc

@@ -155,12 +155,16 @@ class Trainer:
 
     def _prefetched(self, step: int) -> List[Tuple[str, int, int]]:
         """(encoder, sample, item) of the items this rank decodes in `step`, ahead of it."""
-        G = self.cfg.training.global_batch_size
+        return self._items(step, self.decoding)
+
+    def _items(self, step: int, encoders: List[str]) -> List[Tuple[str, int, int]]:
+        """(encoder, sample, item) of the items of `encoders` this rank's step data holds: in a
+        homogeneous plan those of its own samples, else those it encodes."""
         if not self.homogeneous:
-            return [(n, j, k) for n, ids in self._encoded(step).items()
+            return [(n, j, k) for n, ids in self._encoded(step).items() if n in encoders
                     for j, k in item_sources(self._planned(step), n, ids)]
         samples = self._planned(step)
-        return [(n, j, k) for j in self._trained(step) for n in self.decoding for k in range(samples[j].count(n))]
+        return [(n, j, k) for j in self._trained(step) for n in encoders for k in range(samples[j].count(n))]
 
     def _trained(self, step: int) -> List[int]:
         """Step sample indices of this rank's LLM microbatches (none on a rank without an LLM stage)."""
@@ -216,7 +220,9 @@ class Trainer:
         waiting."""
         try:
             digest = self.dataset.plan_digest(step)
-            self.dataset.tokenise(step, self._trained(step), self._prefetched(step) if self.decoding else ())
+            # A homogeneous rank's microbatches hold every encoder's items of its samples.
+            self.dataset.tokenise(step, self._trained(step),
+                                  self._items(step, list(self.cfg.model.encoders) if self.homogeneous else self.decoding))
         except Exception as exc:  # local work only: the agreement's reduction runs outside, on every rank
             return 0, exc
         return digest, None
