@@ -12,7 +12,8 @@ import torch
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks
 from mimo.runtime.fan_in import FanIn
-from test_llava_data import RED, bad_records, llava_raw, sample_dir, write_records  # noqa: F401 (fixture)
+from test_llava_data import (RED, bad_records, energon_dir, llava_raw, sample_dir,  # noqa: F401 (fixtures)
+                             write_records)
 from test_native_training import qwen_data, qwen_llava  # noqa: F401 (fixture)
 
 STEPS = 6
@@ -71,6 +72,61 @@ def test_indexed_ranks_plan_what_one_process_plans_with_bad_records(sample_dir, 
     reference = _same_plans(raw, STEPS)
     assert reference[-1]["skipped"] > 0  # bad records met and skipped alike
     assert any(len(r) > 1 for step in reference for r in step["records"])  # packed sequences
+
+
+def _plan_stream_on_rank(raw, steps):
+    """Energon: the records tokenised while planning `steps` after the keyed index is built (or
+    without it, on one process), and the plans."""
+    import torch.distributed as dist
+
+    from mimo.data import build_dataset
+    from mimo.data.llava import ConversationEncoder
+
+    ds = build_dataset(load_config(raw))
+    if dist.get_world_size() > 1:
+        ds.build_index(FanIn(5, per_node=2))
+        assert len(ds._rows) == len(ds.index) > 0 and not ds.index.missing()
+    tokenised = []
+    encode = ConversationEncoder.encode
+    ConversationEncoder.encode = lambda self, *a, **k: tokenised.append(a[1]) or encode(self, *a, **k)
+    for step in range(steps):
+        ds.plan(step)
+    planning = len(tokenised)
+    ConversationEncoder.encode = encode
+    return planning, _described(ds, steps)
+
+
+def test_energon_ranks_plan_from_a_keyed_index_what_one_process_plans(energon_dir):  # noqa: F811
+    """Each of 3 ranks learns its part of the energon dataset (energon's own split) at start-up; the
+    ranks then plan the streamed steps from the gathered index, tokenising no record, and plan
+    exactly what one process plans by tokenising every record."""
+    raw = llava_raw(energon_dir, path=os.path.join(energon_dir, "energon_vqa"), kind="energon")
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    (one,) = run_on_ranks(_plan_stream_on_rank, 1, raw, STEPS, timeout_s=300)
+    indexed = run_on_ranks(_plan_stream_on_rank, 3, raw, STEPS, timeout_s=300)
+    assert one[0] > 0 and all(got[0] == 0 for got in indexed)
+    assert all(got[1] == one[1] for got in indexed)
+    assert any(len(r) > 1 for step in one[1] for r in step["records"])  # packed: several records a sequence
+
+
+def _losses(raw):
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    return [trainer.train_step(step).loss for step in range(raw["training"]["train_iters"])]
+
+
+def test_energon_trains_from_the_keyed_index_as_one_process(energon_dir):  # noqa: F811
+    """The LLM at DP 2 on ranks 0-1 and the vision encoder on rank 2, planning energon's stream from
+    the keyed index (each LLM rank tokenising its own sequences from the streamed records): the
+    losses of one process that tokenises every record."""
+    raw = llava_raw(energon_dir, path=os.path.join(energon_dir, "energon_vqa"), kind="energon")
+    raw["training"].update(global_batch_size=4, micro_batch_size=1, train_iters=3)
+    (one,) = run_on_ranks(_losses, 1, raw, timeout_s=300)
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
+    for got in run_on_ranks(_losses, 3, raw, timeout_s=300):
+        assert got == pytest.approx(one, rel=1e-6, abs=0)
 
 
 def test_indexed_ranks_plan_what_one_process_plans_native_images(qwen_data):  # noqa: F811

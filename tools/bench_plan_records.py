@@ -2,6 +2,7 @@
 and the records it reads from the file doing so.
 
     python tools/bench_plan_records.py [--global-batch 1024] [--steps 5] [--turns 2]
+    python tools/bench_plan_records.py --energon [--global-batch 64] [--steps 5]
 
 Every rank plans every step alike (which records, packed how, which are bad) and hashes the plan for
 the ranks' agreement, so this part of a rank's work grows with the global batch, whatever the rank's
@@ -12,6 +13,12 @@ Writes `--global-batch x --steps` LLaVA-like records (one image each, `--turns` 
 turns) as JSONL in a temporary directory, with the tiny tokenizer of tools/make_sample_data.py;
 packing on, 256-token sequences. Prints one JSON line (best of the steps after the first). Runs
 against whichever `mimo` is first on PYTHONPATH, so an older checkout can be timed the same way.
+
+`--energon`: a `kind: energon` dataset instead (tools/make_sample_data.py's VQA one, 192 samples,
+streamed over and over), planned by one process as a rank of a multi-rank run does: with the keyed
+index that `build_index` gathers at start-up (here made by the one rank), and without it (each
+record tokenised as the stream reaches it, as every rank did before); prints both, with the records
+tokenised per step.
 """
 
 from __future__ import annotations
@@ -29,12 +36,59 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
+def _energon_rank(raw, steps, indexed):
+    """Per step plan + digest time and records tokenised of an energon dataset on this (only) rank."""
+    from mimo.config import load_config
+    from mimo.data import build_dataset
+    from mimo.data.llava import ConversationEncoder
+    from mimo.runtime.fan_in import FanIn
+
+    ds = build_dataset(load_config(raw))
+    if indexed:
+        ds.build_index(FanIn(5))
+    tokenised = []
+    encode = ConversationEncoder.encode
+    ConversationEncoder.encode = lambda self, *a, **k: tokenised.append(1) or encode(self, *a, **k)
+    per_step, counts = [], []
+    for step in range(steps):
+        before, start = len(tokenised), time.perf_counter()
+        ds.plan(step)
+        ds.plan_digest(step)
+        per_step.append(time.perf_counter() - start)
+        counts.append(len(tokenised) - before)
+    return {"keyed_index": indexed, "plan_and_digest_ms": round(1e3 * min(per_step[1:]), 2),
+            "records_tokenised_per_step": counts[1:]}
+
+
+def energon(args) -> int:
+    import make_sample_data
+
+    from mimo.runtime import run_on_ranks
+    from test_llava_data import llava_raw
+
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.devnull, "w") as quiet:
+            out, sys.stdout = sys.stdout, quiet
+            make_sample_data.main([d, "--records", "384", "--image-size", "16", "--energon"])
+            sys.stdout = out
+        raw = llava_raw(d, path=os.path.join(d, "energon_vqa"), kind="energon", seq_length=256)
+        raw["model"]["language"]["max_sequence_length"] = 256
+        raw["training"].update(global_batch_size=args.global_batch, micro_batch_size=1)
+        for indexed in (False, True):
+            (got,) = run_on_ranks(_energon_rank, 1, raw, args.steps, indexed, timeout_s=1800, daemon=False)
+            print(json.dumps({"global_batch": args.global_batch, **got}))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--global-batch", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--energon", action="store_true")
     args = p.parse_args(argv)
+    if args.energon:
+        return energon(args)
     import make_sample_data
     from tiny import TINY
 

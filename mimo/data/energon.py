@@ -6,6 +6,11 @@ order that each module's DP ranks then slice (as for `kind: llava`). Energon dec
 here (the task encoder's decoder is off): images stay bytes until a rank whose encoder consumes
 them decodes them. Captioning and VQA samples become one-turn LLaVA records.
 
+For planning without tokenising every record on every rank, `share(rank, world)` reads one rank's
+part of the dataset once (energon's own split over ranks, in its validation mode: each sample once,
+no shuffling); the ranks learn its records' numbers and gather them into a record index keyed by
+sample key (`LlavaDataset.build_index`).
+
 The position is energon's own loader state at a point where no sample was read ahead, plus the
 number of records consumed since (replayed on restore, without decoding anything). Energon's state
 is a tree of its dataclasses; a checkpoint stores it as plain containers (`plain_state`), which
@@ -17,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from typing import Dict
+from typing import Dict, Iterator
 
 from .llava import DataError
 
@@ -89,6 +94,15 @@ def energon_state(plain):
     return plain
 
 
+def _raw_bytes_encoder():
+    from megatron.energon import DefaultTaskEncoder
+
+    class RawBytes(DefaultTaskEncoder):
+        decoder = None  # images stay bytes: only ranks that consume them decode them
+
+    return RawBytes()
+
+
 class EnergonSource:
     """peek / advance / record over energon's loader, like GlobalSampler over a record list."""
 
@@ -99,17 +113,24 @@ class EnergonSource:
         self._base, self._since = None, 0   # energon state (None: the start) and records consumed after it
         self._count = 0
 
-    def _open(self) -> None:
-        from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset
+    def share(self, rank: int, world: int) -> Iterator[dict]:
+        """The records of rank `rank`'s part of the training split (of `world` parts), each once, read
+        in this process: energon's split of the dataset over data-parallel ranks."""
+        from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
-        class RawBytes(DefaultTaskEncoder):
-            decoder = None  # images stay bytes: only ranks that consume them decode them
+        wc = WorkerConfig(rank=rank, world_size=world, num_workers=0)
+        part = get_val_dataset(self.path, split_part="train", worker_config=wc, batch_size=None,
+                               task_encoder=_raw_bytes_encoder())
+        return (to_record(sample) for sample in get_loader(part))
+
+    def _open(self) -> None:
+        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
         wc = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers, seed_offset=self.seed)
         buffer = 100 if self.shuffle else None
         self._dataset = get_train_dataset(self.path, worker_config=wc, batch_size=None,
                                           shuffle_buffer_size=buffer, max_samples_per_sequence=buffer,
-                                          task_encoder=RawBytes())
+                                          task_encoder=_raw_bytes_encoder())
         self._loader = get_savable_loader(self._dataset)
         self._it = None
         self._pending = None

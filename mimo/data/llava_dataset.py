@@ -36,7 +36,8 @@ from .llava import BadRecord, ConversationEncoder, DataError, Encoded, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
 from .record_file import read_records
-from .record_index import RecordIndex, RecordMeta, file_digest, fingerprint, gather_index, load_index, save_index
+from .record_index import (RecordIndex, RecordMeta, file_digest, fingerprint, gather_index, gather_keyed_index,
+                           load_index, save_index)
 from .sampler import GlobalSampler
 
 
@@ -49,12 +50,14 @@ class Planned:
     """One record as a step's plan holds it: its index in the file (or energon's stream) and what
     planning needs (`meta`); its id and media paths (or inline bytes); its tokens once made. Planned
     from the record index, its id and paths are read from the file when first asked for
-    (`describe(index)` -> (id, images, audio)), so a rank reads only the records it works on."""
+    (`describe(index)` -> (id, images, audio)), so a rank reads only the records it works on. A
+    streamed (energon) record planned from the index keeps the `record` itself, for its tokens."""
 
     def __init__(self, index: int, meta: RecordMeta, describe: Optional[Callable] = None, *,
                  id: Optional[str] = None, images: Optional[List] = None, audio: Optional[List] = None,
-                 encoded: Optional[Encoded] = None):
+                 encoded: Optional[Encoded] = None, record: Optional[dict] = None):
         self.index, self.meta, self.encoded = index, meta, encoded  # encoded: made when planning tokenised
+        self.record = record
         self._describe, self._described = describe, None if id is None else (id, images, audio)
 
     def _read(self) -> Tuple:
@@ -223,6 +226,7 @@ class LlavaDataset:
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
         self.index: Optional[RecordIndex] = None  # built over the ranks (build_index); else planning tokenises
+        self._rows: Dict[str, int] = {}  # energon: sample key -> its row of the index
         self._plans: Dict[int, PlannedStep] = {}
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
@@ -243,8 +247,8 @@ class LlavaDataset:
         rank plans steps from the index and reads only the records it works on (tokenises those of
         the sequences it trains on, reads those whose items it decodes). With `data.index` the index is
         loaded from that file when its fingerprint matches on every rank, else built and written
-        there (by rank 0). Energon's records stream in: its steps are planned from the records, as
-        without an index.
+        there (by rank 0). Energon's records stream in: each rank learns those of its part of the
+        dataset (energon's own split) and the index is keyed by sample key (`_index_stream`).
 
         First the ranks check that they read the same records file (its digest): planned from one
         index, ranks that read another copy (a node with a stale one, a file rewritten while the job
@@ -252,6 +256,7 @@ class LlavaDataset:
         import torch.distributed as dist
 
         if self.records is None:
+            self._index_stream(group)
             return
         path = self.cfg.data.index  # every rank the same: the config is one
         # Reading the index file can fail on one rank: that rank still takes its part in the
@@ -319,10 +324,29 @@ class LlavaDataset:
                     + [file_digest(__file__)],
             "versions": [transformers.__version__, tokenizers.__version__, PIL.__version__]})
 
+    def _index_stream(self, group) -> None:
+        """Energon's records, indexed by sample key: each rank learns those of its part of the dataset
+        (`EnergonSource.share`, read once at start-up) and all gather them. Steps still stream in
+        energon's order; planning looks each record up by its key instead of tokenising it (a key
+        the index lacks is tokenised there, on every rank alike). A dataset whose keys repeat (two
+        shards holding one key) has no index: its steps are planned by tokenising every record."""
+        keys, index = gather_keyed_index(self.sampler.share(group.rank, group.world), self.native,
+                                         self._learn_record, group)
+        rows = {k: i for i, k in enumerate(keys)}
+        if len(rows) == len(keys):
+            self.index, self._rows = index, rows
+        elif group.rank == 0:
+            print(f"warning: data.path: {self.cfg.data.path}: {len(keys) - len(rows)} energon sample key(s) repeat; "
+                  "every rank tokenises every record to plan the steps", file=sys.stderr, flush=True)
+
     def _learn(self, idx: int):
+        """Record `idx` of the file's RecordMeta, or why it is bad."""
+        return self._learn_record(self.records[idx], idx)
+
+    def _learn_record(self, record, idx: int):
         """The record's RecordMeta, or why it is bad."""
         try:
-            return RecordMeta.of(self.encoder.encode(self.records[idx], idx))
+            return RecordMeta.of(self.encoder.encode(record, idx))
         except BadRecord as exc:
             return str(exc)
 
@@ -526,13 +550,32 @@ class LlavaDataset:
     def _plan_record(self, idx: int) -> Planned:
         """From the index when there is one (nothing read: the record's id and media paths are read
         when first asked for, `_describe`); raises BadRecord for a bad record."""
-        if self.index is None:
+        if self.records is None and self.index is not None:
+            planned = self._plan_streamed(idx)
+            if planned is not None:
+                return planned
+        if self.index is None or self.records is None:
             enc = self.encoder.encode(self._record(idx), idx)
             return Planned(idx, RecordMeta.of(enc), id=enc.id, images=enc.images, audio=enc.audio, encoded=enc)
         meta = self.index.meta(idx)
         if isinstance(meta, str):
             raise BadRecord(meta)
         return Planned(idx, meta, self._describe)
+
+    def _plan_streamed(self, idx: int) -> Optional[Planned]:
+        """Energon's record `idx` planned from the index by its key (the record is read anyway: it
+        streams in), or None when the index does not know it as it is (then it is tokenised)."""
+        record = self.sampler.record(idx)
+        row = self._rows.get(str(record.get("id")))
+        if row is None:
+            return None
+        meta = self.index.meta(row)
+        if isinstance(meta, str):
+            raise BadRecord(meta)
+        images, audio = self.encoder.media(record)
+        if (len(images), len(audio)) != (meta.images, meta.audio):
+            return None
+        return Planned(idx, meta, id=str(record["id"]), images=images, audio=audio, record=record)
 
     def _describe(self, idx: int) -> Tuple[str, List, List]:
         """An indexed record's id and media paths, read from the file: its media must be as the index
@@ -555,9 +598,9 @@ class LlavaDataset:
         """The tokens of an indexed record, for a sequence this rank trains on: its media headers were
         read when it was indexed (and its grids kept), so only the text is tokenised here; the count
         must be the index's, which other ranks may have made."""
-        record = None
+        record = doc.record
         try:
-            record = self.records[doc.index]
+            record = record if record is not None else self.records[doc.index]
             enc = self.encoder.encode(record, doc.index, doc.meta.grids, checked=True)
             got = RecordMeta.of(enc)
         except BadRecord as exc:

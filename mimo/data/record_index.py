@@ -16,6 +16,9 @@ what decides it (the records file's bytes, the tokenizer, the code that tokenise
 `LlavaDataset._index_key`): a later start whose fingerprint matches loads it instead of tokenising
 anything. Media files are not in the fingerprint.
 
+Energon's records stream in, so its index is keyed by sample key instead (`gather_keyed_index`):
+each rank learns the records of its own part of the dataset and all gather them with their keys.
+
 Storage is a few arrays, not an object per record: a rank holds the index of every record.
 """
 
@@ -128,17 +131,48 @@ def assemble(num_records: int, native: bool, parts: List[Tuple]) -> RecordIndex:
 
 def gather_index(num_records: int, native: bool, learn: Callable[[int], Union[RecordMeta, str]], group) -> RecordIndex:
     """Collective over `group` (a mimo.runtime.fan_in.FanIn, every rank at the same point of
-    start-up): each rank learns
-    every W-th record with `learn` (a RecordMeta, or a bad record's reason) and gathers the rest.
+    start-up): each rank learns every W-th record with `learn` (a RecordMeta, or a bad record's
+    reason) and gathers the rest."""
+    rank, world = group.rank, group.world
+    return assemble(num_records, native, _gathered(group, _learn_rows, learn, range(rank, num_records, world)))
+
+
+def gather_keyed_index(share: Iterable[dict], native: bool, learn: Callable[[dict, int], Union[RecordMeta, str]],
+                       group) -> Tuple[List[str], RecordIndex]:
+    """Collective over `group`, like `gather_index`, for records that stream in (energon): each rank
+    learns the records of its own `share` of the dataset (each with its key as "id"), and all gather
+    them. Returns every record's key, in rank order, and the index of the records in that order."""
+    parts = _gathered(group, _learn_keyed, learn, share)
+    keys: List[str] = []
+    shifted = []
+    for ks, (rows, counts, grids, bad) in parts:  # each rank's rows count from 0: shift them after the others'
+        shifted.append((rows + len(keys), counts, grids, {i + len(keys): why for i, why in bad.items()}))
+        keys += ks
+    return keys, assemble(len(keys), native, shifted)
+
+
+def _learn_rows(learn, rows) -> Tuple:
+    return part((i, learn(i)) for i in rows)
+
+
+def _learn_keyed(learn, share) -> Tuple[List[str], Tuple]:
+    keys, metas = [], []
+    for k, record in enumerate(share):
+        keys.append(str(record["id"]))
+        metas.append((k, learn(record, k)))
+    return keys, part(metas)
+
+
+def _gathered(group, learn_part: Callable, *args) -> List:
+    """Each rank's `learn_part(*args)`, gathered over `group` in rank order.
 
     Learning can fail on one rank only (a filesystem error reading a header, `MediaReadError`):
     that rank still takes its part in the gather, flagged, so the others do not wait for it; every
     rank then raises, the failed one its own error."""
-    rank, world = group.rank, group.world
-    mine: Tuple = part([])
+    mine = None
     failure: Optional[BaseException] = None
     try:
-        mine = part((i, learn(i)) for i in range(rank, num_records, world))
+        mine = learn_part(*args)
     except Exception as exc:  # re-raised below, after the gather (which is not inside the try)
         failure = exc
     # Arrays, not an object per record: a million records gather as some 40 MB, not hundreds.
@@ -150,7 +184,7 @@ def gather_index(num_records: int, native: bool, learn: Callable[[int], Union[Re
         r, msg = failed[0]
         msg = msg[len("error: "):] if msg.startswith("error: ") else msg
         raise DataError(f"error: data: rank {r} failed to index the records: {msg}")
-    return assemble(num_records, native, [p[1] for p in parts])
+    return [p[1] for p in parts]
 
 
 FORMAT = 2  # of the index file; part of the fingerprint
