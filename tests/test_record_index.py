@@ -85,7 +85,7 @@ def _plan_stream_on_rank(raw, steps):
     ds = build_dataset(load_config(raw))
     if dist.get_world_size() > 1:
         ds.build_index(FanIn(5, per_node=2))
-        assert len(ds._rows) == len(ds.index) > 0 and not ds.index.missing()
+        assert len(ds._rows.hashes) == len(ds.index) > 0 and not ds.index.missing()
     tokenised = []
     encode = ConversationEncoder.encode
     ConversationEncoder.encode = lambda self, *a, **k: tokenised.append(a[1]) or encode(self, *a, **k)
@@ -107,6 +107,17 @@ def test_energon_ranks_plan_from_a_keyed_index_what_one_process_plans(energon_di
     assert one[0] > 0 and all(got[0] == 0 for got in indexed)
     assert all(got[1] == one[1] for got in indexed)
     assert any(len(r) > 1 for step in one[1] for r in step["records"])  # packed: several records a sequence
+
+
+def test_keyed_rows_find_each_key_and_count_repeats():
+    import numpy as np
+
+    from mimo.data.record_index import KeyedRows, key_hash
+
+    keys = [f"/data:shard-{i % 3}.tar\0k{i // 3}" for i in range(30)]  # one key in three shards: three names
+    rows = KeyedRows(np.array([key_hash(k) for k in keys], dtype=np.int64))
+    assert rows.repeats == 0 and [rows.row(k) for k in keys] == list(range(30)) and rows.row("/data:x\0k0") is None
+    assert KeyedRows(np.array([key_hash(k) for k in keys + keys[:2]], dtype=np.int64)).repeats == 2
 
 
 def _losses(raw):

@@ -50,8 +50,16 @@ def to_record(sample) -> dict:
         human = "<image>\n" + _text(sample.context)
     else:
         raise DataError(f"error: data.path: energon sample type {kind} is not supported (CaptioningSample, VQASample)")
-    return {"id": str(key), "image": sample.image,
+    return {"id": str(key), "source": sample_key(sample), "image": sample.image,
             "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": answer}]}
+
+
+def sample_key(sample) -> str:
+    """What names a sample in its dataset: the dataset and shard it comes from, and its key (a
+    WebDataset key is unique only within its tar)."""
+    sources = getattr(sample, "__sources__", None) or ()
+    where = [f"{s.dataset_path}:{s.shard_name}" for s in sources[:1]]
+    return "\0".join(where + [str(getattr(sample, "__key__", "?"))])
 
 
 _DATACLASS, _FLEX = "__energon_dataclass__", "__energon_flex_state__"
@@ -115,13 +123,15 @@ class EnergonSource:
 
     def share(self, rank: int, world: int) -> Iterator[dict]:
         """The records of rank `rank`'s part of the training split (of `world` parts), each once, read
-        in this process: energon's split of the dataset over data-parallel ranks."""
+        in this process: energon's split of the dataset over data-parallel ranks. A generator: the
+        dataset is opened when it is first iterated (inside the caller's failure handling)."""
         from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
         wc = WorkerConfig(rank=rank, world_size=world, num_workers=0)
         part = get_val_dataset(self.path, split_part="train", worker_config=wc, batch_size=None,
                                task_encoder=_raw_bytes_encoder())
-        return (to_record(sample) for sample in get_loader(part))
+        for sample in get_loader(part):
+            yield to_record(sample)
 
     def _open(self) -> None:
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset

@@ -36,8 +36,8 @@ from .llava import BadRecord, ConversationEncoder, DataError, Encoded, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
 from .record_file import read_records
-from .record_index import (RecordIndex, RecordMeta, file_digest, fingerprint, gather_index, gather_keyed_index,
-                           load_index, save_index)
+from .record_index import (KeyedRows, RecordIndex, RecordMeta, file_digest, fingerprint, gather_index,
+                           gather_keyed_index, load_index, save_index)
 from .sampler import GlobalSampler
 
 
@@ -226,7 +226,7 @@ class LlavaDataset:
         self.skipped = 0
         self.bad: Dict[int, str] = {}  # record index -> reason: decided once, identically on every rank
         self.index: Optional[RecordIndex] = None  # built over the ranks (build_index); else planning tokenises
-        self._rows: Dict[str, int] = {}  # energon: sample key -> its row of the index
+        self._rows: Optional[KeyedRows] = None  # energon: the index's rows by sample key
         self._plans: Dict[int, PlannedStep] = {}
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
@@ -328,16 +328,16 @@ class LlavaDataset:
         """Energon's records, indexed by sample key: each rank learns those of its part of the dataset
         (`EnergonSource.share`, read once at start-up) and all gather them. Steps still stream in
         energon's order; planning looks each record up by its key instead of tokenising it (a key
-        the index lacks is tokenised there, on every rank alike). A dataset whose keys repeat (two
-        shards holding one key) has no index: its steps are planned by tokenising every record."""
-        keys, index = gather_keyed_index(self.sampler.share(group.rank, group.world), self.native,
+        the index lacks is tokenised there, on every rank alike). A sample is named by its dataset,
+        shard and key; a dataset where two samples share that name has no index: its steps are
+        planned by tokenising every record."""
+        rows, index = gather_keyed_index(self.sampler.share(group.rank, group.world), self.native,
                                          self._learn_record, group)
-        rows = {k: i for i, k in enumerate(keys)}
-        if len(rows) == len(keys):
+        if not rows.repeats:
             self.index, self._rows = index, rows
         elif group.rank == 0:
-            print(f"warning: data.path: {self.cfg.data.path}: {len(keys) - len(rows)} energon sample key(s) repeat; "
-                  "every rank tokenises every record to plan the steps", file=sys.stderr, flush=True)
+            print(f"warning: data.path: {self.cfg.data.path}: {rows.repeats} energon sample name(s) repeat; every "
+                  "rank tokenises every record to plan the steps", file=sys.stderr, flush=True)
 
     def _learn(self, idx: int):
         """Record `idx` of the file's RecordMeta, or why it is bad."""
@@ -566,7 +566,7 @@ class LlavaDataset:
         """Energon's record `idx` planned from the index by its key (the record is read anyway: it
         streams in), or None when the index does not know it as it is (then it is tokenised)."""
         record = self.sampler.record(idx)
-        row = self._rows.get(str(record.get("id")))
+        row = self._rows.row(record["source"])
         if row is None:
             return None
         meta = self.index.meta(row)

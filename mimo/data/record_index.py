@@ -137,30 +137,50 @@ def gather_index(num_records: int, native: bool, learn: Callable[[int], Union[Re
     return assemble(num_records, native, _gathered(group, _learn_rows, learn, range(rank, num_records, world)))
 
 
+class KeyedRows:
+    """Rows of a keyed index by record key, held as 64-bit hashes of the keys (sorted, 16 bytes a
+    record, not a table of strings). Keys that repeat, or two whose hashes collide, are counted in
+    `repeats`: an index with any cannot name its records."""
+
+    def __init__(self, hashes: np.ndarray):
+        self.order = np.argsort(hashes, kind="stable")
+        self.hashes = hashes[self.order]
+        self.repeats = int((self.hashes[1:] == self.hashes[:-1]).sum())
+
+    def row(self, key: str) -> Optional[int]:
+        h = key_hash(key)
+        i = int(np.searchsorted(self.hashes, h))
+        return int(self.order[i]) if i < len(self.hashes) and self.hashes[i] == h else None
+
+
+def key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 def gather_keyed_index(share: Iterable[dict], native: bool, learn: Callable[[dict, int], Union[RecordMeta, str]],
-                       group) -> Tuple[List[str], RecordIndex]:
+                       group) -> Tuple[KeyedRows, RecordIndex]:
     """Collective over `group`, like `gather_index`, for records that stream in (energon): each rank
-    learns the records of its own `share` of the dataset (each with its key as "id"), and all gather
-    them. Returns every record's key, in rank order, and the index of the records in that order."""
+    learns the records of its own `share` of the dataset (each naming itself by its "source" key)
+    and all gather them. Returns the rows by key and the index of the records, in rank order."""
     parts = _gathered(group, _learn_keyed, learn, share)
-    keys: List[str] = []
-    shifted = []
-    for ks, (rows, counts, grids, bad) in parts:  # each rank's rows count from 0: shift them after the others'
-        shifted.append((rows + len(keys), counts, grids, {i + len(keys): why for i, why in bad.items()}))
-        keys += ks
-    return keys, assemble(len(keys), native, shifted)
+    hashes, shifted, n = [], [], 0
+    for h, (rows, counts, grids, bad) in parts:  # each rank's rows count from 0: shift them after the others'
+        shifted.append((rows + n, counts, grids, {i + n: why for i, why in bad.items()}))
+        hashes.append(h)
+        n += len(h)
+    return KeyedRows(np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.int64)), assemble(n, native, shifted)
 
 
 def _learn_rows(learn, rows) -> Tuple:
     return part((i, learn(i)) for i in rows)
 
 
-def _learn_keyed(learn, share) -> Tuple[List[str], Tuple]:
-    keys, metas = [], []
+def _learn_keyed(learn, share) -> Tuple[np.ndarray, Tuple]:
+    hashes, metas = [], []
     for k, record in enumerate(share):
-        keys.append(str(record["id"]))
+        hashes.append(key_hash(record["source"]))
         metas.append((k, learn(record, k)))
-    return keys, part(metas)
+    return np.array(hashes, dtype=np.int64), part(metas)
 
 
 def _gathered(group, learn_part: Callable, *args) -> List:
