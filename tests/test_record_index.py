@@ -410,10 +410,10 @@ def test_a_native_image_whose_size_changed_since_planning_is_bad_media(qwen_data
     assert "the file changed since" in capfd.readouterr().err
 
 
-def _train_other_copy(raw, other_rank, other_file=None):
+def _train_other_copy(raw, other_rank):
     """Losses, or the error this rank stops with. `other_rank` reads another copy of the records (each
-    answer one word longer) as a node with a stale copy of data.path would: in what it reads of the
-    file (its digest the same), or with `other_file`, a whole other file."""
+    answer one word longer) as a node with a stale copy of data.path would, in what it reads of the
+    file (its digest the same)."""
     import torch.distributed as dist
 
     import mimo.data.llava_dataset as lds
@@ -430,7 +430,7 @@ def _train_other_copy(raw, other_rank, other_file=None):
                 r["conversations"][-1]["value"] += " red"
             return records, digest
 
-        lds.read_records = other if other_file is None else (lambda path: read(other_file))
+        lds.read_records = other
     losses = []
     try:
         trainer = Trainer(load_config(raw), select_runtime("cpu"))
@@ -454,6 +454,26 @@ def test_ranks_that_read_another_copy_of_the_records_stop_together(sample_dir): 
     assert got[2] == "error: data: another rank failed to plan step 0 (its own error line names the cause)", got
 
 
+def _index_another_file(raw, other_rank, other_file):
+    """build_index, as the trainer calls it at start-up, with `other_rank` reading `other_file` in
+    place of data.path: "indexed", or the error this rank stops with."""
+    import torch.distributed as dist
+
+    import mimo.data.llava_dataset as lds
+    from mimo.data import build_dataset
+    from mimo.data.llava import DataError
+
+    if dist.get_rank() == other_rank:
+        read = lds.read_records
+        lds.read_records = lambda path: read(other_file)
+    ds = build_dataset(load_config(raw))
+    try:
+        ds.build_index(FanIn(5, per_node=2))  # two nodes of 2 and 1 ranks
+    except DataError as exc:
+        return str(exc)
+    return "indexed"
+
+
 def test_ranks_that_read_another_records_file_stop_at_start_up(sample_dir, tmp_path):  # noqa: F811
     """Planned from one index, ranks that read different files would agree on every step and train
     on other records: the files' digests are compared when the index is built, on every rank."""
@@ -464,9 +484,7 @@ def test_ranks_that_read_another_records_file_stop_at_start_up(sample_dir, tmp_p
     records[-1]["conversations"][-1]["value"] += " red"
     other = tmp_path / "other.json"
     other.write_text(json.dumps(records))
-    raw = llava_raw(sample_dir)
-    raw["parallelism"] = {"language": {"dp": 2}, "images": {"rank_offset": 2}}
-    got = run_on_ranks(_train_other_copy, 3, raw, 1, str(other), timeout_s=120)
+    got = run_on_ranks(_index_another_file, 3, llava_raw(sample_dir), 1, str(other), timeout_s=120)
     path = os.path.join(sample_dir, "train.json")
     assert got == [f"error: data.path: the ranks read different files at {path} (a node with another copy, or "
                    "the file changed while the job started): every rank needs the same records file, unchanged "
