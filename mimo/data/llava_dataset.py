@@ -90,9 +90,7 @@ class _Media(SequenceABC):
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
+    def __getitem__(self, k: int):
         if not -len(self) <= k < len(self):
             raise IndexError(k)
         k %= len(self)
@@ -550,17 +548,17 @@ class LlavaDataset:
     def _plan_record(self, idx: int) -> Planned:
         """From the index when there is one (nothing read: the record's id and media paths are read
         when first asked for, `_describe`); raises BadRecord for a bad record."""
-        if self.records is None and self.index is not None:
-            planned = self._plan_streamed(idx)
-            if planned is not None:
-                return planned
-        if self.index is None or self.records is None:
-            enc = self.encoder.encode(self._record(idx), idx)
-            return Planned(idx, RecordMeta.of(enc), id=enc.id, images=enc.images, audio=enc.audio, encoded=enc)
-        meta = self.index.meta(idx)
-        if isinstance(meta, str):
-            raise BadRecord(meta)
-        return Planned(idx, meta, self._describe)
+        if self.index is not None and self.records is not None:
+            meta = self.index.meta(idx)
+            if isinstance(meta, str):
+                raise BadRecord(meta)
+            return Planned(idx, meta, self._describe)
+        planned = self._plan_streamed(idx) if self.index is not None else None
+        if planned is not None:
+            return planned
+        # No index, or a streamed record it does not know as it is: tokenised here.
+        enc = self.encoder.encode(self._record(idx), idx)
+        return Planned(idx, RecordMeta.of(enc), id=enc.id, images=enc.images, audio=enc.audio, encoded=enc)
 
     def _plan_streamed(self, idx: int) -> Optional[Planned]:
         """Energon's record `idx` planned from the index by its key (the record is read anyway: it

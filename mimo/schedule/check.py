@@ -65,11 +65,10 @@ class _Members:
         return meet if ranks is meet.ranks else replace(meet, ranks=ranks)
 
 
-def rank_steps(plan: StepPlan, rank: int, members: Optional[_Members] = None) -> List[Step]:
+def rank_steps(plan: StepPlan, rank: int, members: _Members) -> List[Step]:
     """Rank `rank`'s steps in order: each group of sends and receives, and every meet its other actions
     make. Work without a collective is left out: it always completes, so it cannot hold anyone up.
     Meets over the same ranks share one ranks tuple (`members`, shared by the ranks of one check)."""
-    members = members if members is not None else _Members(plan.world_size)
     out: List[Step] = []
     for group in plan.groups(rank):
         if group[0].op in P2P:
