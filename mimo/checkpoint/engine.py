@@ -65,18 +65,8 @@ class Checkpointer:
         # of them is read: a damaged file is named by the rank that checks it, rather than met as
         # "unreadable" by every rank that reads it. Then the record and the index, which every rank
         # reads: the same verdict everywhere, unless the filesystem fails one rank.
-        try:
-            verify_share(ckpt, self.rank, dist.get_world_size())
-            damaged = []
-        except (CheckpointError, OSError) as exc:  # the collective is outside the try
-            damaged = [(FILE_PROBLEM, _file_line(ckpt, exc))]
-        _stop_on(first_problem(damaged))
-        meta, unreadable = None, []
-        try:
-            meta = check_resumable(self.cfg, ckpt)
-        except (CheckpointError, OSError) as exc:
-            unreadable = [(FILE_PROBLEM, _file_line(ckpt, exc))]
-        _stop_on(first_problem(unreadable))
+        _agreed(ckpt, verify_share, ckpt, self.rank, dist.get_world_size())
+        meta = _agreed(ckpt, check_resumable, self.cfg, ckpt)
         saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `check_resumable` refused an unsafe index
         problems = shape_problems(self.shards, saved, self.cfg.modules)
         rng = None
@@ -206,6 +196,17 @@ class Checkpointer:
 def _file_line(ckpt: str, exc: BaseException) -> str:
     """A CheckpointError's line names its file; an OSError gets the checkpoint's directory."""
     return str(exc) if isinstance(exc, CheckpointError) else f"{ckpt}: {exc}"
+
+
+def _agreed(ckpt: str, read, *args):
+    """`read(*args)` on this rank, then every rank stops with the first rank's file problem, if any
+    rank had one. The collective is outside the try: every rank reaches it, whatever it read."""
+    try:
+        result, problems = read(*args), []
+    except (CheckpointError, OSError) as exc:
+        result, problems = None, [(FILE_PROBLEM, _file_line(ckpt, exc))]
+    _stop_on(first_problem(problems))
+    return result
 
 
 def _stop_on(found, ckpt: str = "") -> None:
