@@ -16,6 +16,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from mimo.config.validate import grouped_gemm_problem
 from mimo.runtime.fusions import active as active_fusions
 
+from .expert_linear import ExpertRowParallelLinear
 from .grouped_experts import GroupedExperts
 from .norm import TorchNorm
 from .sdpa_attention import SDPACoreAttention
@@ -68,6 +69,8 @@ def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
                                     qk_layernorm=qk_layernorm)
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = core_attention_class(attention)
+    if num_experts:
+        spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
     if qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = TorchNorm
     # torch norms that may run sequence parallel (see mimo.model.norm)

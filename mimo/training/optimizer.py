@@ -171,7 +171,10 @@ def mark_expert_grads(part: torch.nn.Module, layout) -> None:
 
     megatron-core marks expert weights `allreduce=False` only when `expert_model_parallel_size > 1`;
     with ep = 1 and expert TP smaller than TP (e.g. tp 2, etp 1) each TP rank holds whole experts that
-    see only its sequence shard, so their gradients must also be summed over TP: the expert-DP group."""
+    see only its sequence shard, so their gradients must also be summed over TP: the expert-DP group.
+    That sum covers every rank that fed the expert, so an expert's `linear_fc2` bias (which megatron-core
+    marks `sequence_parallel` like a dense row-parallel bias) must not be summed over TP again by
+    finalize_model_grads: that counted it twice at EP 1, and added other experts' at EP > 1."""
     from mimo.model.reference_init import is_expert
 
     if layout.ep == 1 and layout.etp == layout.tp:
@@ -179,6 +182,7 @@ def mark_expert_grads(part: torch.nn.Module, layout) -> None:
     for name, p in part.named_parameters():
         if is_expert(name):
             p.allreduce = False
+            p.sequence_parallel = False
 
 
 # megatron-core's multi_tensor_applier chunk (2048 * 32 elements): the fused kernel sums squares per
