@@ -80,7 +80,7 @@ def _one_error_line(r):
     return errors[0]
 
 
-def test_bad_checkpoints_give_one_error_line_and_stay_untouched(saved, tmp_path):
+def test_bad_checkpoints_give_one_error_line_and_stay_untouched(saved, tmp_path, capsys):
     d = _copy(saved, tmp_path)
     ckpt = paths.iter_dir(d, 2)
     before = _tree_digest(d)
@@ -98,6 +98,17 @@ def test_bad_checkpoints_give_one_error_line_and_stay_untouched(saved, tmp_path)
     line = _one_error_line(_run_cli(saved["config"], f"training.load={d}", "training.save=null"))
     assert line == f"error: {shard}: corrupt (CRC32 differs from the manifest)"  # the file, named once
     assert _tree_digest(d) == before
+    # `inspect` checks every file's presence and size, and with --checksums its CRC32: one line, exit 2.
+    from mimo.checkpoint.__main__ import main as checkpoint_cli
+
+    capsys.readouterr()
+    assert checkpoint_cli(["inspect", d]) == 0 and "step 2" in capsys.readouterr().out
+    assert checkpoint_cli(["inspect", d, "--checksums"]) == 2
+    assert capsys.readouterr().err == f"error: {shard}: corrupt (CRC32 differs from the manifest)\n"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    assert checkpoint_cli(["inspect", d]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {shard}: truncated or modified (100 bytes, the manifest says")
     # `latest` naming a directory that is not there.
     with open(os.path.join(d, "latest"), "w") as f:
         f.write("7\n")

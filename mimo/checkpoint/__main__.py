@@ -1,11 +1,13 @@
 """Checkpoint tools (one process, no GPU).
 
-    python -m mimo.checkpoint inspect DIR                         # DIR or DIR/iter_NNNNNNN
+    python -m mimo.checkpoint inspect DIR [--checksums]           # DIR or DIR/iter_NNNNNNN
     python -m mimo.checkpoint convert DIR/iter_NNNNNNN --to-torch OUT.pt
 
 `convert` writes `{module: {parameter: full tensor}}` (unsharded, layout-independent
-names); `inspect` prints the step, the layout the checkpoint was saved with and
-each module's parameters and sizes. Bad input: one `error:` line, exit 2
+names) after checking every file's CRC32; `inspect` checks that every file is there
+with its size (`--checksums`: also its CRC32) and prints the step, the layout the
+checkpoint was saved with and each module's parameters and sizes. Bad input or a
+damaged file: one `error:` line, exit 2
 (`MIMO_DEBUG=1` adds the traceback).
 """
 
@@ -25,6 +27,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print step, layout, modules and sizes")
     ins.add_argument("path", help="a checkpoint directory (DIR, via its latest) or DIR/iter_NNNNNNN")
+    ins.add_argument("--checksums", action="store_true",
+                     help="also read every file and check its CRC32 (by default only presence and size)")
     conv = sub.add_parser("convert", help="write the full, unsharded weights as one torch file")
     conv.add_argument("path", help="DIR/iter_NNNNNNN (or DIR, via its latest)")
     conv.add_argument("--to-torch", required=True, metavar="OUT.pt")
@@ -33,7 +37,7 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "inspect":
-            print(summary(args.path))
+            print(summary(args.path, args.checksums))
         else:
             import torch
 

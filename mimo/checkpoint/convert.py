@@ -78,12 +78,15 @@ def _experts(meta: dict, saved: Dict) -> list:
     return lines
 
 
-def summary(path: str) -> str:
+def summary(path: str, checksums: bool = False) -> str:
+    """What `inspect` prints, after checking that every file is there with the manifest's size (and,
+    with `checksums`, its CRC32: every byte read, as `convert` does)."""
     from megatron.core import dist_checkpointing
 
     ckpt = resolve(path)
     meta = read_checked(ckpt)
     files = read_manifest(ckpt)
+    verify(ckpt, checksums)
     saved = dist_checkpointing.load_tensors_metadata(ckpt)
     lines = [f"checkpoint {ckpt}", f"step {meta['step']}",
              f"saved on {meta['world_size']} ranks, {len(files)} files, "
