@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     try:
         # training.replan: auto takes the planner's layout for `world` ranks when the config's differs.
         from mimo.checkpoint.replan import load_for_world
-        from mimo.runtime.device import preferred_device_name
+        from mimo.runtime.device import device_problem, preferred_device_name
 
         cfg = load_for_world(args.config, args.set, world, preferred_device_name(args.device), rank,
                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), check=args.check)
@@ -67,6 +67,9 @@ def main(argv=None) -> int:
         from mimo.training.metrics import missing_packages
 
         problems = [tuple(p.split(": ", 1)) for p in layout_problems(cfg)] + missing_packages(cfg)
+        device = None if args.check else device_problem(args.device)  # --check may run off the GPU nodes
+        if device:
+            problems.append(("--device", device))
         if problems:
             raise ConfigError(problems)
         check_hf_weights(cfg)  # HF weights: every tensor present with its shape (headers only)

@@ -35,6 +35,15 @@ def test_bad_config_exits_2_with_one_line_per_problem():
     assert "Traceback" not in r.stderr.split("error: ")[0]
 
 
+def test_device_cuda_without_cuda_is_a_config_error():
+    one_rank = ["--set", "parallelism.language.dp=1", "--set", "parallelism.images.dp=1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, SCRIPT, "--config", DEMO, "--device", "cuda"] + one_rank, capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env={**env, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT})
+    assert (r.returncode, r.stderr) == (2, "error: --device: cuda was requested but CUDA is not available on this "
+                                           "machine\n")
+
+
 def test_killed_rank_stops_every_rank():
     proc = subprocess.Popen(TORCHRUN + [SCRIPT, "--config", DEMO, "--device", "cpu", "--set", "training.train_iters=100000",
                                         "--set", "training.timeout_minutes=1"],

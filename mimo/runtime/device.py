@@ -34,18 +34,27 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def device_problem(preference: str = "auto") -> Optional[str]:
+    """Why `select_runtime(preference)` cannot run in this process, as one line; None if it can."""
+    use_cuda = preference == "cuda" or (preference == "auto" and cuda_available())
+    if use_cuda and not cuda_available():
+        return "cuda was requested but CUDA is not available on this machine"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        return f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible"
+    return None
+
+
 def select_runtime(preference: str = "auto") -> Runtime:
     """`auto`: NCCL + this process's GPU when CUDA is usable, else gloo + CPU."""
     if preference not in DEVICE_CHOICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {preference!r}")
-    use_cuda = preference == "cuda" or (preference == "auto" and cuda_available())
-    if use_cuda and not cuda_available():
-        raise RuntimeError("--device cuda was requested but CUDA is not available on this machine")
-    if not use_cuda:
+    problem = device_problem(preference)
+    if problem is not None:
+        raise RuntimeError(f"--device: {problem}")
+    if not (preference == "cuda" or (preference == "auto" and cuda_available())):
         return Runtime(torch.device("cpu"), "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # device_problem checked it names a GPU
     torch.cuda.set_device(local_rank)
     return Runtime(torch.device("cuda", local_rank), "nccl")
 
