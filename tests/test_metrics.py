@@ -249,6 +249,11 @@ def test_simulated_timeline_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = subprocess.run([sys.executable, TIMELINE, "--out", str(png)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: ")
+    rows = tmp_path / "run.jsonl"  # a --log-json file given for the trace: named, one line
+    rows.write_text('{"step": 1}\n{"step": 2}\n')
+    r = subprocess.run([sys.executable, TIMELINE, str(rows), "--out", str(png)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {rows}: not a Chrome trace (invalid JSON: "), r.stderr
 
 
 def test_wandb_offline_run_holds_the_step_scalars(tmp_path, monkeypatch):

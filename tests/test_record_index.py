@@ -379,6 +379,13 @@ def test_a_damaged_or_foreign_index_file_is_not_used(tmp_path, capsys):
             f.write(damage)
         assert load_index(path, "key", 3) is None
         assert "warning: data.index: cannot read" in capsys.readouterr().err
+    import numpy as np
+
+    with open(path, "wb") as f:  # pickled objects: never loaded, and the warning does not suggest it
+        np.savez(f, key=np.array([{"key": 1}], dtype=object))
+    assert load_index(path, "key", 3) is None
+    assert capsys.readouterr().err == (f"warning: data.index: cannot read {path} (it holds pickled objects, which an "
+                                       "index mimo writes never does); indexing the records again\n")
 
 
 def test_index_config_errors(sample_dir, tmp_path):  # noqa: F811

@@ -43,7 +43,10 @@ class _Parser(argparse.ArgumentParser):
 def read_trace(path: str) -> Tuple[List[Box], List[str]]:
     """Boxes and row names (one per rank, in rank order) of a Chrome trace written by mimo."""
     with open(path) as fh:
-        trace = json.load(fh)
+        try:
+            trace = json.load(fh)
+        except ValueError as exc:  # e.g. a --log-json file (one JSON object per line) given instead
+            raise ValueError(f"{path}: not a Chrome trace (invalid JSON: {exc})") from None
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError(f"{path}: not a Chrome trace (expected {{\"traceEvents\": [...]}})")
     boxes, ranks = [], set()

@@ -265,7 +265,10 @@ def load_index(path: str, key: str, num_records: int) -> Optional[RecordIndex]:
         if index.missing():
             raise ValueError(f"{len(index.missing())} records are missing from it")
     except Exception as exc:  # noqa: BLE001 (a damaged or foreign file, whatever numpy or zlib raise: indexed again)
-        print(f"warning: data.index: cannot read {path} ({type(exc).__name__}: {exc}); indexing the records again",
+        # numpy's message for a file holding pickled objects suggests loading it unsafely: not for an index.
+        why = ("it holds pickled objects, which an index mimo writes never does" if "allow_pickle" in str(exc)
+               else f"{type(exc).__name__}: {exc}")
+        print(f"warning: data.index: cannot read {path} ({why}); indexing the records again",
               file=sys.stderr, flush=True)
         return None
     return index
