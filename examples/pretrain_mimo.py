@@ -126,6 +126,9 @@ def main(argv=None) -> int:
         start = ckpt.resume() if ckpt else 0
         if rank == 0 and start:
             print(f"resumed from {cfg.training.load} at step {start}", flush=True)
+        if rank == 0 and start >= cfg.training.train_iters:
+            print(f"nothing to train: the checkpoint is at step {start} and training.train_iters is "
+                  f"{cfg.training.train_iters} (raise it to train on)", flush=True)
         reporter = StepReporter(cfg, trainer, runtime)
         for step in range(start, cfg.training.train_iters):
             reporter.before_step(step)

@@ -65,6 +65,13 @@ def test_convert_writes_the_full_unsharded_weights(saved, tmp_path):
     assert "step 2" in r.stdout and "language" in r.stdout and "images" in r.stdout
 
 
+def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
+    r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-2:] == [f"resumed from {saved['dir']} at step 2", "nothing to train: the checkpoint "
+                                          "is at step 2 and training.train_iters is 2 (raise it to train on)"], r.stdout
+
+
 def _run_cli(config, *sets):
     args = [sys.executable, SCRIPT, "--config", config, "--device", "cpu"]
     for s in sets:

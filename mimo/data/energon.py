@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import warnings
 from typing import Dict, Iterator
 
 from .llava import DataError
@@ -116,6 +117,10 @@ class EnergonSource:
 
     def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int):
         self.path, self.seed, self.shuffle, self.num_workers = path, seed, shuffle, num_workers
+        # energon's loaders always ask for pinned memory; on a machine without a GPU torch then warns,
+        # once per rank, that it will not pin. Nothing here goes to a device (records stay bytes). The
+        # filter is process-wide: energon makes its torch iterators lazily, on the loading thread.
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
         self._open()
         self.num_records = max(1, len(self._dataset))
         self._base, self._since = None, 0   # energon state (None: the start) and records consumed after it
