@@ -15,7 +15,7 @@ padding slot. Attention then needs:
   bits 0, so they attend nothing and are seen by nothing (the contract's
   padding rule); no un-permutation of K/V is ever needed.
 
-Backward of the all-gather is a reduce-scatter of dK/dV (``reduce_scatter_tensor``,
+Backward of the all-gather is a reduce-scatter of dK/dV (``reduce_scatter_single``,
 which NCCL and gloo both provide).
 
 ``ContextParallelMask`` carries bits, document ids and ``slots`` (per
@@ -282,7 +282,7 @@ def _reduce_scatter_dim0(grad: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     grad = grad.contiguous()
     out = torch.empty((grad.shape[0] // world, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-    dist.reduce_scatter_tensor(out, grad, group=group)
+    dist.reduce_scatter_single(out, grad, group=group)
     return out
 
 
@@ -295,7 +295,7 @@ class _GatherStart(torch.autograd.Function):
         world = dist.get_world_size(group)
         x = x.contiguous()
         out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+        work = dist.all_gather_single(out, x, group=group, async_op=async_op)
         pending.append(work)
         return out
 

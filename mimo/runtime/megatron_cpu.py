@@ -151,7 +151,7 @@ def _gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=Fal
     padded = input_.new_zeros((rows,) + tail)
     padded[:input_.shape[0]] = input_
     gathered = input_.new_empty((rows * group.size(),) + tail)
-    torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+    torch.distributed.all_gather_single(gathered, padded, group=group)
     return torch.cat([gathered[i * rows:i * rows + n] for i, n in enumerate(output_split_sizes)])
 
 
