@@ -184,6 +184,15 @@ def test_tool_contract(tmp_path):
     r = _tool("--samples", str(path), "--policy", "none", "--dp", "2", "--microbatches", "2")
     st = json.loads(r.stdout)["steps"][0]["dp"]
     assert st[0]["encoder"] == st[0]["llm"] == [["r0"], ["r2"]] and st[1]["llm"] == [["r1"], ["r3"]]
+    # With a config, the tool says where its run is not the trainer's: another DP, a refused policy.
+    demo = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")  # LLM dp 2, no pipeline
+    r = _tool("--samples", str(path), "--policy", "entrain", "--dp", "3", "--microbatches", "2", "--config", demo)
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert r.returncode == 0 and len(notes) == 2, r.stderr
+    assert notes[0] == f"note: --dp 3, but {demo} has parallelism.language.dp 2: the trainer deals each step over 2 DP ranks"
+    assert notes[1].startswith("note: the trainer refuses it: data.balance: entrain defers LLM work")
+    r = _tool("--samples", str(path), "--policy", "mmscale", "--dp", "2", "--microbatches", "2", "--config", demo)
+    assert r.returncode == 0 and "note: " not in r.stderr, r.stderr
 
 
 def test_tool_bad_input(tmp_path):

@@ -58,6 +58,25 @@ def _model(config: str | None, gpu: str):
     return work, Pipeline.from_parallelism(par, work)
 
 
+def _unlike_the_trainer(config: str, policy: str, dp: int) -> list:
+    """Where this run of the tool is not what the trainer would run with `config`: a --dp other than
+    the LLM's, or a policy its config check refuses for that layout (one line each)."""
+    from mimo.config import ConfigError, load_config
+
+    raw = load_raw(config)
+    notes = []
+    llm_dp = ((raw.get("parallelism") or {}).get("language") or {}).get("dp", 1)
+    if llm_dp != dp:
+        notes.append(f"--dp {dp}, but {config} has parallelism.language.dp {llm_dp}: the trainer deals each "
+                     f"step over {llm_dp} DP ranks")
+    raw.setdefault("data", {})["balance"] = policy
+    try:
+        load_config(raw)
+    except ConfigError as exc:
+        notes += [f"the trainer refuses it: {field}: {why}" for field, why in exc.problems if field == "data.balance"]
+    return notes
+
+
 def main(argv=None) -> int:
     ap = _Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", required=True)
@@ -89,6 +108,8 @@ def main(argv=None) -> int:
             times.append(pipeline.step_time(enc, llm, a))
             base.append(pipeline.step_time(enc, llm, assign("none", enc, llm, D, M)))
     print(json.dumps({"steps": steps}))
+    for note in _unlike_the_trainer(args.config, args.policy, D) if args.config else []:
+        print(f"note: {note}", file=sys.stderr)
     dropped = len(ids) - len(steps) * n
     print(f"balance: policy {args.policy}, {len(steps)} steps of {n} samples ({dropped} dropped), "
           f"dp {D} x {M} microbatches", file=sys.stderr)
