@@ -55,8 +55,9 @@ def _load_samples(path: str):
     try:
         with open(path) as fh:
             data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON ({exc.msg})") from None
+    except json.JSONDecodeError as exc:  # e.g. tools/balance.py's JSONL records
+        raise ValueError(f"{path}: invalid JSON ({exc.msg}); expected one JSON list of [text_tokens, images, "
+                         "audio_clips]") from None
     except (UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise ValueError(f"{path}: unreadable as JSON ({type(exc).__name__})") from None
     if not isinstance(data, list) or not data or not all(

@@ -182,6 +182,10 @@ def test_bad_samples_file_is_one_error_line(tmp_path, capsys):
     assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--samples", str(samples)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {samples}: unreadable as JSON"), err
+    samples.write_text('{"id": "a", "text_tokens": 3, "image_tokens": 1}\n{"id": "b", "text_tokens": 5, "image_tokens": 0}\n')
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--samples", str(samples)]) == 2
+    assert capsys.readouterr().err == (f"error: {samples}: invalid JSON (Extra data); expected one JSON list of "
+                                       "[text_tokens, images, audio_clips]\n")  # balance.py's records, not these
 
 
 def test_samples_longer_than_the_sequence_warn(tmp_path, capsys):
