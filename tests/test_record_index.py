@@ -74,6 +74,21 @@ def test_indexed_ranks_plan_what_one_process_plans_with_bad_records(sample_dir, 
     assert any(len(r) > 1 for step in reference for r in step["records"])  # packed sequences
 
 
+def test_a_broken_jsonl_line_is_skipped_alike_on_every_rank(sample_dir, tmp_path):  # noqa: F811
+    """A JSONL line cut short (and a last line cut, as in a file still being written) is a bad record
+    under `on_bad_record: skip` on indexed ranks too; it stopped the rank that indexed it."""
+    path = write_records(tmp_path, [dict(RED, id=f"r{k}") for k in range(12)])
+    lines = open(path).read().split("\n")
+    lines[3], lines[-1] = lines[3][:20], lines[-1][:30]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    raw = llava_raw(sample_dir, path, shuffle=False, image_root=sample_dir)
+    raw["training"].update(global_batch_size=4, micro_batch_size=1)
+    reference = _same_plans(raw, STEPS)
+    assert reference[-1]["skipped"] >= 2
+    assert not {"r3", "r11"} & {i for step in reference for seq in step["records"] for i in seq}
+
+
 def _plan_stream_on_rank(raw, steps):
     """Energon: the records tokenised while planning `steps` after the keyed index is built (or
     without it, on one process), and the plans."""

@@ -339,7 +339,11 @@ class LlavaDataset:
 
     def _learn(self, idx: int):
         """Record `idx` of the file's RecordMeta, or why it is bad."""
-        return self._learn_record(self.records[idx], idx)
+        try:
+            record = self.records[idx]
+        except BadRecord as exc:  # a JSONL line that is not valid JSON: a bad record like any other
+            return str(exc)
+        return self._learn_record(record, idx)
 
     def _learn_record(self, record, idx: int):
         """The record's RecordMeta, or why it is bad."""
