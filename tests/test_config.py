@@ -251,6 +251,29 @@ def test_cli_bad_yaml_and_missing_file(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    from mimo.config.load import apply_overrides
+
+    def problem(fn, *args):
+        with pytest.raises(ConfigError) as exc:
+            fn(*args)
+        return str(exc.value)
+
+    (tmp_path / "broken.yaml").write_text("model: {a: 1,\n  b: [2\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "dir.yaml").mkdir()
+    p = {n: str(tmp_path / n) for n in ("broken.yaml", "binary.yaml", "dir.yaml", "nope.yaml")}
+    assert problem(read_yaml, p["broken.yaml"]).startswith(f"error: {p['broken.yaml']}: invalid YAML: ")
+    assert "at line 3, column 1" in problem(read_yaml, p["broken.yaml"])
+    assert problem(read_yaml, p["binary.yaml"]) == f"error: {p['binary.yaml']}: not UTF-8 text (a YAML config is text)"
+    assert problem(read_yaml, p["dir.yaml"]) == f"error: {p['dir.yaml']}: is a directory, not a YAML file"
+    assert problem(read_yaml, p["nope.yaml"]) == f"error: {p['nope.yaml']}: no such file"
+    # A --set value YAML cannot parse names the field and the text.
+    assert problem(apply_overrides, {}, ["training.train_iters=[1,2"]) == (
+        "error: training.train_iters: cannot parse '[1,2' as a YAML value (expected ',' or ']', but got "
+        "'<stream end>' at line 1, column 5)")
+
+
 def test_example_configs_are_valid_and_runnable(tmp_path):
     from mimo.training import layout_problems
 

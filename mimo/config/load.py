@@ -147,20 +147,36 @@ def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]
                 problems.append((key, f"cannot set a key under non-mapping {p!r}"))
                 break
         else:
-            node[parts[-1]] = yaml.safe_load(text)
+            try:
+                node[parts[-1]] = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                problems.append((key, f"cannot parse {text!r} as a YAML value ({_yaml_problem(exc)})"))
     if problems:
         raise ConfigError(problems)
     return raw
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's problem and where, in one line."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
+
+
 def read_yaml(path: str) -> Dict[str, Any]:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
-        raise ConfigError([("<file>", f"no such file: {path}")])
+        raise ConfigError([(path, "no such file")]) from None
+    except IsADirectoryError:
+        raise ConfigError([(path, "is a directory, not a YAML file")]) from None
+    except UnicodeDecodeError:
+        raise ConfigError([(path, "not UTF-8 text (a YAML config is text)")]) from None
+    except OSError as exc:
+        raise ConfigError([(path, f"cannot read it ({exc.strerror or exc})")]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([("<file>", f"invalid YAML: {str(exc).splitlines()[0]}")])
+        raise ConfigError([(path, f"invalid YAML: {_yaml_problem(exc)}")]) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
