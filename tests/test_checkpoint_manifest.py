@@ -78,3 +78,17 @@ def test_bench_manifest_tool_prints_one_line_per_rank_count(tmp_path, capsys):
     row = json.loads(line)
     assert row["ranks"] == 2 and row["files"] == 3 and row["seconds"] > 0
     assert len(os.listdir(tmp_path)) == 3
+
+
+def test_a_manifest_of_the_wrong_shape_is_one_error(tmp_path):
+    from mimo.checkpoint.manifest import MANIFEST, read_manifest
+    from mimo.checkpoint.paths import CheckpointError
+
+    path = tmp_path / MANIFEST
+    for text in ("[1, 2]", '{"files": [1]}', '{"files": {"a": {"bytes": "x", "crc32": 1}}}', '{"files": {"a": 3}}',
+                 "{}", "not json"):
+        path.write_text(text)
+        with pytest.raises(CheckpointError, match=f"^{path}: unreadable"):
+            read_manifest(str(tmp_path))
+    path.write_text('{"files": {"a": {"bytes": 3, "crc32": 7}}}')
+    assert read_manifest(str(tmp_path)) == {"a": {"bytes": 3, "crc32": 7}}

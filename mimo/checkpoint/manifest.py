@@ -108,9 +108,15 @@ def read_manifest(ckpt: str) -> Dict[str, Dict[str, int]]:
         raise CheckpointError(f"{path}: missing (the checkpoint is incomplete)")
     try:
         with open(path) as f:
-            return json.load(f)["files"]
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+            files = json.load(f)["files"]
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without a "files" mapping
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(files, dict) or not all(
+            isinstance(rel, str) and isinstance(want, dict)
+            and all(isinstance(want.get(k), int) and not isinstance(want.get(k), bool) for k in ("bytes", "crc32"))
+            for rel, want in files.items()):
+        raise CheckpointError(f"{path}: unreadable (expected {{\"files\": {{name: {{\"bytes\": int, \"crc32\": int}}}}}})")
+    return files
 
 
 def verify(ckpt: str, checksums: bool = True) -> None:
