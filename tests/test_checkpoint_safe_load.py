@@ -163,3 +163,18 @@ def test_energon_data_positions_are_stored_as_plain_data(tmp_path):
     forged["__energon_flex_state__"]["a"]["__energon_dataclass__"] = "mimo.config.schema.TrainingConfig"
     with pytest.raises(DataError, match="is not an energon state class"):
         energon_state(forged)
+
+
+def test_a_damaged_file_is_named_with_the_reason(tmp_path):
+    from mimo.checkpoint.safe_load import check_dcp_metadata, load_torch_file
+
+    bad = tmp_path / "common.pt"
+    bad.write_bytes(b"PK\x03\x04 cut")
+    with pytest.raises(CheckpointError) as exc:
+        load_torch_file(str(bad))
+    assert str(exc.value) == f"{bad}: unreadable (RuntimeError: PytorchStreamReader failed reading zip archive: " \
+                             "not a ZIP archive)"
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04 cut")
+    with pytest.raises(CheckpointError) as exc:
+        check_dcp_metadata(str(tmp_path))
+    assert str(exc.value) == f"{tmp_path / '.metadata'}: unreadable (UnpicklingError: invalid load key, ' '.)"

@@ -80,9 +80,15 @@ def load_torch_file(path: str):
         found = re.search(r"GLOBAL (\S+)", str(exc))
         if "Weights only load failed" in str(exc):
             raise refused(path, found.group(1) if found else "not plain data") from None
-        raise CheckpointError(f"{path}: unreadable (UnpicklingError)") from None
+        raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
     except Exception as exc:  # any other failure to parse means the same thing: the file is damaged
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__})") from None
+        raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as a short reason: its type and the first sentence of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 # -- torch's distributed-checkpoint index ------------------------------------------------------
@@ -117,6 +123,6 @@ def check_dcp_metadata(ckpt: str) -> None:
         found = re.match(r"GLOBAL (\S+)", str(exc))
         if found:
             raise refused(path, found.group(1)) from None
-        raise CheckpointError(f"{path}: unreadable (UnpicklingError)") from None
+        raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
     except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__})") from None
+        raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
