@@ -65,6 +65,15 @@ def test_convert_writes_the_full_unsharded_weights(saved, tmp_path):
     assert "step 2" in r.stdout and "language" in r.stdout and "images" in r.stdout
 
 
+def test_output_paths_that_are_directories_are_one_error(saved, tmp_path, capsys):
+    from mimo.checkpoint.__main__ import main as checkpoint_cli
+    from mimo.training.hf_export import out_dir_problem
+
+    assert checkpoint_cli(["convert", saved["dir"], "--to-torch", str(tmp_path)]) == 2  # before any load
+    assert capsys.readouterr().err == f"error: --to-torch: {tmp_path} is a directory; name the file to write\n"
+    assert out_dir_problem(None, "") == "an empty path; name the directory to write"  # hf export --out ''
+
+
 def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
     r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
         else:
             import torch
 
+            if os.path.isdir(args.to_torch) or not os.path.basename(args.to_torch):
+                raise CheckpointError(f"--to-torch: {args.to_torch or repr('')} is a directory; name the file to write")
             weights = full_weights(args.path)
             os.makedirs(os.path.dirname(os.path.abspath(args.to_torch)), exist_ok=True)
             torch.save(weights, args.to_torch)

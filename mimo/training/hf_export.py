@@ -30,6 +30,8 @@ def out_dir_problem(cfg: MimoConfig, out_dir: str) -> str:
     """Why `out_dir` cannot receive an export ('' when it can): checked before any rank starts,
     since an export writes shards beside whatever the directory holds, and transformers would
     load a stale model.safetensors left there instead of the new index."""
+    if not out_dir:
+        return "an empty path; name the directory to write"
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         return f"{out_dir} exists and is not a directory"
     sources = [(path, d) for path, d in [("model.hf", cfg.model.hf), ("model.language.hf", cfg.model.language.hf)]
