@@ -65,3 +65,21 @@ def test_a_line_that_is_not_json_is_a_bad_record(sample_dir, tmp_path, capfd):  
     ds.plan(0)
     with pytest.raises(DataError, match=r"error: data.path: record '#1': line 2 of .* is not valid JSON"):
         ds.plan(1)
+
+
+def test_a_file_that_is_one_json_object_is_not_records(tmp_path):
+    from mimo.data.llava import DataError
+    from mimo.data.record_file import read_records
+
+    record = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yes"}]}
+    for name, text in (("one_line.json", json.dumps({"records": [record]})),
+                       ("pretty.json", json.dumps({"records": [record], "version": 2}, indent=2))):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(DataError) as exc:
+            read_records(str(path))
+        assert str(exc.value).startswith(f"error: data.path: {path}: one JSON object ({{'records'")
+        assert str(exc.value).endswith("not records: give a JSON list of records, or JSONL (one record per line)")
+    one = tmp_path / "one.jsonl"  # a file of one record is records
+    one.write_text(json.dumps(record))
+    assert list(read_records(str(one))[0]) == [record]

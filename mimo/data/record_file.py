@@ -38,6 +38,8 @@ def read_records(path: str):
         records = JsonLines(path)
         if not len(records):
             raise DataError(f"error: data.path: {path}: holds no record")
+        if head.startswith(b"{") and (len(records) == 1 or not _parses(head.split(b"\n", 1)[0])):
+            _refuse_one_object(path)  # e.g. {"records": [...]}, on one line or pretty-printed
         return records, records.digest
     with open(path, "rb") as f:
         raw = f.read()
@@ -48,6 +50,28 @@ def read_records(path: str):
     if not records:
         raise DataError(f"error: data.path: {path}: holds no record")
     return records, hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def _refuse_one_object(path: str) -> None:
+    """A file that is one JSON object other than a record is not a records file: say so, rather than
+    name its first line a bad record."""
+    with open(path, "rb") as f:
+        try:
+            whole = json.loads(f.read().removeprefix(BOM).decode("utf-8"))
+        except ValueError:
+            return  # JSONL with bad lines: those are bad records, found where they are read
+    if isinstance(whole, dict) and "conversations" not in whole:
+        keys = ", ".join(map(repr, list(whole)[:3])) + (", ..." if len(whole) > 3 else "")
+        raise DataError(f"error: data.path: {path}: one JSON object ({{{keys}}}), not records: give a JSON list "
+                        "of records, or JSONL (one record per line)")
 
 
 class JsonLines(Sequence):
