@@ -45,6 +45,10 @@ def test_parity_cli_refuses_candidates_that_change_more_than_parallelism(tmp_pat
                        text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.startswith("error: training:") and "only parallelism may differ" in r.stderr
+    for rtol in ("-1", "nan", "inf"):  # a tolerance that cannot judge is bad input, not a parity result
+        r = subprocess.run([sys.executable, TOOL, os.path.join(PARITY, "baseline.yaml"), str(bad), "--rtol", rtol],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert (r.returncode, r.stderr) == (2, f"error: --rtol: must be a finite number >= 0, got {float(rtol)}\n")
 
 
 def test_comparison_catches_swapped_shards_and_missing_tensors():

@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     if args.steps < 1:
         print("error: --steps: must be >= 1", file=sys.stderr)
         return 2
+    if not 0 <= args.rtol < float("inf"):  # nan too: no difference would pass or fail right
+        print(f"error: --rtol: must be a finite number >= 0, got {args.rtol}", file=sys.stderr)
+        return 2
     from mimo.training.parity import adam_eps_hint, parity
 
     try:
