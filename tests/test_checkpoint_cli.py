@@ -157,6 +157,10 @@ def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
     empty["training"].update(load=str(tmp_path / "none"), save=str(tmp_path / "none"))
     assert preflight(load_config(empty)) is None  # save == load, nothing saved yet: start fresh
     empty["training"]["save"] = None
+    if not os.path.isdir(tmp_path / "none"):
+        with pytest.raises(CheckpointError, match=f"^training.load: {tmp_path / 'none'}: no such directory$"):
+            preflight(load_config(empty))
+    os.makedirs(tmp_path / "none", exist_ok=True)
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         preflight(load_config(empty))
     # A `training.save` that can never hold a checkpoint: found before the run, not at its first save.

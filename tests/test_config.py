@@ -251,6 +251,14 @@ def test_cli_bad_yaml_and_missing_file(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
+def test_a_data_path_that_is_a_directory_says_so(tmp_path):
+    raw = tiny()
+    raw["data"] = {"kind": "llava", "path": str(tmp_path), "tokenizer": str(tmp_path)}
+    with pytest.raises(ConfigError) as exc:
+        load_config(raw)
+    assert ("data.path", f"{tmp_path} is a directory; give the records file (a JSON list or JSONL)") in exc.value.problems
+
+
 def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
     from mimo.config.load import apply_overrides
 

@@ -211,6 +211,8 @@ def test_a_read_failure_stops_the_run_instead_of_skipping_the_record(sample_dir,
         monkeypatch.setattr(images, "_open", cause)
         with pytest.raises(ImageError, match="unreadable image"):
             check_image(img)
+    with pytest.raises(ImageError, match=f"^image is a directory: {tmp_path}$"):
+        check_image(str(tmp_path))
 
 
 def test_error_mode_names_the_record(sample_dir, tmp_path):

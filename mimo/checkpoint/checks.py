@@ -91,6 +91,8 @@ def resume_target(cfg) -> Optional[str]:
     if read_latest(root) is None and not os.path.basename(os.path.normpath(root)).startswith("iter_"):
         if same:
             return None  # auto-resume: nothing saved yet
+        if not os.path.exists(root):
+            raise CheckpointError(f"training.load: {root}: no such directory")
         raise CheckpointError(f"training.load: {root} holds no checkpoint (no {os.path.join(root, 'latest')})")
     return resolve(root)
 

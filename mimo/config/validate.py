@@ -221,6 +221,8 @@ def _check_data(cfg: MimoConfig, add) -> None:
     if d.kind == "llava":
         if not d.path:
             add("data.path", "required for data.kind llava (a JSON list or JSONL file of records)")
+        elif os.path.isdir(d.path):
+            add("data.path", f"{d.path} is a directory; give the records file (a JSON list or JSONL)")
         elif not os.path.isfile(d.path):
             add("data.path", f"no such file: {d.path}")
         if d.image_root is not None and not os.path.isdir(d.image_root):

@@ -69,7 +69,7 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     from PIL import Image
 
     if isinstance(path, str) and not os.path.isfile(path):
-        raise ImageError(f"image not found: {path}")
+        raise ImageError(f"image is a directory: {path}" if os.path.isdir(path) else f"image not found: {path}")
     try:
         with _open(path) as img:
             w, h = img.size
