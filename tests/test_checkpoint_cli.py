@@ -74,6 +74,20 @@ def test_output_paths_that_are_directories_are_one_error(saved, tmp_path, capsys
     assert out_dir_problem(None, "") == "an empty path; name the directory to write"  # hf export --out ''
 
 
+def test_a_damaged_format_record_is_named(saved, tmp_path):
+    from mimo.checkpoint.checks import read_checked
+
+    ckpt = paths.iter_dir(_copy(saved, tmp_path), 2)
+    record = os.path.join(ckpt, "metadata.json")
+    with open(record, "w") as f:
+        f.write("not json")
+    with pytest.raises(CheckpointError, match=f"^{record}: unreadable \\(JSONDecodeError: "):
+        read_checked(ckpt)
+    os.remove(record)
+    with pytest.raises(CheckpointError, match=f"^{record}: missing"):
+        read_checked(ckpt)
+
+
 def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
     r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -36,7 +36,21 @@ def read_checked(ckpt: str) -> dict:
     megatron-core reads it: what every reader of a checkpoint calls first."""
     meta = read_meta(ckpt)
     check_dcp_metadata(ckpt)
+    _check_format_record(ckpt)
     return meta
+
+
+def _check_format_record(ckpt: str) -> None:
+    """megatron-core's `metadata.json` (its format and version) as megatron-core reads it, so that a
+    damaged one is named here rather than met as a bare JSON error by every rank in the load."""
+    from megatron.core.dist_checkpointing.core import CONFIG_FNAME, maybe_load_config
+
+    try:
+        found = maybe_load_config(ckpt)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FNAME)}: unreadable ({type(exc).__name__}: {exc})") from None
+    if found is None:
+        raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FNAME)}: missing (not a distributed checkpoint)")
 
 
 def _get(d: dict, path: str):
