@@ -137,6 +137,9 @@ def test_hf_audio_encoder_uses_its_saved_feature_extractor(tmp_path):
     a = tone(1000)
     with pytest.raises(AudioError, match="too long"):
         loader.check(write_wav(tmp_path / "long.wav", tone(16 * 80 + 1)))
+    (tmp_path / "empty.wav").write_bytes(b"")  # a reason, not an empty one
+    with pytest.raises(AudioError, match="empty.wav: ends inside its header \\(PCM WAV expected\\)$"):
+        loader.check(str(tmp_path / "empty.wav"))
     clip = write_wav(tmp_path / "a.wav", a)
     loader.check(clip)
     ref = WhisperFeatureExtractor.from_pretrained(hf)(a / 32768.0, sampling_rate=16000, max_length=16 * 80,
