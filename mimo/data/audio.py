@@ -85,7 +85,7 @@ class AudioLoader:
                 raise failure from None
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
         except (wave.Error, EOFError) as exc:  # EOFError has no message: the file ends inside its header
-            raise AudioError(f"unreadable audio {path}: {exc or 'ends inside its header'} (PCM WAV expected)") from None
+            raise AudioError(f"unreadable audio {path}: {str(exc) or 'ends inside its header'} (PCM WAV expected)") from None
         if rate != self.rate:
             raise AudioError(f"audio {path}: sample rate {rate} Hz, expected {self.rate} Hz (resample it first)")
         if n > self.max_samples:
