@@ -18,7 +18,7 @@ import traceback
 # Allow running from a source checkout without installing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mimo.checkpoint import CheckpointError, ShareError  # noqa: E402
+from mimo.checkpoint import CheckpointError  # noqa: E402
 from mimo.config import ConfigError  # noqa: E402
 from mimo.hf import HFWeightsError, check_hf_weights  # noqa: E402
 from mimo.runtime import DEVICE_CHOICES  # noqa: E402
@@ -85,11 +85,9 @@ def main(argv=None) -> int:
                 raise ConfigError([("--hf-export", problem)])
         from mimo.checkpoint import preflight
 
-        # training.load: the manifest, the resume-relevant config fields and this rank's share of the files.
-        preflight(cfg, share=(0, 1) if args.check else (rank, world))
-    except ShareError as exc:  # found by this rank alone: it reports; torchrun then stops the others
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        # training.load: the manifest, the resume-relevant config fields and the files every rank reads next
+        # (--check: every file; a job's ranks check the other files later, each its share, agreed).
+        preflight(cfg, every_file=args.check)
     except CheckpointError as exc:
         return _stop(0 if args.check else rank, f"error: {exc}", 2)
     except (ConfigError, HFWeightsError) as exc:

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from .manifest import verify_share
+from .manifest import verify_read_by_all, verify_share
 from .paths import CheckpointError, read_latest, resolve
 from .safe_load import DCP_METADATA, check_dcp_metadata, load_torch_file
 
@@ -120,13 +120,21 @@ def check_resumable(cfg, ckpt: str) -> dict:
     return meta
 
 
-def preflight(cfg, share: Tuple[int, int] = (0, 1)) -> Optional[str]:
+def preflight(cfg, every_file: bool = True) -> Optional[str]:
     """Before any process group exists: the checkpoint directory this run resumes from, None to
-    start fresh; raises CheckpointError. `share`: (rank, world): the files whose presence and size
-    this process checks (`verify_share`; a problem there is a ShareError, found by this rank alone)."""
+    start fresh; raises CheckpointError, which every rank of a job finds alike.
+
+    `every_file`: also the presence and size of every file of the checkpoint (one process: `--check`,
+    an export). A rank of a job checks only the files every rank reads next (`common.pt`,
+    `.metadata`); the others it checks as its share once the process groups exist, agreed with the
+    other ranks (`Checkpointer._resume`): a short file found by one rank here would stop that rank
+    alone and leave the others waiting for it, unless the launcher stopped them."""
     ckpt = resume_target(cfg)
     if ckpt is not None:
-        verify_share(ckpt, *share, checksums=False, read_by_all=(COMMON, DCP_METADATA))
+        if every_file:
+            verify_share(ckpt, 0, 1, checksums=False, read_by_all=(COMMON, DCP_METADATA))
+        else:
+            verify_read_by_all(ckpt, (COMMON, DCP_METADATA))
         check_resumable(cfg, ckpt)
     return ckpt
 

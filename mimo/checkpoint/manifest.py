@@ -132,14 +132,21 @@ def verify_share(ckpt: str, rank: int, world: int, checksums: bool = True, read_
     `read_by_all`: files every rank reads next (the common state, the index): their presence and
     size are checked here on every rank, so every rank names the same damage (CheckpointError)
     instead of one rank naming it (ShareError) and the others failing to read the file."""
-    files = read_manifest(ckpt)
-    for rel in read_by_all:
-        if rel in files:
-            _check_size(ckpt, rel, files[rel]["bytes"], CheckpointError)
+    files = verify_read_by_all(ckpt, read_by_all)
     for rel in shares({rel: want["bytes"] for rel, want in files.items()}, world)[rank]:
         path = _check_size(ckpt, rel, files[rel]["bytes"], ShareError)
         if checksums and crc32(path) != files[rel]["crc32"]:
             raise ShareError(f"{path}: corrupt (CRC32 differs from the manifest)")
+
+
+def verify_read_by_all(ckpt: str, names: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """The manifest, after checking the presence and size of `names`: files every rank reads, so every
+    rank finds the same damage there (CheckpointError)."""
+    files = read_manifest(ckpt)
+    for rel in names:
+        if rel in files:
+            _check_size(ckpt, rel, files[rel]["bytes"], CheckpointError)
+    return files
 
 
 def _check_size(ckpt: str, rel: str, want: int, error: type) -> str:
