@@ -34,9 +34,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _wants_cuda(preference: str) -> bool:
+    return preference == "cuda" or (preference == "auto" and cuda_available())
+
+
 def device_problem(preference: str = "auto") -> Optional[str]:
     """Why `select_runtime(preference)` cannot run in this process, as one line; None if it can."""
-    use_cuda = preference == "cuda" or (preference == "auto" and cuda_available())
+    use_cuda = _wants_cuda(preference)
     if use_cuda and not cuda_available():
         return "cuda was requested but CUDA is not available on this machine"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -52,7 +56,7 @@ def select_runtime(preference: str = "auto") -> Runtime:
     problem = device_problem(preference)
     if problem is not None:
         raise RuntimeError(f"--device: {problem}")
-    if not (preference == "cuda" or (preference == "auto" and cuda_available())):
+    if not _wants_cuda(preference):
         return Runtime(torch.device("cpu"), "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # device_problem checked it names a GPU
     torch.cuda.set_device(local_rank)
