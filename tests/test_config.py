@@ -276,6 +276,16 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
     assert problem(read_yaml, p["binary.yaml"]) == f"error: {p['binary.yaml']}: not UTF-8 text (a YAML config is text)"
     assert problem(read_yaml, p["dir.yaml"]) == f"error: {p['dir.yaml']}: is a directory, not a YAML file"
     assert problem(read_yaml, p["nope.yaml"]) == f"error: {p['nope.yaml']}: no such file"
+    # A key written twice in one mapping (plain YAML keeps the last one) names both lines; a key
+    # a merge brought in may still be overridden.
+    (tmp_path / "twice.yaml").write_text("training:\n  lr: 1.0e-4\n  train_iters: 3\n  lr: 2.0e-4\n")
+    assert problem(read_yaml, str(tmp_path / "twice.yaml")) == (
+        f"error: {tmp_path / 'twice.yaml'}: invalid YAML: key 'lr' written twice (first at line 2) at line 4, "
+        "column 3")
+    (tmp_path / "merge.yaml").write_text("base: &b {lr: 1, wd: 2}\ntraining:\n  <<: *b\n  lr: 3\n")
+    assert read_yaml(str(tmp_path / "merge.yaml"))["training"] == {"lr": 3, "wd": 2}
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert problem(read_yaml, str(tmp_path / "deep.yaml")) == f"error: {tmp_path / 'deep.yaml'}: invalid YAML: nested too deeply"
     # A --set value YAML cannot parse names the field and the text.
     assert problem(apply_overrides, {}, ["training.train_iters=[1,2"]) == (
         "error: training.train_iters: cannot parse '[1,2' as a YAML value (expected ',' or ']', but got "

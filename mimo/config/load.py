@@ -148,12 +148,40 @@ def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]
                 break
         else:
             try:
-                node[parts[-1]] = yaml.safe_load(text)
+                node[parts[-1]] = load_yaml(text)
             except yaml.YAMLError as exc:
                 problems.append((key, f"cannot parse {text!r} as a YAML value ({_yaml_problem(exc)})"))
     if problems:
         raise ConfigError(problems)
     return raw
+
+
+class _NoDuplicateKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error: plain YAML
+    keeps the last value, so a field set twice (say after a paste) would silently drop the first.
+    Keys brought in by a merge (`<<: *base`) may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: the base class names that problem
+                    continue
+                if seen is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"key {key!r} written twice (first at line {seen.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(stream) -> Any:
+    """`yaml.safe_load`, refusing duplicate keys in a mapping."""
+    return yaml.load(stream, Loader=_NoDuplicateKeys)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -166,7 +194,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 def read_yaml(path: str) -> Dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = load_yaml(f)
     except FileNotFoundError:
         raise ConfigError([(path, "no such file")]) from None
     except IsADirectoryError:
@@ -177,6 +205,8 @@ def read_yaml(path: str) -> Dict[str, Any]:
         raise ConfigError([(path, f"cannot read it ({exc.strerror or exc})")]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([(path, f"invalid YAML: {_yaml_problem(exc)}")]) from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise ConfigError([(path, "invalid YAML: nested too deeply")]) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from mimo.config.hf_arch import resolve_hf
+from mimo.config.load import load_yaml
 from mimo.planner.cost_model import Calibration, Workload
 from mimo.planner.emit import build_config
 from mimo.planner.hardware import get_gpu
@@ -36,7 +37,7 @@ def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
         return copy.deepcopy(dict(config))
     try:
         with open(config) as fh:
-            raw = yaml.safe_load(fh)
+            raw = load_yaml(fh)
     except OSError as exc:
         raise ValueError(f"cannot read {config}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
