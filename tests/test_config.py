@@ -57,6 +57,10 @@ def test_tiny_is_valid():
     ("training.micro_batch_size", 0, "training.micro_batch_size"),
     ("data.seq_length", 0, "data.seq_length"),
     ("parallelism.language.rank_offset", -2, "parallelism.language.rank_offset"),
+    # sizes that would overflow where they are used (an OverflowError in the model, before)
+    ("model.language.num_layers", 10**20, "model.language.num_layers"),
+    ("model.language.vocab_size", 2**31, "model.language.vocab_size"),
+    ("training.seed", 2**32, "training.seed"),
     # unknown keys
     ("model.language.num_layer", 2, "model.language.num_layer"),
     ("training.learning_rate", 0.1, "training.learning_rate"),

@@ -313,8 +313,13 @@ def _check_replan(cfg: MimoConfig, add) -> None:
             add("training.replan_min_ranks", f"must be <= the ranks the layout uses ({cfg.world_size})")
 
 
+_INT_MAX = 2**31 - 1   # sizes and counts beyond it overflow the index types of torch and the kernels
+_SEED_MAX = 2**32 - 1  # numpy's and the samplers' seed range (they scale the seed by about 2**20)
+
+
 def _positive_ints(cfg: MimoConfig, add) -> None:
-    """Every integer size in the schema is >= 1 (offsets and seeds >= 0)."""
+    """Every integer size in the schema is >= 1 (offsets and seeds >= 0), and none is so large that it
+    would overflow where it is used (one line naming the field, not an OverflowError from the model)."""
     non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters", "window_size",
                     "moe_shared_expert_intermediate_size"}
     sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
@@ -330,6 +335,9 @@ def _positive_ints(cfg: MimoConfig, add) -> None:
                     add(f"{path}.{f.name}", f"must be >= 0, got {v}")
             elif v < 1:
                 add(f"{path}.{f.name}", f"must be a positive integer, got {v}")
+            top = _SEED_MAX if f.name == "seed" else _INT_MAX
+            if v > top:
+                add(f"{path}.{f.name}", f"must be at most {top}, got {v}")
 
 
 def _check_schedule(tr, add) -> None:
