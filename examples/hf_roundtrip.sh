@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 WORK=${1:-/tmp/mimo_hf_roundtrip}
 PY=${PYTHON:-python}
 mkdir -p "$WORK"
+# The script's own outputs only (WORK may hold other files): a rerun starts from a new tiny model and
+# exports into an empty directory, as --hf-export requires.
+rm -rf "$WORK/tiny_llava" "$WORK/trained_hf" "$WORK/inputs.pt" "$WORK/mimo_logits.pt" "$WORK/trained_logits.pt"
 CFG=examples/configs/llava_hf_cpu.yaml
 
 # 1. A tiny random LLaVA (CLIP + Llama with GQA) written by transformers.
