@@ -126,7 +126,7 @@ def _split_hint(searcher: LayoutSearch, pars: dict, homogeneous: bool) -> str:
     if fitted.peak_memory > searcher.limit:
         return ""
     return (f"; parallelism.language.stage_layers: {list(fitted.llm_stage_layers)} would fit "
-            f"(peak {fitted.peak_memory / GB:.1f} GB, step {fitted.step_time:.3f} s)")
+            f"(peak {_gb(fitted.peak_memory)} GB, step {fitted.step_time:.3f} s)")
 
 
 def _short(p: Par, split: tuple[int, ...] = ()) -> str:
@@ -134,6 +134,12 @@ def _short(p: Par, split: tuple[int, ...] = ()) -> str:
     layers = f" [{','.join(map(str, split))}]" if split else ""
     experts = f" ep{p.ep}" + (f" etp{p.etp}" if p.etp > 1 else "") if p.ep > 1 or p.etp > 1 else ""
     return f"tp{p.tp} cp{p.cp} pp{p.pp}{layers} dp{p.dp}{experts}{extra}"
+
+
+def _gb(nbytes: float) -> str:
+    """Memory in GB: one decimal from 1 GB up, three below (a CPU demo model would read 0.0)."""
+    gb = nbytes / GB
+    return f"{gb:.1f}" if gb >= 1 else f"{gb:.3f}"
 
 
 def _layout(c, order) -> str:
@@ -222,7 +228,7 @@ def main(argv=None) -> int:
                 print(json.dumps(out))
             else:
                 print(f"{est.placement} on {est.gpus} x {args.gpu}: step {est.step_time:.3f} s, "
-                      f"{est.tokens_per_s:,.0f} tokens/s, peak {est.peak_memory / GB:.1f} GB per GPU")
+                      f"{est.tokens_per_s:,.0f} tokens/s, peak {_gb(est.peak_memory)} GB per GPU")
                 if args.measured is not None:
                     mfu = "" if run["mfu"] is None else f", MFU {100 * run['mfu']:.1f}%"
                     print(f"measured: step {out['measured_step_time_s']:.3f} s{mfu} (median of {run['steps']} steps "
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
             if est.peak_memory > limit:
                 # Costed all the same (a layout may be compared with one that
                 # fits), but the user must not read it as runnable.
-                print(f"warning: predicted peak {est.peak_memory / GB:.1f} GB per GPU exceeds the "
+                print(f"warning: predicted peak {_gb(est.peak_memory)} GB per GPU exceeds the "
                       f"{limit / GB:.1f} GB of a {args.gpu}{_split_hint(searcher, pars, args.homogeneous)}",
                       file=sys.stderr)
             return 0
@@ -289,7 +295,7 @@ def main(argv=None) -> int:
     for i, c in enumerate(found[:args.top], 1):
         e = c.estimate
         print(f"  {i:>2}  {e.placement:<13}  {e.step_time:8.3f}  {e.tokens_per_s:11,.0f}  "
-              f"{e.peak_memory / GB:6.1f}  {_layout(c, order)}")
+              f"{_gb(e.peak_memory):>6}  {_layout(c, order)}")
     print()
     which = "" if chosen == 0 else (f": candidate #{chosen + 1}, the best a mimo config can express "
                                     "(#1 is Megatron's homogeneous baseline)")
