@@ -263,6 +263,29 @@ def test_every_rank_stops_on_a_truncated_file_only_one_rank_checks(reference, tm
                                   f"{size})"] * world
 
 
+def test_a_damaged_file_its_manifest_vouches_for_is_one_line_on_every_rank(reference, tmp_path):
+    """A shard cut short after its manifest was rewritten to match (so every check before the load
+    passes): megatron-core's load meets the end of the file. Every rank stops with one line naming
+    the checkpoint and the reader's reason, not a traceback."""
+    import shutil
+
+    from mimo.checkpoint import manifest
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(reference["dir"], d)
+    ckpt = paths.iter_dir(d, 4)
+    raw = with_ckpt(layout(**NONCOLOCATED), load=ckpt)
+    world = load_config(raw).world_size
+    victim = os.path.join(ckpt, sorted(n for n in manifest.listing(ckpt) if n.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    manifest.write_manifest(ckpt)
+    errors = resume_errors(raw)
+    assert len(errors) == world and len(set(errors)) == 1, errors
+    assert errors[0].startswith(f"{ckpt}: cannot read the checkpoint's tensors: "), errors[0]
+    assert "\n" not in errors[0] and "Traceback" not in errors[0], errors[0]
+
+
 def test_every_rank_names_a_checkpoint_parameter_no_rank_holds(reference):
     """A model with one LLM layer against a two-layer checkpoint: layer 1's parameters are held by
     no rank, found by the reduction over the checkpoint's parameter list, the same line everywhere."""

@@ -88,6 +88,24 @@ def test_a_damaged_format_record_is_named(saved, tmp_path):
         read_checked(ckpt)
 
 
+def test_convert_names_a_damaged_shard_the_manifest_vouches_for(saved, tmp_path, capsys):
+    """A `.distcp` file cut short and the manifest rewritten to match: every check before the read
+    passes, and torch's reader fails with a BaseException that used to escape as a traceback."""
+    from mimo.checkpoint import manifest
+    from mimo.checkpoint.__main__ import main as checkpoint_cli
+
+    ckpt = paths.iter_dir(_copy(saved, tmp_path), 2)
+    victim = os.path.join(ckpt, sorted(n for n in manifest.listing(ckpt) if n.endswith(".distcp"))[0])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    manifest.write_manifest(ckpt)
+    assert checkpoint_cli(["convert", ckpt, "--to-torch", str(tmp_path / "full.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ckpt}: cannot read the checkpoint's tensors: rank 0: EOFError (its files "
+                          "match the manifest's sizes and checksums"), err
+    assert err.count("\n") == 1 and not (tmp_path / "full.pt").exists(), err
+
+
 def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
     r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -95,11 +113,44 @@ def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
                                           "is at step 2 and training.train_iters is 2 (raise it to train on)"], r.stdout
 
 
-def _run_cli(config, *sets):
+def _run_cli(config, *sets, preexec_fn=None):
     args = [sys.executable, SCRIPT, "--config", config, "--device", "cpu"]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, env={**ENV, "MIMO_DEBUG": ""}, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, env={**ENV, "MIMO_DEBUG": ""}, timeout=300,
+                          preexec_fn=preexec_fn)
+
+
+def _files_up_to(nbytes):
+    """For a child process: no file it (or a process it forks) writes may grow past `nbytes`, as on a
+    full disk; the write fails with EFBIG instead of the process being killed by SIGXFSZ."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return limit
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_cannot_write_stops_with_one_line_and_keeps_the_last_checkpoint(saved, tmp_path, async_save):
+    """A real write failure (the OS refuses to grow a shard file past a size limit) in megatron-core's
+    writer processes: the run stops with one line naming the step and the cause, not torch's
+    CheckpointException traceback, and the checkpoint of step 2 stays the one `latest` names."""
+    d = _copy(saved, tmp_path)
+    before = _tree_digest(paths.iter_dir(d, 2))
+    r = _run_cli(saved["config"], f"training.load={d}", f"training.save={d}", "training.train_iters=4",
+                 "training.save_interval=2", f"training.async_save={str(async_save).lower()}",
+                 preexec_fn=_files_up_to(100_000))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "step 4/4" in r.stdout  # trained on, then the save failed
+    line = _one_error_line(r)  # the writer's reason depends on which write met the limit first
+    assert line.startswith(f"error: training.save: step 4 was not saved ({d}/iter_0000004.partial): rank 0: "
+                           "RuntimeError: Worker failure: "), line
+    assert line.endswith("; the checkpoints saved before it are untouched"), line
+    assert paths.read_latest(d) == 2 and paths.complete_steps(d) == [2]
+    assert _tree_digest(paths.iter_dir(d, 2)) == before
 
 
 def _one_error_line(r):

@@ -12,6 +12,7 @@ from .checks import read_checked
 from .manifest import read_manifest, verify
 from .optimizer_state import PREFIX
 from .paths import resolve
+from .safe_load import load_sharded
 
 
 def _one_process_group() -> None:
@@ -34,7 +35,7 @@ def full_weights(path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     _one_process_group()
     # Only the weights' tensors are requested: with Adam the optimizer state is several times their size.
     request = {k: v for k, v in dist_checkpointing.load_tensors_metadata(ckpt).items() if not k.startswith(PREFIX)}
-    plain = dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
+    plain = load_sharded(request, ckpt)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, t in plain.items():
         if not torch.is_tensor(t):  # the common record

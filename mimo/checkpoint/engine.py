@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo.runtime import checkpoint_scope, cuda_available
 
@@ -28,6 +29,7 @@ from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, delete_pruned, discard_leftovers, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
+from .safe_load import load_sharded
 from .shards import assign_weights, param_shards, weights_request, weights_state
 from .verdict import FILE_PROBLEM, first_problem, held_by_none
 from .writer_helper import install as install_writer_helper
@@ -46,7 +48,8 @@ class Checkpointer:
         self.cfg, self.trainer, self.runtime = cfg, trainer, runtime
         self.rank = dist.get_rank()
         self.shards = param_shards(trainer)
-        self.pending = None  # an async save in flight (AsyncCallsQueue), see `_save`
+        self.pending = None  # the queue of async saves (AsyncCallsQueue), see `_save`
+        self.in_flight: Optional[int] = None  # the step of the save in flight, if any
         self.deleting: Optional[threading.Thread] = None  # rank 0: pruned checkpoints being deleted
 
     # -- resume ---------------------------------------------------------------------------------
@@ -92,7 +95,7 @@ class Checkpointer:
         # No access-integrity check: it wants every element read exactly once by a main replica, but
         # distributed-optimizer ranks read only their pieces' rows (some rows by two ranks, the scalars
         # of a parameter only by its owners). Shapes were checked above.
-        loaded = dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
+        loaded = load_sharded(request, ckpt)
         assign_weights(self.shards, loaded["weights"])
         self.trainer.optim.reload_model_params()  # bf16: fp32 masters follow the loaded weights
         if not tr.load_optimizer:
@@ -144,6 +147,7 @@ class Checkpointer:
         install_writer_helper()  # before megatron-core starts a helper that would outlive a killed rank
         request = _host_staging(dist_checkpointing.save(state, tmp, async_sharded_save=True))
         request.add_finalize_fn(lambda: self._publish(steps_done, rng))
+        self.in_flight = steps_done
         if tr.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -151,10 +155,30 @@ class Checkpointer:
                 self.pending = AsyncCallsQueue()
             self.pending.schedule_async_request(request)
         else:
-            request.execute_sync()
+            self._finalize(request.execute_sync)
+
+    def _finalize(self, finish, *args) -> None:
+        """`finish(*args)`: megatron-core's end of a save, which then publishes it (`_publish`). A file
+        that could not be written (a full disk, say) fails the save on every rank alike: megatron-core
+        broadcasts the verdict and raises torch's CheckpointException, a BaseException that `except
+        Exception` would let through as a traceback. It becomes one line; only the coordinating rank 0
+        holds the ranks' reasons. The save was never published, so the checkpoints before it are
+        untouched, and the next save discards its directory."""
+        try:
+            finish(*args)
+        except CheckpointException as exc:
+            step, self.in_flight = self.in_flight, None
+            why = "another rank's write failed (rank 0 names it)"
+            if exc.failures:
+                rank, (cause, _) = min(exc.failures.items())
+                why = f"rank {rank}: {type(cause).__name__}: {cause}"
+            where = partial_dir(self.cfg.training.save, step)
+            raise CheckpointError(f"training.save: step {step} was not saved ({where}): {why}; the checkpoints "
+                                  "saved before it are untouched") from None
 
     def _publish(self, steps_done: int, rng: dict) -> None:
         """After every rank's shards are on disk (dist_checkpointing ends with a barrier)."""
+        self.in_flight = None
         tr = self.cfg.training
         tmp = partial_dir(tr.save, steps_done)
         save_rng(tmp, self.rank, rng)
@@ -182,14 +206,14 @@ class Checkpointer:
         """Publish a finished async save (collective; call at the same point on every rank)."""
         if self.pending is not None:
             with checkpoint_scope(self.trainer.runtime):
-                self.pending.maybe_finalize_async_calls(blocking=False)
+                self._finalize(self.pending.maybe_finalize_async_calls, False)
 
     def finish(self) -> None:
         """Wait for an async save in flight and publish it (collective), and for pruned checkpoints
         to be deleted."""
         if self.pending is not None:
             with checkpoint_scope(self.trainer.runtime):
-                self.pending.maybe_finalize_async_calls(blocking=True)
+                self._finalize(self.pending.maybe_finalize_async_calls, True)
         self._wait_deleting()
 
 

@@ -17,6 +17,10 @@ file is read here first, by an unpickler that builds only plain data:
 
 A file naming anything else is refused with one line naming the file and
 what it holds, before any of it is used.
+
+The tensors' files (`*.distcp`) are read by megatron-core through torch's
+distributed checkpoint reader, which loads them `weights_only` too
+(`load_sharded`, which also turns a failed read into one line).
 """
 
 from __future__ import annotations
@@ -126,3 +130,26 @@ def check_dcp_metadata(ckpt: str) -> None:
         raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
     except Exception as exc:
         raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
+
+
+def load_sharded(request, ckpt: str):
+    """megatron-core's `dist_checkpointing.load` of `request` from `ckpt`, without its access-integrity
+    check (why: `Checkpointer._resume`).
+
+    A read that fails inside torch's checkpoint reader (a `.distcp` file cut short, say) raises its
+    `CheckpointException` on every rank alike, since torch gathers the ranks' read results: it holds
+    each failed rank's exception and traceback and is a BaseException, which a caller's `except
+    Exception` would let through as a traceback. It becomes one line here. The caller checked every
+    file's size (and CRC32) against the manifest first, so such data was damaged before the
+    manifest was written, or the manifest was rewritten since."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
+    except CheckpointException as exc:
+        rank, (cause, _) = min(exc.failures.items())
+        reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's tensors: rank {rank}: {reason} (its files "
+                              "match the manifest's sizes and checksums: damaged before the manifest was written, "
+                              "or the manifest was rewritten since)") from None
