@@ -174,7 +174,7 @@ class Checkpointer:
                 why = f"rank {rank}: {type(cause).__name__}: {cause}"
             where = partial_dir(self.cfg.training.save, step)
             raise CheckpointError(f"training.save: step {step} was not saved ({where}): {why}; the checkpoints "
-                                  "saved before it are untouched") from None
+                                  "saved before it are untouched") from exc
 
     def _publish(self, steps_done: int, rng: dict) -> None:
         """After every rank's shards are on disk (dist_checkpointing ends with a barrier)."""

@@ -148,8 +148,10 @@ def load_sharded(request, ckpt: str):
     try:
         return dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
     except CheckpointException as exc:
-        rank, (cause, _) = min(exc.failures.items())
-        reason = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's tensors: rank {rank}: {reason} (its files "
+        reason = "another rank's read failed"
+        if exc.failures:  # every rank's, on every rank (torch gathers them to all)
+            rank, (cause, _) = min(exc.failures.items())
+            reason = f"rank {rank}: {type(cause).__name__}: {cause}" if str(cause) else f"rank {rank}: {type(cause).__name__}"
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's tensors: {reason} (its files "
                               "match the manifest's sizes and checksums: damaged before the manifest was written, "
-                              "or the manifest was rewritten since)") from None
+                              "or the manifest was rewritten since)") from exc  # MIMO_DEBUG=1 shows its tracebacks
