@@ -11,6 +11,7 @@
   one rank, both fail the parity check.
 * The aux load-balancing loss: its gradient equals a hand computation of megatron-core's
   switch loss, weighted per microbatch as mimo's executor sets it; the reported loss excludes it.
+  Under CP with padded slices (uneven blocks), it and the step metrics equal the 1-rank run's.
 """
 
 import copy
@@ -101,12 +102,6 @@ def _lang(raw, **fields):
     (_lang(moe(), moe_shared_expert_intermediate_size=0), "model.language.moe_shared_expert_gate",
      "needs a shared expert"),
     (_lang(moe(), moe_aux_loss_coeff=-0.1), "model.language.moe_aux_loss_coeff", ">= 0"),
-    # CP pads its ranks' slices when 32 tokens do not deal into 2 x 128-token blocks (the router would
-    # count the padding in the load-balancing loss); 16-token blocks deal evenly (below).
-    (_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01), "model.language.moe_aux_loss_coeff",
-     "not a multiple of cp_block_size x 2 (256)"),
-    (_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01, cp_block_size=16, cp_policy="lpt_free"),
-     "model.language.moe_aux_loss_coeff", "lpt_free"),
     (_lang(moe(), num_moe_experts=None, moe_shared_expert_intermediate_size=0, moe_shared_expert_gate=False,
            moe_layer_freq=1, moe_router_topk=2, moe_ffn_hidden_size=None, moe_aux_loss_coeff=0.01),
      "model.language.moe_aux_loss_coeff", "only takes effect with model.language.num_moe_experts"),
@@ -117,9 +112,11 @@ def test_each_broken_rule_is_one_error_naming_the_field(raw, field, needle):
     assert probs[0][0] == field and needle in probs[0][1], probs
 
 
-def test_an_aux_loss_with_cp_is_accepted_where_the_blocks_deal_evenly():
+def test_an_aux_loss_with_cp_is_accepted_whether_or_not_the_blocks_deal_evenly():
+    # Uneven slices are padded; the router is told which slots are padding (parity test below).
     assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01, cp_block_size=16)) == []
-    assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.0)) == []
+    assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01)) == []
+    assert errors(_lang(moe(cp=2), attention="bitfield", moe_aux_loss_coeff=0.01, cp_policy="lpt_free")) == []
 
 
 @pytest.mark.parametrize("layout,world", [(dict(dp=2, ep=2), 2), (dict(tp=2, sp=True, ep=2), 2),
@@ -388,6 +385,35 @@ def test_context_parallel_moe_equals_single_rank(layout, world):
     # 1 at cp2ep2 and 2 at cp2dp2ep2. Context parallelism needs the bitfield attention.
     ref = run_on_ranks(_train, 1, _lang(moe(), attention="bitfield"), STEPS)[0]
     assert_same_run(ref, merged(run_on_ranks(_train, world, _lang(moe(**layout), attention="bitfield"), STEPS)))
+
+
+@pytest.mark.parametrize("layout,world,blocks", [
+    # 128-token blocks (the default): the 32-token sequence is one block, so one CP rank holds only padding.
+    (dict(cp=2, ep=2), 2, {}),
+    # 40 tokens in five 8-token blocks: one rank holds 3 blocks, the other 2 and 8 padding slots.
+    (dict(cp=2, ep=2), 2, dict(cp_block_size=8)),
+    # The padding mask sharded over TP with the layer inputs (SP); blocks dealt without a cap.
+    (dict(tp=2, sp=True, cp=2, ep=2), 4, dict(cp_block_size=8, cp_policy="lpt_free")),
+    # The MoE layer on the second pipeline stage, which gets the mask without the embedding.
+    (dict(pp=2, cp=2, ep=2), 4, dict(cp_block_size=8)),
+], ids=["cp2ep2_one_block", "cp2ep2_uneven", "tp2sp_cp2ep2_uneven", "pp2cp2ep2_uneven"])
+def test_cp_padding_is_left_out_of_the_aux_loss(layout, world, blocks):
+    """CP pads its ranks' slices to one length where the blocks do not deal evenly; the router is told
+    which slots are padding, so the load-balancing loss and its gradient (and the reported aux loss and
+    expert load) equal the 1-rank run's. Without the mask every case fails (the gradients differ)."""
+    coeff = dict(attention="bitfield", moe_aux_loss_coeff=0.1, **blocks)
+
+    def run(raw, world):
+        if blocks:
+            raw["data"]["seq_length"] = 40
+        return run_on_ranks(_train, world, _lang(raw, **coeff), STEPS)
+    ref = run(moe(), 1)[0]
+    results = run(moe(**layout), world)
+    assert_same_run(ref, merged(results))
+    for r in results:
+        for got, want in zip(r["moe"], ref["moe"]):
+            assert got["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=1e-5)
+            assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-9)
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -87,7 +87,9 @@ def shard_microbatch(slots: torch.Tensor, cp_rank: int, *, bits: torch.Tensor,
     ``labels``/``loss_mask`` [b, s] (``position_ids`` may be M-RoPE's [3, b, s]: each token's
     three positions travel with it); ``decoder_input`` [s, b, h] (megatron layout).
     Returns the same keys cut to this rank's L slots, plus ``attention_mask`` (a
-    ``ContextParallelMask`` over the full bits, for every layer and stage).
+    ``ContextParallelMask`` over the full bits, for every layer and stage) and
+    ``padding_mask`` (bool [b, L], True at this rank's padding slots: megatron-core's
+    convention for its MoE router, which then leaves them out of its load-balancing loss).
     ``validate=False`` skips checking ``slots`` (a caller that checked them on the
     host, before they went to the device, where checking would wait for it).
     """
@@ -110,4 +112,5 @@ def shard_microbatch(slots: torch.Tensor, cp_rank: int, *, bits: torch.Tensor,
     else:
         out["decoder_input"] = None
     out["attention_mask"] = ContextParallelMask(bits, slots, cp_rank, document_ids, validate=validate)
+    out["padding_mask"] = (slots[cp_rank] < 0).to(bits.device).expand(bits.shape[0], -1)
     return out

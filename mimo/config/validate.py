@@ -88,7 +88,6 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
                 add("model.language.rope_scaling.high_freq_factor", f"must be > low_freq_factor ({low}), got {high}")
     _check_mrope(lang, add)
     _check_moe(lang, add)
-    _check_moe_cp_padding(cfg, add)
     if cfg.data.seq_length > lang.max_sequence_length:
         add("data.seq_length", f"must be <= model.language.max_sequence_length ({lang.max_sequence_length})")
     if lang.position_embedding == "mrope" and lang.rope_scaling is not None:
@@ -659,25 +658,6 @@ def _check_moe(lang: LanguageConfig, add) -> None:
         add(f"{path}.moe_shared_expert_gate", "needs a shared expert (moe_shared_expert_intermediate_size > 0)")
     if lang.moe_grouped_gemm not in ("auto", True, False):
         add(f"{path}.moe_grouped_gemm", f"must be auto, true or false, got {lang.moe_grouped_gemm!r}")
-
-
-def _check_moe_cp_padding(cfg: MimoConfig, add) -> None:
-    """Context parallelism pads the CP ranks' slices to one length when the sequence's blocks do not
-    deal evenly; megatron-core's router takes those padding slots for tokens, so the load-balancing
-    loss (and its gradient) would count them, and differ from the same run on one rank."""
-    lang, par = cfg.model.language, cfg.parallelism.get(LANGUAGE)  # (a missing section is reported elsewhere)
-    if not lang.is_moe or not lang.moe_aux_loss_coeff or par is None or par.cp <= 1:
-        return
-    cp = par.cp
-    chunks = 2 * cp if lang.cp_policy == "zigzag" else cp
-    S, block = cfg.data.seq_length, lang.cp_block_size
-    if lang.cp_policy == "lpt_free" or S % block or (S // block) % chunks:
-        why = ("cp_policy lpt_free deals blocks without a cap" if lang.cp_policy == "lpt_free" else
-               f"data.seq_length {S} is not a multiple of cp_block_size x {chunks} ({block * chunks})")
-        add("model.language.moe_aux_loss_coeff",
-            f"with parallelism.language.cp {cp} the CP ranks' slices are padded to one length ({why}), and the "
-            "router would count the padding in the load-balancing loss: use a seq_length that is such a multiple "
-            "(and a cp_policy other than lpt_free), or moe_aux_loss_coeff: 0")
 
 
 def grouped_gemm_problem(hidden_size: int, expert_ffn: int, etp: int, add_bias_linear: bool) -> Optional[str]:

@@ -61,6 +61,8 @@ class MoEMetrics:
         def count(module, args, output):
             if torch.is_grad_enabled():
                 routing_map = output[1]
+                if len(args) > 1 and args[1] is not None:  # CP padding slots (True) route too: not counted
+                    routing_map = routing_map & ~args[1].reshape(-1, 1)
                 self.counts[row, :-1] += routing_map.sum(dim=0)
                 self.counts[row, -1] += 1
         return count

@@ -42,18 +42,21 @@ def check_comparable(baseline: Dict, candidate: Dict, name: str) -> None:
 
 
 def record_run(trainer, steps: int) -> Dict:
-    """Train `steps` steps; this rank's losses, full gradients of step 0 and full parameters at the end."""
+    """Train `steps` steps; this rank's losses, full gradients of step 0 and full parameters at the end
+    (and an MoE LLM's step metrics, `moe`, one dict per step; None otherwise)."""
     from .state import full_state
 
     tp_groups = {n: trainer.topo.grid(n).groups["tp"] for n in trainer.parts}
-    losses, grads = [], {}
+    losses, grads, moe = [], {}, []
     for s in range(steps):
-        losses.append(trainer.train_step(s).loss)
+        result = trainer.train_step(s)
+        losses.append(result.loss)
+        moe.append(result.moe)
         if s == 0:
             grads = step_grads(trainer)
     params = full_state(trainer.parts, tp_groups, layer_offsets=trainer.layer_offsets,
                         experts=expert_shards(trainer))
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "moe": moe}
 
 
 def expert_shards(trainer) -> Dict:

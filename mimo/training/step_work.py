@@ -36,7 +36,7 @@ from mimo.config import LANGUAGE, MimoConfig
 from mimo.data.items import grid_patches, is_native
 from mimo.model import assemble_embeddings, encode, llm_loss
 from mimo.model.multimodal import embed_text
-from mimo.model.sequence_parallel import llm_input_layout, shard_len
+from mimo.model.sequence_parallel import llm_input_layout, shard_len, shard_sequence
 from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
                                 RELOAD, Action)
 from mimo.schedule.plan_build import trainable_edge
@@ -208,9 +208,14 @@ class RankStep:
         b = self._llm_view(mb)
         labels = b["labels"] if last else None
         key = (LANGUAGE, mb)
+        padding = self._router_padding(llm, b)
         if stage == 0 and not self.cfg.model.encoders:  # text only: megatron's own embedding path
+            # ... except with a padding mask, which megatron-core would shard over its global TP group
+            # rather than this model's: the embedding goes in as the decoder input instead.
+            embedded = ({"decoder_input": llm.embedding(input_ids=b["input_ids"], position_ids=b["position_ids"])}
+                        if padding else {})
             out = llm(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                      labels=labels)
+                      labels=labels, **embedded, **padding)
         elif stage == 0:
             tokens = self._modality_tokens(mb)
             self.x[key] = tokens
@@ -225,13 +230,13 @@ class RankStep:
                 local = self._cp_slice(full, fused.transpose(0, 1).contiguous())
                 out = llm(input_ids=local["input_ids"], position_ids=local["position_ids"],
                           attention_mask=local["attention_mask"],
-                          decoder_input=llm_input_layout(llm, local["decoder_input"]), labels=labels)
+                          decoder_input=llm_input_layout(llm, local["decoder_input"]), labels=labels, **padding)
             else:
                 out = llm_loss(llm, {**b, "labels": labels}, by_id)
         else:
             llm.set_input_tensor(self.x[key])
             out = llm(input_ids=None, position_ids=b["position_ids"], attention_mask=b.get("attention_mask"),
-                      labels=labels)
+                      labels=labels, **padding)
         if last:
             # Normalised by the global batch's loss-token count: the DP sum of the gradients is
             # then exactly the single-rank per-token mean.
@@ -239,6 +244,15 @@ class RankStep:
             self.loss_sum += out.detach().double()
             self.views.pop(mb, None)
         self.y[key] = out
+
+    def _router_padding(self, llm, b: Dict) -> Dict:
+        """Under CP an MoE LLM's router is told this rank's padding slots (`padding_mask`, [b, L] sharded
+        like the layer inputs under SP), so that its load-balancing loss counts the real tokens
+        only, as on one rank. Empty otherwise."""
+        if "padding_mask" not in b or not self.cfg.model.language.is_moe:
+            return {}
+        mask = shard_sequence(b["padding_mask"].transpose(0, 1).contiguous(), llm.config, llm.pg_collection.tp)
+        return {"padding_mask": mask.transpose(0, 1)}
 
     def backward(self, a: Action) -> None:
         key, mb = (a.module, a.mb), a.mb
