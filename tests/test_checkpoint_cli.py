@@ -238,8 +238,14 @@ def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
     fresh["training"]["save"] = str(afile / "run" / "ckpt")
     with pytest.raises(CheckpointError, match=f"^training.save: {afile}/run/ckpt cannot be made: {afile} is a file$"):
         preflight(load_config(fresh))
+    # Where no file can be made (checked by making one: root may write anywhere os.access looks).
+    fresh["training"]["save"] = "/proc/mimo_run/ckpt"
+    with pytest.raises(CheckpointError, match="^training.save: /proc/mimo_run/ckpt cannot be written \\(making a "
+                                              "file in /proc: "):
+        preflight(load_config(fresh))
     fresh["training"]["save"] = str(tmp_path / "new" / "ckpt")  # made at the first save
     assert preflight(load_config(fresh)) is None
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".mimo-write-probe-")]  # the probe is gone
 
 
 @pytest.mark.parametrize("read_by_all", [False, True])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from typing import Dict, List, Optional, Tuple
 
 from .manifest import verify_read_by_all, verify_share
@@ -88,8 +89,15 @@ def check_save_dir(save: str) -> None:
     if not os.path.isdir(existing):
         what = "exists and is not a directory" if existing == path else f"cannot be made: {existing} is a file"
         raise CheckpointError(f"training.save: {save} {what}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise CheckpointError(f"training.save: {save} cannot be written ({existing} is not writable)")
+    # A file made and removed at once, rather than os.access: that says yes to root everywhere (even
+    # under /proc) and cannot see every filesystem's refusal.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mimo-write-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"training.save: {save} cannot be written (making a file in {existing}: "
+                              f"{exc.strerror or exc})") from None
 
 
 def resume_target(cfg) -> Optional[str]:
