@@ -416,6 +416,20 @@ def test_cp_padding_is_left_out_of_the_aux_loss(layout, world, blocks):
             assert got["expert_load_max_over_mean"] == pytest.approx(want["expert_load_max_over_mean"], rel=1e-9)
 
 
+def test_cp_padding_is_left_out_of_the_aux_loss_behind_a_non_colocated_encoder():
+    """The multimodal first stage (the fused sequence cut into CP slots after the merge) tells the
+    router its padding slots too: LLM CP2·EP2 on ranks 0-1, the vision encoder on rank 2."""
+    def run(raw, world):
+        raw["data"]["seq_length"] = 40  # five 8-token blocks: one CP rank padded
+        return run_on_ranks(_train, world, _lang(raw, attention="bitfield", moe_aux_loss_coeff=0.1, cp_block_size=8),
+                            STEPS)
+    ref = run(_multimodal({}, {}), 1)[0]
+    results = run(_multimodal(dict(cp=2, ep=2), dict(rank_offset=2)), 3)
+    assert_same_run(ref, merged(results))
+    assert [m["moe_aux_loss"] for m in results[0]["moe"]] == pytest.approx([m["moe_aux_loss"] for m in ref["moe"]],
+                                                                          rel=1e-5)
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_expert_tp_with_ep_equals_single_rank(dispatcher):
     # Expert TP 2 x EP 2 over TP2+SP x DP2: each expert's fc1/fc2 cut over an expert-TP pair, 4 experts
