@@ -5,6 +5,6 @@ See README "Checkpoints and resuming" and docs/checkpoints.md.
 
 from .checks import preflight
 from .engine import Checkpointer, checkpointer
-from .paths import CheckpointError, ShareError
+from .paths import CheckpointError
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpointer", "preflight", "ShareError"]
+__all__ = ["Checkpointer", "CheckpointError", "checkpointer", "preflight"]

@@ -139,10 +139,9 @@ def preflight(cfg, every_file: bool = True) -> Optional[str]:
     alone and leave the others waiting for it, unless the launcher stopped them."""
     ckpt = resume_target(cfg)
     if ckpt is not None:
+        verify_read_by_all(ckpt, (COMMON, DCP_METADATA))
         if every_file:
-            verify_share(ckpt, 0, 1, checksums=False, read_by_all=(COMMON, DCP_METADATA))
-        else:
-            verify_read_by_all(ckpt, (COMMON, DCP_METADATA))
+            verify_share(ckpt, 0, 1, checksums=False)
         check_resumable(cfg, ckpt)
     return ckpt
 

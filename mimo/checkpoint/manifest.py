@@ -22,7 +22,7 @@ from typing import Dict, List, Mapping, Sequence
 
 import torch.distributed as dist
 
-from .paths import CheckpointError, ShareError
+from .paths import CheckpointError
 
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 22
@@ -124,36 +124,32 @@ def verify(ckpt: str, checksums: bool = True) -> None:
     verify_share(ckpt, 0, 1, checksums)
 
 
-def verify_share(ckpt: str, rank: int, world: int, checksums: bool = True, read_by_all: Sequence[str] = ()) -> None:
+def verify_share(ckpt: str, rank: int, world: int, checksums: bool = True) -> None:
     """The files of share `rank` of `world`: each exists with its size and, with `checksums`, its CRC32.
     Every rank computes the same split from the manifest's sizes, so over the ranks every file is
-    checked once and no rank's work grows with the number of files (one per rank, and more).
-
-    `read_by_all`: files every rank reads next (the common state, the index): their presence and
-    size are checked here on every rank, so every rank names the same damage (CheckpointError)
-    instead of one rank naming it (ShareError) and the others failing to read the file."""
-    files = verify_read_by_all(ckpt, read_by_all)
+    checked once and no rank's work grows with the number of files (one per rank, and more)."""
+    files = read_manifest(ckpt)
     for rel in shares({rel: want["bytes"] for rel, want in files.items()}, world)[rank]:
-        path = _check_size(ckpt, rel, files[rel]["bytes"], ShareError)
+        path = _check_size(ckpt, rel, files[rel]["bytes"])
         if checksums and crc32(path) != files[rel]["crc32"]:
-            raise ShareError(f"{path}: corrupt (CRC32 differs from the manifest)")
+            raise CheckpointError(f"{path}: corrupt (CRC32 differs from the manifest)")
 
 
 def verify_read_by_all(ckpt: str, names: Sequence[str]) -> Dict[str, Dict[str, int]]:
     """The manifest, after checking the presence and size of `names`: files every rank reads, so every
-    rank finds the same damage there (CheckpointError)."""
+    rank finds the same damage there, before any process group exists."""
     files = read_manifest(ckpt)
     for rel in names:
         if rel in files:
-            _check_size(ckpt, rel, files[rel]["bytes"], CheckpointError)
+            _check_size(ckpt, rel, files[rel]["bytes"])
     return files
 
 
-def _check_size(ckpt: str, rel: str, want: int, error: type) -> str:
+def _check_size(ckpt: str, rel: str, want: int) -> str:
     path = os.path.join(ckpt, rel)
     if not os.path.exists(path):
-        raise error(f"{path}: missing")
+        raise CheckpointError(f"{path}: missing")
     size = os.path.getsize(path)
     if size != want:
-        raise error(f"{path}: truncated or modified ({size} bytes, the manifest says {want})")
+        raise CheckpointError(f"{path}: truncated or modified ({size} bytes, the manifest says {want})")
     return path

@@ -29,11 +29,6 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used (message: one line naming the file or parameter)."""
 
 
-class ShareError(CheckpointError):
-    """A problem with one of a rank's share of the files (`manifest.shares`): the one rank that
-    checks that file found it, so that rank, not rank 0, reports it."""
-
-
 def iter_name(step: int) -> str:
     return f"iter_{step:07d}"
 
