@@ -101,7 +101,7 @@ def test_convert_names_a_damaged_shard_the_manifest_vouches_for(saved, tmp_path,
     manifest.write_manifest(ckpt)
     assert checkpoint_cli(["convert", ckpt, "--to-torch", str(tmp_path / "full.pt")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {ckpt}: cannot read the checkpoint's tensors: rank 0: EOFError (its files "
+    assert err.startswith(f"error: {ckpt}: cannot read the checkpoint's tensors: rank 0: EOFError (the files "
                           "match the manifest's sizes and checksums"), err
     assert err.count("\n") == 1 and not (tmp_path / "full.pt").exists(), err
 

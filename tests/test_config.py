@@ -288,8 +288,12 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
         "column 3")
     (tmp_path / "merge.yaml").write_text("base: &b {lr: 1, wd: 2}\ntraining:\n  <<: *b\n  lr: 3\n")
     assert read_yaml(str(tmp_path / "merge.yaml"))["training"] == {"lr": 3, "wd": 2}
+    (tmp_path / "merged_twice.yaml").write_text("training:\n  <<: {lr: 1, lr: 2}\n")
+    assert "key 'lr' written twice (first at line 2) at line 2" in problem(read_yaml, str(tmp_path / "merged_twice.yaml"))
     (tmp_path / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
     assert problem(read_yaml, str(tmp_path / "deep.yaml")) == f"error: {tmp_path / 'deep.yaml'}: invalid YAML: nested too deeply"
+    assert problem(apply_overrides, {}, ["training.lr=" + "[" * 5000 + "]" * 5000]) == (
+        "error: training.lr: cannot parse the value as YAML (nested too deeply)")
     # A --set value YAML cannot parse names the field and the text.
     assert problem(apply_overrides, {}, ["training.train_iters=[1,2"]) == (
         "error: training.train_iters: cannot parse '[1,2' as a YAML value (expected ',' or ']', but got "

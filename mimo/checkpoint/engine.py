@@ -29,7 +29,7 @@ from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, delete_pruned, discard_leftovers, partial_dir, prune, publish
 from .rng import capture, read_rng, restore_rng, save_rng
-from .safe_load import load_sharded
+from .safe_load import first_failure, load_sharded
 from .shards import assign_weights, param_shards, weights_request, weights_state
 from .verdict import FILE_PROBLEM, first_problem, held_by_none
 from .writer_helper import install as install_writer_helper
@@ -145,9 +145,9 @@ class Checkpointer:
                  "optimizer": optimizer_state(self.trainer, self.shards)}
         rng = capture()  # now: an async save publishes after later steps have drawn numbers
         install_writer_helper()  # before megatron-core starts a helper that would outlive a killed rank
-        request = _host_staging(dist_checkpointing.save(state, tmp, async_sharded_save=True))
-        request.add_finalize_fn(lambda: self._publish(steps_done, rng))
         self.in_flight = steps_done
+        request = _host_staging(self._saving(dist_checkpointing.save, state, tmp, async_sharded_save=True))
+        request.add_finalize_fn(lambda: self._publish(steps_done, rng))
         if tr.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -155,23 +155,21 @@ class Checkpointer:
                 self.pending = AsyncCallsQueue()
             self.pending.schedule_async_request(request)
         else:
-            self._finalize(request.execute_sync)
+            self._saving(request.execute_sync)
 
-    def _finalize(self, finish, *args) -> None:
-        """`finish(*args)`: megatron-core's end of a save, which then publishes it (`_publish`). A file
-        that could not be written (a full disk, say) fails the save on every rank alike: megatron-core
-        broadcasts the verdict and raises torch's CheckpointException, a BaseException that `except
-        Exception` would let through as a traceback. It becomes one line; only the coordinating rank 0
-        holds the ranks' reasons. The save was never published, so the checkpoints before it are
-        untouched, and the next save discards its directory."""
+    def _saving(self, part, *args, **kwargs):
+        """`part(*args, **kwargs)`: a part of megatron-core's save of step `in_flight` (its plan, its
+        end, which then publishes it). A file that could not be written (a full disk, say) fails the
+        save on every rank alike (torch's planning and megatron-core's end share the verdict) with
+        torch's CheckpointException, a BaseException that `except Exception` would let through as a
+        traceback. It becomes one line; at the end only the coordinating rank 0 holds the ranks'
+        reasons. The save was never published, so the checkpoints before it are untouched, and the
+        next save discards its directory."""
         try:
-            finish(*args)
+            return part(*args, **kwargs)
         except CheckpointException as exc:
             step, self.in_flight = self.in_flight, None
-            why = "another rank's write failed (rank 0 names it)"
-            if exc.failures:
-                rank, (cause, _) = min(exc.failures.items())
-                why = f"rank {rank}: {type(cause).__name__}: {cause}"
+            why = first_failure(exc) or "another rank's write failed (rank 0 names it)"
             where = partial_dir(self.cfg.training.save, step)
             raise CheckpointError(f"training.save: step {step} was not saved ({where}): {why}; the checkpoints "
                                   "saved before it are untouched") from exc
@@ -206,14 +204,14 @@ class Checkpointer:
         """Publish a finished async save (collective; call at the same point on every rank)."""
         if self.pending is not None:
             with checkpoint_scope(self.trainer.runtime):
-                self._finalize(self.pending.maybe_finalize_async_calls, False)
+                self._saving(self.pending.maybe_finalize_async_calls, False)
 
     def finish(self) -> None:
         """Wait for an async save in flight and publish it (collective), and for pruned checkpoints
         to be deleted."""
         if self.pending is not None:
             with checkpoint_scope(self.trainer.runtime):
-                self._finalize(self.pending.maybe_finalize_async_calls, True)
+                self._saving(self.pending.maybe_finalize_async_calls, True)
         self._wait_deleting()
 
 

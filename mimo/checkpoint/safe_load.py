@@ -132,6 +132,15 @@ def check_dcp_metadata(ckpt: str) -> None:
         raise CheckpointError(f"{path}: unreadable ({_why(exc)})") from None
 
 
+def first_failure(exc) -> str | None:
+    """'rank R: Type: message' of the lowest rank in torch's CheckpointException, which maps each failed
+    rank to its exception (None when this rank was told of a failure without its details)."""
+    if not exc.failures:
+        return None
+    rank, (cause, _) = min(exc.failures.items())
+    return f"rank {rank}: {type(cause).__name__}: {cause}" if str(cause) else f"rank {rank}: {type(cause).__name__}"
+
+
 def load_sharded(request, ckpt: str):
     """megatron-core's `dist_checkpointing.load` of `request` from `ckpt`, without its access-integrity
     check (why: `Checkpointer._resume`).
@@ -140,18 +149,16 @@ def load_sharded(request, ckpt: str):
     `CheckpointException` on every rank alike, since torch gathers the ranks' read results: it holds
     each failed rank's exception and traceback and is a BaseException, which a caller's `except
     Exception` would let through as a traceback. It becomes one line here. The caller checked every
-    file's size (and CRC32) against the manifest first, so such data was damaged before the
-    manifest was written, or the manifest was rewritten since."""
+    file's size (and CRC32) against the manifest first, so a damaged file was damaged before its
+    manifest was written, or the manifest was rewritten since; other causes (a read error of the
+    filesystem, memory) are named by the reader's own exception."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         return dist_checkpointing.load(request, ckpt, validate_access_integrity=False)
     except CheckpointException as exc:
-        reason = "another rank's read failed"
-        if exc.failures:  # every rank's, on every rank (torch gathers them to all)
-            rank, (cause, _) = min(exc.failures.items())
-            reason = f"rank {rank}: {type(cause).__name__}: {cause}" if str(cause) else f"rank {rank}: {type(cause).__name__}"
-        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's tensors: {reason} (its files "
-                              "match the manifest's sizes and checksums: damaged before the manifest was written, "
-                              "or the manifest was rewritten since)") from exc  # MIMO_DEBUG=1 shows its tracebacks
+        reason = first_failure(exc) or "another rank's read failed"
+        raise CheckpointError(f"{ckpt}: cannot read the checkpoint's tensors: {reason} (the files match the "
+                              "manifest's sizes and checksums: if one is damaged, the damage predates the "
+                              "manifest or the manifest was rewritten since)") from exc  # MIMO_DEBUG=1: tracebacks

@@ -150,7 +150,9 @@ def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]
             try:
                 node[parts[-1]] = load_yaml(text)
             except yaml.YAMLError as exc:
-                problems.append((key, f"cannot parse {text!r} as a YAML value ({_yaml_problem(exc)})"))
+                problems.append((key, f"cannot parse {text!r} as a YAML value ({yaml_problem(exc)})"))
+            except RecursionError:
+                problems.append((key, "cannot parse the value as YAML (nested too deeply)"))
     if problems:
         raise ConfigError(problems)
     return raw
@@ -159,24 +161,33 @@ def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]
 class _NoDuplicateKeys(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key written twice in one mapping is an error: plain YAML
     keeps the last value, so a field set twice (say after a paste) would silently drop the first.
-    Keys brought in by a merge (`<<: *base`) may still be overridden."""
+    Keys brought in by a merge (`<<: *base`) may still be overridden; a mapping merged in is held to
+    the same rule."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
-            first = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    seen = first.setdefault(key, key_node.start_mark)
-                except TypeError:  # an unhashable key: the base class names that problem
-                    continue
-                if seen is not key_node.start_mark:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"key {key!r} written twice (first at line {seen.line + 1})", key_node.start_mark)
+            self._check_unique(node)
         return super().construct_mapping(node, deep)
+
+    def _check_unique(self, node: yaml.MappingNode) -> None:
+        first = {}
+        for i, (key_node, value_node) in enumerate(node.value):
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in sources:
+                    if isinstance(source, yaml.MappingNode):
+                        self._check_unique(source)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                j = first.setdefault(key, i)
+            except TypeError:  # an unhashable key: the base class names that problem
+                continue
+            if j != i:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"key {key!r} written twice (first at line {node.value[j][0].start_mark.line + 1})",
+                    key_node.start_mark)
 
 
 def load_yaml(stream) -> Any:
@@ -184,7 +195,7 @@ def load_yaml(stream) -> Any:
     return yaml.load(stream, Loader=_NoDuplicateKeys)
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
+def yaml_problem(exc: yaml.YAMLError) -> str:
     """PyYAML's problem and where, in one line."""
     mark = getattr(exc, "problem_mark", None)
     what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
@@ -204,7 +215,7 @@ def read_yaml(path: str) -> Dict[str, Any]:
     except OSError as exc:
         raise ConfigError([(path, f"cannot read it ({exc.strerror or exc})")]) from None
     except yaml.YAMLError as exc:
-        raise ConfigError([(path, f"invalid YAML: {_yaml_problem(exc)}")]) from None
+        raise ConfigError([(path, f"invalid YAML: {yaml_problem(exc)}")]) from None
     except RecursionError:  # PyYAML builds nested collections recursively
         raise ConfigError([(path, "invalid YAML: nested too deeply")]) from None
     if raw is None:

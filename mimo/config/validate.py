@@ -313,7 +313,7 @@ def _check_replan(cfg: MimoConfig, add) -> None:
 
 
 _INT_MAX = 2**31 - 1   # sizes and counts beyond it overflow the index types of torch and the kernels
-_SEED_MAX = 2**32 - 1  # numpy's and the samplers' seed range (they scale the seed by about 2**20)
+_SEED_MAX = 2**32 - 1  # the samplers scale a seed by about 2**20 into torch's 64-bit generator seeds
 
 
 def _positive_ints(cfg: MimoConfig, add) -> None:

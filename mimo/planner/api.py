@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from mimo.config.hf_arch import resolve_hf
-from mimo.config.load import load_yaml
+from mimo.config.load import yaml_problem, load_yaml
 from mimo.planner.cost_model import Calibration, Workload
 from mimo.planner.emit import build_config
 from mimo.planner.hardware import get_gpu
@@ -41,7 +41,7 @@ def load_raw(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     except OSError as exc:
         raise ValueError(f"cannot read {config}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"{config}: invalid YAML ({str(exc).splitlines()[0]})") from None
+        raise ValueError(f"{config}: invalid YAML ({yaml_problem(exc)})") from None
     except UnicodeDecodeError:
         raise ValueError(f"{config}: not UTF-8 text") from None
     except RecursionError:

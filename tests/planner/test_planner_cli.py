@@ -176,6 +176,14 @@ def test_malformed_config_is_one_error_line(tmp_path, capsys, case):
     assert len(err) == 1 and err[0].startswith(start), err
 
 
+def test_a_key_written_twice_is_named_with_its_lines(tmp_path, capsys):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  language: {num_layers: 2}\n  language: {num_layers: 3}\n")
+    assert plan_cli.main(["--config", str(path), "--gpu", "cpu", "--gpus", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}: invalid YAML (key 'language' written twice (first at line 2) at line 3, column 3)"]
+
+
 def test_bad_samples_file_is_one_error_line(tmp_path, capsys):
     samples = tmp_path / "s.json"
     samples.write_text("[" * 100000)
