@@ -128,14 +128,28 @@ def main(argv=None) -> int:
             print(f"nothing to train: the checkpoint is at step {start} and training.train_iters is "
                   f"{cfg.training.train_iters} (raise it to train on)", flush=True)
         reporter = StepReporter(cfg, trainer, runtime)
+        stopped = None
         for step in range(start, cfg.training.train_iters):
             reporter.before_step(step)
-            reporter.after_step(step, trainer.train_step(step))
+            result = trainer.train_step(step)
+            reporter.after_step(step, result)
             if ckpt:
-                ckpt.after_step(step)
+                ckpt.after_step(step, stopping=result.stop)
+            if result.stop:  # every rank alike: some rank's signal or deadline (training.exit_signal_handler)
+                stopped = step + 1
+                break
         if ckpt:
             ckpt.finish()
         reporter.close()
+        if stopped is not None and stopped < cfg.training.train_iters:
+            if rank == 0:
+                from mimo.checkpoint.paths import iter_dir
+
+                print(f"stopped after step {stopped} ({trainer.stop.reason()}): saved {iter_dir(cfg.training.save, stopped)}"
+                      f" (training.load: {cfg.training.save} resumes it)"
+                      + ("; no --hf-export, the run is not finished" if args.hf_export else ""), flush=True)
+            shutdown()
+            return 0
         if args.hf_export:
             from mimo.training.hf_export import export_hf
 

@@ -258,6 +258,7 @@ def test_slurm_script_checks_the_replan_before_srun_and_never_requeues_an_error(
     r, calls = _sbatch(tmp_path, 6, d, "auto")
     assert r.returncode == 1 and "ok" in r.stdout, (r.stdout, r.stderr)
     assert calls.startswith("scontrol show hostnames") and "srun --kill-on-bad-exit=1 torchrun" in calls
+    assert "--set training.exit_signal_handler=true" in calls  # with CKPT_DIR: a SIGTERM saves and stops
     assert calls.rstrip().endswith("scontrol requeue 7"), calls
 
 

@@ -112,14 +112,15 @@ class Checkpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
-    def after_step(self, step: int) -> None:
-        """Called after 0-based step `step` on every rank: save when the interval (or the run) ends."""
+    def after_step(self, step: int, stopping: bool = False) -> None:
+        """Called after 0-based step `step` on every rank: save when the interval or the run ends, or
+        when the run stops there (`stopping`, the same on every rank)."""
         tr = self.cfg.training
         done = step + 1
         if tr.save is None:
             return
         self.poll()
-        if done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0):
+        if stopping or done == tr.train_iters or (tr.save_interval and done % tr.save_interval == 0):
             self.save(done)
 
     def save(self, steps_done: int) -> None:

@@ -306,6 +306,12 @@ class TrainingConfig:
     load_optimizer: bool = True               # false: weights only; step and optimizer restart
     keep_last: Optional[int] = None           # keep only the K newest complete checkpoints
     async_save: bool = False                  # write shards in the background (megatron-core async; GPU or CPU ranks)
+    # Stop before the allocation does (README "Checkpoints and resuming"): on exit_signal (e.g. Slurm's
+    # `#SBATCH --signal=TERM@120`), or once exit_duration_minutes have passed since the trainer
+    # started, every rank finishes its step, a checkpoint is saved and the run exits 0.
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"              # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2
+    exit_duration_minutes: Optional[float] = None
     # Elastic re-plan: auto resumes training.load on the planner's best layout for the ranks the job
     # has when they differ from the layout's; templates for smaller world sizes, down to
     # replan_min_ranks (default: half the layout's ranks), are planned ahead into save/templates.json.

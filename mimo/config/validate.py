@@ -276,14 +276,21 @@ def _check_data(cfg: MimoConfig, add) -> None:
                 f"({cfg.model.language.vocab_size}) minus {len(cfg.model.encoders)} placeholder id(s)")
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
 def _check_checkpoints(tr, add) -> None:
     """Fields that only mean something with `training.save`."""
+    _check_choice(tr.exit_signal, EXIT_SIGNALS, "training.exit_signal", add)
+    if tr.exit_duration_minutes is not None and not (_number(tr.exit_duration_minutes) and tr.exit_duration_minutes > 0):
+        add("training.exit_duration_minutes", f"must be a positive number of minutes, got {tr.exit_duration_minutes!r}")
     if tr.save is None:
-        for key in ("save_interval", "keep_last"):
+        for key in ("save_interval", "keep_last", "exit_duration_minutes"):
             if getattr(tr, key) is not None:
                 add(f"training.{key}", "needs training.save (the directory to write checkpoints to)")
-        if tr.async_save:
-            add("training.async_save", "needs training.save (the directory to write checkpoints to)")
+        for key in ("async_save", "exit_signal_handler"):
+            if getattr(tr, key):
+                add(f"training.{key}", "needs training.save (the directory to write checkpoints to)")
     elif not tr.load_optimizer and isinstance(tr.load, str) and isinstance(tr.save, str) \
             and _inside(tr.load, tr.save):
         # Every restart would load the same weights as a fresh start (step 0, new optimizer and

@@ -385,9 +385,11 @@ class RankStep:
             # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
             g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
-            # The same sum carries the step's bad-media count (host ints, each counted on one rank).
+            # The same sum carries the step's bad-media count (host ints, each counted on one rank) and
+            # whether any rank asked to stop after this step (mimo.training.stop).
             bad = torch.full((), float(self.data.bad_media), dtype=torch.float64, device=self.device)  # no copy
-            self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad])
+            stop = torch.full((), float(self.trainer.stop.requested()), dtype=torch.float64, device=self.device)
+            self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad, stop])
             if self.moe_metrics is not None:  # and an MoE LLM's metrics (mimo.training.moe_metrics)
                 self.loss = torch.cat([self.loss, self.moe_metrics.slots()])
             dist.all_reduce(self.loss)

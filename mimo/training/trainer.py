@@ -39,6 +39,7 @@ from .optimizer import ModelOptimizer, trainable
 from .parts import build_parts
 from .step_data import StepData, encoded_item_ids, item_sources, shard_step, step_windows, whole_step
 from .step_work import RankStep
+from .stop import StopRequest
 
 
 def layout_problems(cfg: MimoConfig) -> List[str]:
@@ -76,6 +77,7 @@ class StepResult:
     lr: float = 0.0                    # the learning rate this step trained with (the schedule's)
     bad_media: int = 0                 # media items replaced by zeros so far in this run (all ranks)
     moe: Optional[dict] = None         # an MoE LLM's moe_aux_loss, expert_load_max_over_mean (moe_metrics)
+    stop: bool = False                 # some rank asked to stop after this step (mimo.training.stop)
 
 
 class Trainer:
@@ -83,6 +85,9 @@ class Trainer:
         problems = layout_problems(cfg)
         if problems:  # before any collective
             raise ValueError("\n".join(problems))
+        # First: exit_duration_minutes counts from here, and a signal received while the model is
+        # built stops the run after its first step.
+        self.stop = StopRequest(cfg.training)
         plan = build_plan(cfg)
         check_plan(plan)  # every rank's actions, proven to match; then this rank keeps its own
         self.plan = plan.of_rank(dist.get_rank())
@@ -275,7 +280,8 @@ class Trainer:
         self.optim.end_step()
         loss, norm, n_tokens = float(work.loss[0]), float(work.grad_norm), int(data.n_tokens)
         self.bad_media += int(work.loss[1])
-        moe = self.moe_metrics.summarize(work.loss[2:].tolist()) if self.moe_metrics is not None else None
+        stop = float(work.loss[2]) > 0
+        moe = self.moe_metrics.summarize(work.loss[3:].tolist()) if self.moe_metrics is not None else None
         check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
@@ -283,4 +289,4 @@ class Trainer:
         # Records the data side skipped so far (cumulative; mock data skips none).
         times = reduce_step(self.timer, self.cfg, self.runtime, self.dataset.skipped_samples(step), share)
         return StepResult(step, loss, norm, tr.global_batch_size * self.cfg.data.seq_length, n_tokens,
-                          elapsed, times, lr, self.bad_media, moe)
+                          elapsed, times, lr, self.bad_media, moe, stop)

@@ -1,0 +1,118 @@
+"""Stopping cleanly before the allocation ends (training.exit_signal_handler, exit_duration_minutes).
+
+* A SIGTERM sent to one rank only of a job started by hand (no launcher): every rank finishes the same
+  step, the checkpoint of that step is published, every rank exits 0, and the same command resumes
+  from it. Without the agreement in the step's loss all-reduce the other rank would train on alone
+  (and wait for its peer forever); without the handler the signalled rank dies.
+* exit_duration_minutes: the run stops after the step in which its minutes ran out, with a checkpoint.
+* The config rules: the signal's name, a positive duration, both need training.save.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from checkpoint_harness import layout, with_ckpt
+from mimo.checkpoint import paths
+from mimo.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
+ENV = {**os.environ, "PYTHONPATH": ROOT, "MIMO_DEBUG": ""}
+
+
+def _config(tmp_path, **training):
+    raw = with_ckpt(layout(language={"dp": 2}, images={"dp": 2}, audio={"dp": 2}), save=str(tmp_path / "ck"),
+                    load=str(tmp_path / "ck"), **training)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return raw, str(path)
+
+
+def _start(cfg_path, world, tmp_path, *sets):
+    from mimo.runtime.launch import free_port
+
+    env = {**ENV, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    args = [sys.executable, SCRIPT, "--config", cfg_path, "--device", "cpu"]
+    for s in sets:
+        args += ["--set", s]
+    outs = [open(tmp_path / f"rank{r}.out", "w+") for r in range(world)]
+    procs = [subprocess.Popen(args, stdout=outs[r], stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    return procs, outs
+
+
+def _finish(procs, outs, timeout_s=240):
+    deadline = time.time() + timeout_s
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.2)
+    for p in procs:  # leave none behind on a failure
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    text = []
+    for out in outs:
+        out.seek(0)
+        text.append(out.read())
+    return codes, text
+
+
+def _steps(text):
+    return [int(line.split()[1].split("/")[0]) for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
+    raw, cfg = _config(tmp_path, train_iters=100000, exit_signal_handler=True, timeout_minutes=3)
+    procs, outs = _start(cfg, 2, tmp_path)
+    deadline = time.time() + 180
+    while time.time() < deadline and procs[0].poll() is None:
+        outs[0].seek(0)
+        if len(_steps(outs[0].read())) >= 3:
+            break
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)  # rank 1 only; rank 0 learns it in the step's all-reduce
+    codes, text = _finish(procs, outs)
+    assert codes == [0, 0], (codes, [t[-3000:] for t in text])
+    done = _steps(text[0])[-1]
+    assert 3 <= done < 100000
+    ck = str(tmp_path / "ck")
+    assert paths.read_latest(ck) == done and paths.complete_steps(ck) == [done]
+    assert text[0].splitlines()[-1] == (
+        f"stopped after step {done} (another rank received its exit signal or passed its deadline): saved "
+        f"{paths.iter_dir(ck, done)} (training.load: {ck} resumes it)"), text[0][-2000:]
+    assert "Traceback" not in text[0] + text[1]
+    # The same command (two more steps) resumes from the stop.
+    procs, outs = _start(cfg, 2, tmp_path, f"training.train_iters={done + 2}")
+    codes, text = _finish(procs, outs)
+    assert codes == [0, 0], (codes, [t[-3000:] for t in text])
+    assert f"resumed from {ck} at step {done}" in text[0] and _steps(text[0]) == [done + 1, done + 2], text[0][-2000:]
+
+
+def test_exit_duration_stops_after_the_step_in_which_it_ran_out(tmp_path):
+    raw, cfg = _config(tmp_path, train_iters=50, exit_duration_minutes=1e-6)
+    procs, outs = _start(cfg, 2, tmp_path)
+    codes, text = _finish(procs, outs)
+    assert codes == [0, 0], (codes, [t[-3000:] for t in text])
+    assert _steps(text[0]) == [1]
+    ck = str(tmp_path / "ck")
+    assert paths.read_latest(ck) == 1
+    assert text[0].splitlines()[-1].startswith("stopped after step 1 (training.exit_duration_minutes passed): saved ")
+
+
+@pytest.mark.parametrize("fields,field,needle", [
+    (dict(exit_signal="SIGKILL", exit_signal_handler=True), "training.exit_signal", "must be one of SIGTERM"),
+    (dict(exit_duration_minutes=0), "training.exit_duration_minutes", "must be a positive number"),
+    (dict(exit_signal_handler=True, save=None, load=None), "training.exit_signal_handler", "needs training.save"),
+    (dict(exit_duration_minutes=5, save=None, load=None), "training.exit_duration_minutes", "needs training.save"),
+])
+def test_config_rules(tmp_path, fields, field, needle):
+    raw = with_ckpt(layout(), save=str(tmp_path / "ck"))
+    raw["training"].update(fields)
+    with pytest.raises(ConfigError) as exc:
+        load_config(raw)
+    assert any(p == field and needle in r for p, r in exc.value.problems), exc.value.problems
