@@ -116,3 +116,15 @@ def test_config_rules(tmp_path, fields, field, needle):
     with pytest.raises(ConfigError) as exc:
         load_config(raw)
     assert any(p == field and needle in r for p, r in exc.value.problems), exc.value.problems
+
+
+def test_export_from_a_checkpoint_drops_the_fields_that_need_save(tmp_path):
+    """`python -m mimo.hf export --load` restores a checkpoint with the run's config minus training.save:
+    the stop fields, which need it, go too (the config check would refuse the export otherwise)."""
+    from mimo.training.hf_export import checkpoint_export_config
+
+    raw = with_ckpt(layout(), save=str(tmp_path / "ck"), exit_signal_handler=True, exit_duration_minutes=60,
+                    async_save=True, keep_last=2, save_interval=5)
+    load_config(raw)
+    got = checkpoint_export_config(raw, str(tmp_path / "ck"))
+    assert load_config(got).training.save is None

@@ -144,13 +144,17 @@ def _rank_export(raw: Dict, out_dir: str) -> str:
     return ""
 
 
+# The fields that only mean something with training.save (mimo.config.validate refuses them without it).
+SAVE_FIELDS = ("save", "save_interval", "keep_last", "async_save", "exit_signal_handler", "exit_duration_minutes")
+
+
 def checkpoint_export_config(raw: Dict, ckpt_dir: str) -> Dict:
     """`raw` set up to restore the weights of `ckpt_dir` (DIR with `latest`, or DIR/iter_NNNNNNN)
     at its own layout, the equivalent of `training.load=ckpt_dir` + `training.load_optimizer=false`;
     nothing is saved."""
     raw = dict(raw)
     training = {k: v for k, v in (raw.get("training") or {}).items()
-                if k not in ("save", "save_interval", "keep_last", "async_save")}
+                if k not in SAVE_FIELDS}
     training.update(load=ckpt_dir, load_optimizer=False)
     raw["training"] = training
     return raw
