@@ -93,6 +93,33 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
     assert f"resumed from {ck} at step {done}" in text[0] and _steps(text[0]) == [done + 1, done + 2], text[0][-2000:]
 
 
+def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp_path):
+    """torchrun signals each worker's whole process group, which holds megatron-core's write-results
+    manager from the first save on: it must outlive the signal for the stop's save (before, that
+    save failed with a BrokenPipeError). torchrun itself exits 1 (its SignalException)."""
+    raw, cfg = _config(tmp_path, train_iters=100000, save_interval=2, exit_signal_handler=True, timeout_minutes=3)
+    from mimo.runtime.launch import free_port
+
+    out = open(tmp_path / "torchrun.out", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), SCRIPT, "--config", cfg, "--device", "cpu"],
+                            stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        out.seek(0)
+        if len(_steps(out.read())) >= 5:  # saved at steps 2 and 4
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, (text,) = _finish([proc], [out])
+    assert code == [1], text[-3000:]  # torchrun's own exit on a signal
+    done = _steps(text)[-1]
+    ck = str(tmp_path / "ck")
+    assert paths.read_latest(ck) == done and done >= 5, text[-3000:]
+    assert f"stopped after step {done} (received SIGTERM): saved {paths.iter_dir(ck, done)}" in text, text[-3000:]
+    assert "error" not in text.replace("errors", ""), text[-3000:]
+
+
 def test_exit_duration_stops_after_the_step_in_which_it_ran_out(tmp_path):
     raw, cfg = _config(tmp_path, train_iters=50, exit_duration_minutes=1e-6)
     procs, outs = _start(cfg, 2, tmp_path)

@@ -44,6 +44,16 @@ def _die_with(parent: int, libc=None) -> None:
         os._exit(0)
 
 
+def _serve_for(parent: int) -> None:
+    """The manager's start: it dies with `parent` (above) and with nothing else. A launcher signals
+    a rank's whole process group (torchrun: `os.killpg`; Slurm at a time limit), and a rank that
+    stops on that signal (`training.exit_signal_handler`) saves a last checkpoint through this
+    manager, so the manager must outlive the signal; a spawned process would die of it."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with(parent)
+
+
 def _before_fork() -> None:
     global _forker
     _forker = os.getpid()
@@ -77,6 +87,6 @@ def install() -> None:
     if _manager or filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # spawn, as megatron-core's own: no forked CUDA state
-    manager.start(_die_with, (os.getpid(),))
+    manager.start(_serve_for, (os.getpid(),))
     _manager.append(manager)
     filesystem_async._results_queue = manager.Queue()

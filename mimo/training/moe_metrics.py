@@ -1,7 +1,8 @@
 """The step's MoE metrics (`moe_aux_loss`, `expert_load_max_over_mean`; README "Watching a run").
 
 Both travel in the step's existing loss all-reduce (a world sum, `RankStep.collective` LOSS), as
-slots after the loss and the bad-media count; nothing here syncs with the device during the step.
+slots after the loss, the bad-media count and the stop flag; nothing here syncs with the device
+during the step.
 
 * Expert load: a forward hook on each megatron-core `TopKRouter` of this rank's LLM part adds its
   `routing_map` column sums (tokens routed to each expert, a token counted once for each of its

@@ -25,12 +25,24 @@ class StopRequest:
         self.received: Optional[str] = None
         self.deadline = (time.monotonic() + 60.0 * tr.exit_duration_minutes
                          if tr.exit_duration_minutes is not None else None)
+        self._signal, self._previous = None, None
         # Python runs signal handlers on the main thread only, and only it may install them.
         if tr.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            signal.signal(getattr(signal, tr.exit_signal), self._on_signal)
+            self._signal = getattr(signal, tr.exit_signal)
+            self._previous = signal.signal(self._signal, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if self.received is not None:  # a second one: whoever sends it wants the process gone now
+            self.close()
+            signal.raise_signal(signum)
+            return
         self.received = signal.Signals(signum).name
+
+    def close(self) -> None:
+        """The signal's previous handler back (the training loop is over: nothing waits for the flag)."""
+        if self._signal is not None:
+            signal.signal(self._signal, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._signal = None
 
     def requested(self) -> bool:
         return self.received is not None or (self.deadline is not None and time.monotonic() >= self.deadline)
