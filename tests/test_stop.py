@@ -94,10 +94,20 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
 
 
 def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp_path):
-    """torchrun signals each worker's whole process group, which holds megatron-core's write-results
-    manager from the first save on: it must outlive the signal for the stop's save (before, that
-    save failed with a BrokenPipeError). torchrun itself exits 1 (its SignalException)."""
+    """torchrun signals each worker's whole process group. It holds megatron-core's write-results
+    manager from the first save on, and the media decode workers (`data.num_workers`): both must
+    outlive the signal for the stop's save (before, that save failed with a BrokenPipeError, and a
+    killed decode worker failed the step). torchrun itself exits 1 (its SignalException)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_sample_data
+
+    data = str(tmp_path / "data")
+    assert make_sample_data.main([data, "--records", "16", "--image-size", "16"]) == 0
     raw, cfg = _config(tmp_path, train_iters=100000, save_interval=2, exit_signal_handler=True, timeout_minutes=3)
+    del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
+    raw["data"] = {"kind": "llava", "path": os.path.join(data, "train.json"), "tokenizer": os.path.join(data, "tokenizer"),
+                   "seq_length": 48, "packing": False, "num_workers": 1}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
     from mimo.runtime.launch import free_port
 
     out = open(tmp_path / "torchrun.out", "w+")

@@ -14,9 +14,11 @@ only when a rank asks for a sample's items of that encoder (its encoder consumes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import signal
 import sys
 from bisect import bisect_right
 from collections.abc import Sequence as SequenceABC
@@ -229,6 +231,8 @@ class LlavaDataset:
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
         self.num_workers = d.num_workers
+        tr = cfg.training
+        self._stop_signal = getattr(signal, tr.exit_signal, None) if tr.exit_signal_handler else None
         self._wanted, self._pin = None, False
         # per encoder, items that passed their header check but failed to decode (on this rank)
         self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
@@ -482,7 +486,9 @@ class LlavaDataset:
             self._loader_iter = iter(torch.utils.data.DataLoader(
                 _DecodePaths(self.loaders), batch_size=None, sampler=steps,
                 num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin,
-                generator=torch.Generator().manual_seed(step)))
+                generator=torch.Generator().manual_seed(step),
+                worker_init_fn=(functools.partial(_ignore_signal, self._stop_signal)
+                                if self._stop_signal is not None else None)))
         keys, items = next(self._loader_iter)
         self._decoded = {tuple(k): x for k, x in zip(keys, items)}  # the loader turned tuples into lists
         self._loader_step = step + 1
@@ -678,6 +684,15 @@ def decode_or_reason(loader: Callable, path) -> object:
         return loader(path)
     except (ImageError, AudioError) as exc:
         return str(exc)
+
+
+def _ignore_signal(signum: int, worker_id: int) -> None:
+    """A decode worker's start when its rank stops cleanly on `signum` (training.exit_signal_handler).
+    A launcher signals the rank's whole process group (torchrun: os.killpg; Slurm every process of
+    the step), and a worker dying of it would fail the rank's last step and save (torch raises in
+    the rank when a worker is killed). The worker ignores it, after torch's own worker handlers are
+    set; it still ends with its rank (torch's workers watch their parent)."""
+    signal.signal(signum, signal.SIG_IGN)
 
 
 class _DecodePaths(torch.utils.data.Dataset):
