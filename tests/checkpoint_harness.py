@@ -1,7 +1,10 @@
 """Train a config on CPU ranks with checkpoints: the helpers the checkpoint tests share."""
 
 import copy
+import os
 import subprocess
+import sys
+import time
 
 from mimo.config import load_config
 from mimo.runtime import run_on_ranks, select_runtime
@@ -179,3 +182,34 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def start_by_hand(args, world, logdir, env):
+    """`world` ranks of the command `args` started as separate processes with no launcher (RANK etc. set
+    as torchrun would), each rank's stdout and stderr in logdir/rankR.out: what a job looks like when
+    nothing stops the other ranks if one exits."""
+    from mimo.runtime.launch import free_port
+
+    env = {**env, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    outs = [open(os.path.join(logdir, f"rank{r}.out"), "w+") for r in range(world)]
+    procs = [subprocess.Popen(args, stdout=outs[r], stderr=subprocess.STDOUT,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    return procs, outs
+
+
+def wait_all(procs, outs, timeout_s=240):
+    """Every process's exit code and output; any still running after `timeout_s` is killed (none is
+    left behind on a failure) and reports its signal."""
+    deadline = time.time() + timeout_s
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    codes = [p.wait() for p in procs]
+    text = []
+    for out in outs:
+        out.seek(0)
+        text.append(out.read())
+    return codes, text

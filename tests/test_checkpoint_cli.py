@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from checkpoint_harness import layout, train, with_ckpt
+from checkpoint_harness import layout, start_by_hand, train, wait_all, with_ckpt
 from mimo.checkpoint import CheckpointError, paths, preflight
 from mimo.config import load_config
 
@@ -255,10 +255,7 @@ def test_a_truncated_file_in_another_ranks_share_stops_the_job_with_that_ranks_l
     hand: three processes and no launcher to stop the others; before, the owner found it at start-up
     and exited alone, and the other ranks waited for it until `training.timeout_minutes`). The index,
     which every rank reads, every rank checks at start-up: rank 0 names it (not "unreadable"), once."""
-    import time
-
     from mimo.checkpoint import manifest
-    from mimo.runtime.launch import free_port
 
     d = _copy(saved, tmp_path)
     ckpt = paths.iter_dir(d, 2)
@@ -272,22 +269,9 @@ def test_a_truncated_file_in_another_ranks_share_stops_the_job_with_that_ranks_l
     victim = os.path.join(ckpt, ".metadata" if read_by_all else share[0])
     with open(victim, "r+b") as f:
         f.truncate(7)
-    env = {**ENV, "MIMO_DEBUG": "", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    logs = [open(tmp_path / f"rank{r}.err", "w+") for r in range(3)]
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "--config", str(cfg), "--device", "cpu"], stdout=subprocess.DEVNULL,
-                              stderr=logs[r], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(3)]
-    deadline = time.time() + 240
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
-        time.sleep(0.2)
-    for p in procs:  # leave none behind on a failure
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    err = []
-    for log in logs:
-        log.seek(0)
-        err.append(log.read())
+    procs, outs = start_by_hand([sys.executable, SCRIPT, "--config", str(cfg), "--device", "cpu"], 3, str(tmp_path),
+                                {**ENV, "MIMO_DEBUG": ""})
+    codes, err = wait_all(procs, outs)
     assert codes == [2, 2, 2], (codes, err)  # every rank stopped, none left waiting
     errors = [line for e in err for line in e.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and err[0].splitlines()[-1] == errors[0], err  # once, by rank 0

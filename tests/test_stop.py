@@ -16,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from checkpoint_harness import layout, with_ckpt
+from checkpoint_harness import layout, start_by_hand, wait_all, with_ckpt
 from mimo.checkpoint import paths
 from mimo.config import ConfigError, load_config
 
@@ -34,32 +34,10 @@ def _config(tmp_path, **training):
 
 
 def _start(cfg_path, world, tmp_path, *sets):
-    from mimo.runtime.launch import free_port
-
-    env = {**ENV, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
     args = [sys.executable, SCRIPT, "--config", cfg_path, "--device", "cpu"]
     for s in sets:
         args += ["--set", s]
-    outs = [open(tmp_path / f"rank{r}.out", "w+") for r in range(world)]
-    procs = [subprocess.Popen(args, stdout=outs[r], stderr=subprocess.STDOUT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
-    return procs, outs
-
-
-def _finish(procs, outs, timeout_s=240):
-    deadline = time.time() + timeout_s
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
-        time.sleep(0.2)
-    for p in procs:  # leave none behind on a failure
-        if p.poll() is None:
-            p.kill()
-    codes = [p.wait() for p in procs]
-    text = []
-    for out in outs:
-        out.seek(0)
-        text.append(out.read())
-    return codes, text
+    return start_by_hand(args, world, str(tmp_path), ENV)
 
 
 def _steps(text):
@@ -76,7 +54,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
             break
         time.sleep(0.2)
     procs[1].send_signal(signal.SIGTERM)  # rank 1 only; rank 0 learns it in the step's all-reduce
-    codes, text = _finish(procs, outs)
+    codes, text = wait_all(procs, outs)
     assert codes == [0, 0], (codes, [t[-3000:] for t in text])
     done = _steps(text[0])[-1]
     assert 3 <= done < 100000
@@ -88,7 +66,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
     assert "Traceback" not in text[0] + text[1]
     # The same command (two more steps) resumes from the stop.
     procs, outs = _start(cfg, 2, tmp_path, f"training.train_iters={done + 2}")
-    codes, text = _finish(procs, outs)
+    codes, text = wait_all(procs, outs)
     assert codes == [0, 0], (codes, [t[-3000:] for t in text])
     assert f"resumed from {ck} at step {done}" in text[0] and _steps(text[0]) == [done + 1, done + 2], text[0][-2000:]
 
@@ -121,7 +99,7 @@ def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    code, (text,) = _finish([proc], [out])
+    code, (text,) = wait_all([proc], [out])
     assert code == [1], text[-3000:]  # torchrun's own exit on a signal
     done = _steps(text)[-1]
     ck = str(tmp_path / "ck")
@@ -133,7 +111,7 @@ def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp
 def test_exit_duration_stops_after_the_step_in_which_it_ran_out(tmp_path):
     raw, cfg = _config(tmp_path, train_iters=50, exit_duration_minutes=1e-6)
     procs, outs = _start(cfg, 2, tmp_path)
-    codes, text = _finish(procs, outs)
+    codes, text = wait_all(procs, outs)
     assert codes == [0, 0], (codes, [t[-3000:] for t in text])
     assert _steps(text[0]) == [1]
     ck = str(tmp_path / "ck")
