@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             if result.stop:  # every rank alike: some rank's signal or deadline (training.exit_signal_handler)
                 stopped = step + 1
                 break
-        trainer.stop.close()  # from here a signal ends the process as it would without the handler
+        trainer.close()  # from here a signal ends the process as it would without the handler
         if ckpt:
             ckpt.finish()
         reporter.close()

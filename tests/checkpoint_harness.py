@@ -2,6 +2,7 @@
 
 import copy
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -206,10 +207,32 @@ def wait_all(procs, outs, timeout_s=240):
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
-            p.kill()
+            for pid in [p.pid, *_descendants(p.pid)]:  # a launcher's ranks (their own sessions) too
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     codes = [p.wait() for p in procs]
     text = []
     for out in outs:
         out.seek(0)
         text.append(out.read())
     return codes, text
+
+
+def _descendants(pid):
+    """The process ids below `pid` (Linux: read from /proc)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -13,9 +13,11 @@ def build_dataset(cfg):
     if cfg.data.kind == "energon":
         from .energon import EnergonSource
         from .llava_dataset import LlavaDataset
+        from .worker_start import stop_signal
 
         d = cfg.data
-        return LlavaDataset(cfg, source=EnergonSource(d.path, d.seed, d.shuffle, d.num_workers))
+        source = EnergonSource(d.path, d.seed, d.shuffle, d.num_workers, stop_signal(cfg.training))
+        return LlavaDataset(cfg, source=source)
     return MockMultimodalDataset(cfg)
 
 

@@ -23,9 +23,10 @@ import dataclasses
 import importlib
 import json
 import warnings
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 from .llava import DataError
+from .worker_start import worker_start
 
 REFRESH_EVERY = 1000  # records between two energon states (a resume replays at most this many)
 
@@ -115,8 +116,9 @@ def _raw_bytes_encoder():
 class EnergonSource:
     """peek / advance / record over energon's loader, like GlobalSampler over a record list."""
 
-    def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int):
+    def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int, stop_signal: Optional[int] = None):
         self.path, self.seed, self.shuffle, self.num_workers = path, seed, shuffle, num_workers
+        self.stop_signal = stop_signal  # energon's loader workers ignore it (`worker_start`)
         # energon's loaders always ask for pinned memory; on a machine without a GPU torch then warns,
         # once per rank, that it will not pin. Nothing here goes to a device (records stay bytes). The
         # filter is process-wide: energon makes its torch iterators lazily, on the loading thread.
@@ -147,6 +149,8 @@ class EnergonSource:
                                           shuffle_buffer_size=buffer, max_samples_per_sequence=buffer,
                                           task_encoder=_raw_bytes_encoder())
         self._loader = get_savable_loader(self._dataset)
+        # energon passes its own worker start (the workers' seeds); the stop signal is added after it.
+        self._loader.worker_init_fn = worker_start(self.stop_signal, self._loader.worker_init_fn)
         self._it = None
         self._pending = None
 
@@ -171,6 +175,15 @@ class EnergonSource:
         self._pending = None
         self._count += 1
         self._since += 1
+
+    def close(self) -> None:
+        """End energon's loader workers; the source is not read after this. The loader and its epoch
+        generator refer to each other (so dropping them would leave the workers to the garbage
+        collector): closing the generator breaks that, and the last reference to torch's iterator,
+        the loader's own (its workers are persistent), then goes with the loader."""
+        if self._it is not None:
+            self._it.close()
+        self._it, self._loader, self._pending = None, None, None
 
     def state_dict(self) -> Dict:
         return {"energon": plain_state(self._base), "since": self._since, "count": self._count}

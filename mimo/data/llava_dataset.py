@@ -14,11 +14,9 @@ only when a rank asks for a sample's items of that encoder (its encoder consumes
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
-import signal
 import sys
 from bisect import bisect_right
 from collections.abc import Sequence as SequenceABC
@@ -41,6 +39,7 @@ from .record_file import read_records
 from .record_index import (KeyedRows, RecordIndex, RecordMeta, file_digest, fingerprint, gather_index,
                            gather_keyed_index, load_index, save_index)
 from .sampler import GlobalSampler
+from .worker_start import stop_signal, worker_start
 
 
 class MediaError(DataError):
@@ -231,8 +230,7 @@ class LlavaDataset:
         self._next_step, self._trained = 0, -1
         self._starts: Dict[int, Dict] = {0: self._position()}
         self.num_workers = d.num_workers
-        tr = cfg.training
-        self._stop_signal = getattr(signal, tr.exit_signal, None) if tr.exit_signal_handler else None
+        self._stop_signal = stop_signal(cfg.training)
         self._wanted, self._pin = None, False
         # per encoder, items that passed their header check but failed to decode (on this rank)
         self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
@@ -487,14 +485,19 @@ class LlavaDataset:
                 _DecodePaths(self.loaders), batch_size=None, sampler=steps,
                 num_workers=self.num_workers, prefetch_factor=2, pin_memory=self._pin,
                 generator=torch.Generator().manual_seed(step),
-                worker_init_fn=(functools.partial(_ignore_signal, self._stop_signal)
-                                if self._stop_signal is not None else None)))
+                worker_init_fn=worker_start(self._stop_signal)))
         keys, items = next(self._loader_iter)
         self._decoded = {tuple(k): x for k, x in zip(keys, items)}  # the loader turned tuples into lists
         self._loader_step = step + 1
 
     def _close_prefetch(self) -> None:
         self._loader_iter, self._loader_step, self._decoded = None, None, {}
+
+    def close(self) -> None:
+        """End the data workers (decode workers, and energon's loader workers): the run is over."""
+        self._close_prefetch()
+        if hasattr(self.sampler, "close"):
+            self.sampler.close()
 
     def _decode(self, name: str, path, record: str, grid=None) -> torch.Tensor:
         got = self._decoded.get((name, path))
@@ -684,15 +687,6 @@ def decode_or_reason(loader: Callable, path) -> object:
         return loader(path)
     except (ImageError, AudioError) as exc:
         return str(exc)
-
-
-def _ignore_signal(signum: int, worker_id: int) -> None:
-    """A decode worker's start when its rank stops cleanly on `signum` (training.exit_signal_handler).
-    A launcher signals the rank's whole process group (torchrun: os.killpg; Slurm every process of
-    the step), and a worker dying of it would fail the rank's last step and save (torch raises in
-    the rank when a worker is killed). The worker ignores it, after torch's own worker handlers are
-    set; it still ends with its rank (torch's workers watch their parent)."""
-    signal.signal(signum, signal.SIG_IGN)
 
 
 class _DecodePaths(torch.utils.data.Dataset):

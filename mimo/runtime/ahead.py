@@ -60,3 +60,9 @@ class NextStep(Generic[T]):
         if self.stream is not None:
             torch.cuda.current_stream(self.runtime.device).wait_stream(self.stream)
         return data
+
+    def close(self) -> None:
+        """The run is over: wait for a load still running, drop its result and end the thread."""
+        self.settle()
+        self.pending = None
+        self.pool.shutdown(wait=True)

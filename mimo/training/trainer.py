@@ -259,6 +259,15 @@ class Trainer:
         check_loss_tokens(step, work.data.n_tokens)
         return loss
 
+    def close(self) -> None:
+        """The training loop is over: the stop signal's previous handler back, and the background
+        loader and the data workers ended. The workers ignore the stop signal, so they must end here:
+        at the interpreter's exit, Python would stop them with that signal and wait for them forever."""
+        self.stop.close()
+        self.next_step.close()
+        if hasattr(self.dataset, "close"):  # mock data has no workers
+            self.dataset.close()
+
     def train_step(self, step: int) -> StepResult:
         synchronize(self.runtime)
         start = time.perf_counter()
