@@ -179,6 +179,16 @@ def test_next_step_loads_in_the_background_and_raises_at_its_step():
     ahead.settle()  # the error stays with its step
     with pytest.raises(ValueError, match="bad data in step 3"):
         ahead.take(3)
+    # close: waits for a load still running, then its thread ends (the run is over)
+    release = threading.Event()
+    ahead = NextStep(select_runtime("cpu"), lambda step: release.wait(5) and step)
+    ahead.start(7)
+    threading.Timer(0.2, release.set).start()
+    ahead.close()
+    assert release.is_set() and ahead.pending is None
+    assert not any(t.name.startswith("mimo-next-step") and t.is_alive() for t in ahead.pool._threads)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        ahead.start(8)
 
 
 def test_rendezvous_ports_come_from_below_the_ephemeral_range(monkeypatch):
