@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     from mimo.training.agreement import check_same_config
     from mimo.training.metrics import StepReporter
 
+    trainer = None
     try:
         runtime = select_runtime(args.device)
         init_distributed(runtime, cfg.training.timeout_minutes)
@@ -181,6 +182,11 @@ def main(argv=None) -> int:
             traceback.print_exc()
         # Exit without waiting on collectives the other ranks will never finish.
         os._exit(1)
+    finally:  # reached on a return, or a BaseException (KeyboardInterrupt) on its way out; the os._exit
+        # paths above end the process without Python's exit, which would wait forever for data workers
+        # that ignore the stop signal (Trainer.close).
+        if trainer is not None:
+            trainer.close()
 
 
 def _stop(rank: int, line: str, code: int) -> int:

@@ -409,6 +409,29 @@ def test_energon_dataset_trains_on_llava_records_and_resumes(energon_dir, kind, 
     assert [resumed.plan(s).record_ids for s in range(3, 7)] == full
 
 
+def test_energon_loader_workers_end_when_the_source_reopens_or_closes(energon_dir):
+    """energon's workers are persistent and its loader is in a reference cycle: a source that reopens
+    (a resume, a rewind after a failed plan-ahead) or closes ends the workers it started itself.
+    Left to the garbage collector, workers that ignore the stop signal made the rank's exit wait."""
+    import multiprocessing
+
+    from mimo.data.energon import EnergonSource
+
+    def workers():
+        return {p for p in multiprocessing.active_children() if p.is_alive()}
+
+    before = workers()
+    src = EnergonSource(os.path.join(energon_dir, "energon_captioning"), seed=0, shuffle=False, num_workers=1)
+    first = src.record(src.peek())
+    started = workers() - before
+    assert started, "the loader should run a worker process"
+    src.load_state_dict(src.state_dict())  # reopened where it was
+    assert not any(p.is_alive() for p in started)
+    assert src.record(src.peek()) == first  # the same position: nothing consumed before the rewind
+    src.close()
+    assert workers() - before == set()
+
+
 def test_energon_config_errors(energon_dir):
     raw = llava_raw(energon_dir, path=energon_dir, kind="energon")
     with pytest.raises(ConfigError, match="error: data.path: .* is not a prepared energon dataset"):

@@ -78,20 +78,7 @@ def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp
     workers of `kind: llava`, energon's own loader workers): all must outlive the signal for the
     stop's save (before, that save failed with a BrokenPipeError, and a killed worker failed the
     step). torchrun itself exits 1 (its SignalException)."""
-    if kind == "energon":
-        pytest.importorskip("megatron.energon")
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import make_sample_data
-
-    data = str(tmp_path / "data")
-    extra = ["--energon"] if kind == "energon" else []
-    assert make_sample_data.main([data, "--records", "16", "--image-size", "16", *extra]) == 0
-    raw, cfg = _config(tmp_path, train_iters=100000, save_interval=2, exit_signal_handler=True, timeout_minutes=3)
-    del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
-    path = os.path.join(data, "energon_captioning") if kind == "energon" else os.path.join(data, "train.json")
-    raw["data"] = {"kind": kind, "path": path, "tokenizer": os.path.join(data, "tokenizer"),
-                   "seq_length": 48, "packing": False, "num_workers": 1}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    cfg = _with_data_workers(tmp_path, kind, save_interval=2)
     procs, outs = _torchrun(cfg, tmp_path, "stop")
     deadline = time.time() + 180
     while time.time() < deadline and procs[0].poll() is None:
@@ -113,6 +100,45 @@ def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp
     code, (text,) = wait_all(procs, outs, timeout_s=120)
     assert code == [0], text[-3000:]
     assert _steps(text) == [done + 1, done + 2], text[-3000:]
+
+
+def test_an_interrupt_that_ends_the_run_ends_the_data_workers_too(tmp_path):
+    """Ctrl-C (SIGINT, not the exit signal) raises KeyboardInterrupt, which the trainer's own error
+    handling lets through. The data workers, which ignore the exit signal, must still end with the
+    rank: left to Python's exit, which stops them with SIGTERM, the rank waited for them forever."""
+    cfg = _with_data_workers(tmp_path, "llava", language={"dp": 1}, images={"dp": 1})
+    procs, outs = _start(cfg, 1, tmp_path)
+    deadline = time.time() + 180
+    while time.time() < deadline and procs[0].poll() is None:
+        outs[0].seek(0)
+        if len(_steps(outs[0].read())) >= 3:
+            break
+        time.sleep(0.2)
+    procs[0].send_signal(signal.SIGINT)
+    codes, text = wait_all(procs, outs, timeout_s=60)
+    assert codes[0] != -signal.SIGKILL and "KeyboardInterrupt" in text[0], (codes, text[0][-3000:])
+
+
+def _with_data_workers(tmp_path, kind, language={"dp": 2}, images={"dp": 2}, **training):
+    """The config of a run that stops on SIGTERM (training.exit_signal_handler) and reads `kind` data
+    (llava or energon, sample data written here) with one data worker."""
+    if kind == "energon":
+        pytest.importorskip("megatron.energon")
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_sample_data
+
+    data = str(tmp_path / "data")
+    extra = ["--energon"] if kind == "energon" else []
+    assert make_sample_data.main([data, "--records", "16", "--image-size", "16", *extra]) == 0
+    raw = with_ckpt(layout(language=language, images=images), save=str(tmp_path / "ck"), load=str(tmp_path / "ck"),
+                    train_iters=100000, exit_signal_handler=True, timeout_minutes=3, **training)
+    del raw["model"]["encoders"]["audio"], raw["parallelism"]["audio"]
+    path = os.path.join(data, "energon_captioning") if kind == "energon" else os.path.join(data, "train.json")
+    raw["data"] = {"kind": kind, "path": path, "tokenizer": os.path.join(data, "tokenizer"),
+                   "seq_length": 48, "packing": False, "num_workers": 1}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    return str(cfg)
 
 
 def _torchrun(cfg_path, tmp_path, name, *sets):

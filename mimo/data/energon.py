@@ -177,7 +177,8 @@ class EnergonSource:
         self._since += 1
 
     def close(self) -> None:
-        """End energon's loader workers; the source is not read after this. The loader and its epoch
+        """End energon's loader workers; the source is not read after this until `load_state_dict`
+        opens it again. The loader and its epoch
         generator refer to each other (so dropping them would leave the workers to the garbage
         collector): closing the generator breaks that, and the last reference to torch's iterator,
         the loader's own (its workers are persistent), then goes with the loader."""
@@ -189,6 +190,7 @@ class EnergonSource:
         return {"energon": plain_state(self._base), "since": self._since, "count": self._count}
 
     def load_state_dict(self, state: Dict) -> None:
+        self.close()  # the loader read so far, and its workers, end here (not when the collector finds them)
         self._open()
         base = energon_state(state["energon"])
         if base is not None:
