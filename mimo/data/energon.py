@@ -178,10 +178,10 @@ class EnergonSource:
 
     def close(self) -> None:
         """End energon's loader workers; the source is not read after this until `load_state_dict`
-        opens it again. The loader and its epoch
-        generator refer to each other (so dropping them would leave the workers to the garbage
-        collector): closing the generator breaks that, and the last reference to torch's iterator,
-        the loader's own (its workers are persistent), then goes with the loader."""
+        opens it again. The loader and its epoch generator refer to each other (so dropping them
+        would leave the workers to the garbage collector): closing the generator breaks that, and
+        the last reference to torch's iterator, the loader's own (its workers are persistent), then
+        goes with the loader."""
         if self._it is not None:
             self._it.close()
         self._it, self._loader, self._pending = None, None, None

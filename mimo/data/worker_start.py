@@ -3,7 +3,9 @@
 With `training.exit_signal_handler` a launcher signals a rank's whole process group (torchrun:
 `os.killpg`; Slurm: every process of the step), its loader workers included. A worker that dies of
 it fails the rank's last step and its save (torch raises in the rank when a worker is killed), so
-the workers ignore that signal. They still end with their rank: torch's workers watch their parent.
+the workers ignore that signal. They still end with their rank: the trainer ends them when its loop
+is over (`Trainer.close`), and torch's workers watch their parent should it die. Python's own exit
+would not do: it stops leftover workers with SIGTERM and waits for them.
 """
 
 from __future__ import annotations
