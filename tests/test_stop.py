@@ -44,15 +44,20 @@ def _steps(text):
     return [int(line.split()[1].split("/")[0]) for line in text.splitlines() if line.startswith("step ")]
 
 
+def _wait_for_steps(proc, out, n, timeout_s=180):
+    """Until `proc` has printed `n` step lines (or exited, or `timeout_s` passed)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        out.seek(0)
+        if len(_steps(out.read())) >= n:
+            return
+        time.sleep(0.2)
+
+
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
     raw, cfg = _config(tmp_path, train_iters=100000, exit_signal_handler=True, timeout_minutes=3)
     procs, outs = _start(cfg, 2, tmp_path)
-    deadline = time.time() + 180
-    while time.time() < deadline and procs[0].poll() is None:
-        outs[0].seek(0)
-        if len(_steps(outs[0].read())) >= 3:
-            break
-        time.sleep(0.2)
+    _wait_for_steps(procs[0], outs[0], 3)
     procs[1].send_signal(signal.SIGTERM)  # rank 1 only; rank 0 learns it in the step's all-reduce
     codes, text = wait_all(procs, outs)
     assert codes == [0, 0], (codes, [t[-3000:] for t in text])
@@ -80,12 +85,7 @@ def test_a_sigterm_to_torchrun_after_earlier_saves_still_saves_the_stop_step(tmp
     step). torchrun itself exits 1 (its SignalException)."""
     cfg = _with_data_workers(tmp_path, kind, save_interval=2)
     procs, outs = _torchrun(cfg, tmp_path, "stop")
-    deadline = time.time() + 180
-    while time.time() < deadline and procs[0].poll() is None:
-        outs[0].seek(0)
-        if len(_steps(outs[0].read())) >= 5:  # saved at steps 2 and 4
-            break
-        time.sleep(0.2)
+    _wait_for_steps(procs[0], outs[0], 5)  # saved at steps 2 and 4
     procs[0].send_signal(signal.SIGTERM)
     code, (text,) = wait_all(procs, outs)
     assert code == [1], text[-3000:]  # torchrun's own exit on a signal
@@ -108,12 +108,7 @@ def test_an_interrupt_that_ends_the_run_ends_the_data_workers_too(tmp_path):
     rank: left to Python's exit, which stops them with SIGTERM, the rank waited for them forever."""
     cfg = _with_data_workers(tmp_path, "llava", language={"dp": 1}, images={"dp": 1})
     procs, outs = _start(cfg, 1, tmp_path)
-    deadline = time.time() + 180
-    while time.time() < deadline and procs[0].poll() is None:
-        outs[0].seek(0)
-        if len(_steps(outs[0].read())) >= 3:
-            break
-        time.sleep(0.2)
+    _wait_for_steps(procs[0], outs[0], 3)
     procs[0].send_signal(signal.SIGINT)
     codes, text = wait_all(procs, outs, timeout_s=60)
     assert codes[0] != -signal.SIGKILL and "KeyboardInterrupt" in text[0], (codes, text[0][-3000:])
