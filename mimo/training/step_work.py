@@ -45,6 +45,11 @@ from .step_data import StepData
 from .windows import DEFERRED, KEPT, microbatch_offsets
 
 
+# The slots of the step's loss all-reduce (one world sum, `RankStep.loss`): the loss sum, the
+# bad-media count, the stop flag (mimo.training.stop), then an MoE LLM's metrics (moe_metrics).
+LOSS_SLOT, BAD_MEDIA_SLOT, STOP_SLOT, MOE_SLOTS = 0, 1, 2, 3
+
+
 class RankStep:
     """One step of one rank. `trainer`: its long-lived parts (model parts, optimizer, communicators, timer)."""
 
@@ -386,7 +391,7 @@ class RankStep:
             g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
             # The same sum carries the step's bad-media count (host ints, each counted on one rank) and
-            # whether any rank asked to stop after this step (mimo.training.stop).
+            # whether any rank asked to stop after this step (mimo.training.stop): the *_SLOT order.
             bad = torch.full((), float(self.data.bad_media), dtype=torch.float64, device=self.device)  # no copy
             stop = torch.full((), float(self.trainer.stop.requested()), dtype=torch.float64, device=self.device)
             self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad, stop])

@@ -38,7 +38,7 @@ from .metrics import StepTimes, reduce_step
 from .optimizer import ModelOptimizer, trainable
 from .parts import build_parts
 from .step_data import StepData, encoded_item_ids, item_sources, shard_step, step_windows, whole_step
-from .step_work import RankStep
+from .step_work import BAD_MEDIA_SLOT, LOSS_SLOT, MOE_SLOTS, STOP_SLOT, RankStep
 from .stop import StopRequest
 
 
@@ -255,7 +255,7 @@ class Trainer:
         work = RankStep(self, self.next_step.take(step))
         with megatron_scope(self.runtime):
             run_plan(self.plan.through(LOSS), self.rank, work)
-        loss = float(work.loss[0])
+        loss = float(work.loss[LOSS_SLOT])
         check_loss_tokens(step, work.data.n_tokens)
         return loss
 
@@ -287,10 +287,10 @@ class Trainer:
         # The dataset is the loader's until it is done (the metrics and a save read it next).
         self.next_step.settle()
         self.optim.end_step()
-        loss, norm, n_tokens = float(work.loss[0]), float(work.grad_norm), int(data.n_tokens)
-        self.bad_media += int(work.loss[1])
-        stop = float(work.loss[2]) > 0
-        moe = self.moe_metrics.summarize(work.loss[3:].tolist()) if self.moe_metrics is not None else None
+        loss, norm, n_tokens = float(work.loss[LOSS_SLOT]), float(work.grad_norm), int(data.n_tokens)
+        self.bad_media += int(work.loss[BAD_MEDIA_SLOT])
+        stop = float(work.loss[STOP_SLOT]) > 0
+        moe = self.moe_metrics.summarize(work.loss[MOE_SLOTS:].tolist()) if self.moe_metrics is not None else None
         check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
