@@ -9,7 +9,7 @@ import torch
 
 from mimo.runtime.device import multiprocessor_count
 
-from .block_plan import BlockPlan, get_plan
+from .block_plan import BlockPlan, get_plans
 from .config import KernelConfig
 from .inputs import AttentionInputs, check_inputs
 from .kernel_loader import backend_for, kernels
@@ -178,14 +178,17 @@ def bitfield_attention_general(
     key_tensors = (q_mask, k_mask, q_positions, k_positions, q_document_ids, k_document_ids)
     programs = q.shape[0] * -(-q.shape[1] // cfg.block_m) * q.shape[2]
     split = cfg.split_for(programs, None if interpret else multiprocessor_count(q.device))
-    fwd_plan = get_plan(inp, key_tensors, cfg.block_m, cfg.block_n, split, kern)
+    # The forward's tiles, then the dK/dV and dQ kernels' own where they differ (a plan is shared where
+    # the tiles agree); all built at once, with one wait for the device.
+    tiles = {(cfg.block_m, cfg.block_n): (cfg.block_m, cfg.block_n, split)}
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if wants_grad:
+        for bwd in ((cfg.bwd_block_m, cfg.bwd_block_n), (cfg.dq_block_m, cfg.dq_block_n)):
+            tiles.setdefault(bwd, bwd + (None,))
+    plans = dict(zip(tiles, get_plans(inp, key_tensors, list(tiles.values()), kern)))
+    fwd_plan = plans[(cfg.block_m, cfg.block_n)]
     bwd_plans = (None, None)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # The dK/dV and dQ kernels each with their own tiles; a plan is shared where the tiles agree.
-        plans = {(cfg.block_m, cfg.block_n): fwd_plan}
-        for tiles in ((cfg.bwd_block_m, cfg.bwd_block_n), (cfg.dq_block_m, cfg.dq_block_n)):
-            if tiles not in plans:
-                plans[tiles] = get_plan(inp, key_tensors, *tiles, None, kern)
+    if wants_grad:
         bwd_plans = (plans[(cfg.bwd_block_m, cfg.bwd_block_n)] if k.requires_grad or v.requires_grad else None,
                      plans[(cfg.dq_block_m, cfg.dq_block_n)] if q.requires_grad else None)
     out, lse = _BitfieldAttention.apply(q, k, v, inp, fwd_plan, bwd_plans, cfg, kern, interpret)

@@ -151,3 +151,85 @@ def test_default_masks_are_one_row_per_length_for_every_batch_size():
     assert torch.equal(causal, causal_mask(5, 24))
     assert causal.untyped_storage().data_ptr() != rows[0].untyped_storage().data_ptr()
     assert _default_mask(False, 3, 24, "cpu").untyped_storage().data_ptr() == rows[0].untyped_storage().data_ptr()
+
+
+# What waits for the device: a Python read of a tensor's value, and an operator whose result's size
+# depends on the values (its output must be sized on the host first).
+READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+SIZED_BY_VALUES = {"aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
+                   "aten.unique_dim.default", "aten.unique_consecutive.default"}
+
+
+class _Waits:
+    """Counts, while active, the reads of tensor values and the value-sized operators (repeat_interleave
+    counts unless told its output size)."""
+
+    def __init__(self):
+        self.reads, self.ops = [], []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        waits = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = str(func)
+                if name in SIZED_BY_VALUES or name == "aten._local_scalar_dense.default" or (
+                        name == "aten.repeat_interleave.Tensor" and kwargs.get("output_size") is None):
+                    waits.ops.append(name)
+                return func(*args, **kwargs)
+
+        self._saved = {n: getattr(torch.Tensor, n) for n in READS}
+        for n, original in self._saved.items():
+            def read(t, *a, _n=n, _original=original, **k):
+                self.reads.append(_n)
+                return _original(t, *a, **k)
+            setattr(torch.Tensor, n, read)
+        self._mode = Ops()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for n, original in self._saved.items():
+            setattr(torch.Tensor, n, original)
+
+
+def test_a_new_mask_waits_for_the_device_once_for_all_its_plans():
+    """The forward builds the plans of the forward, dK/dV and dQ tiles (three different here) with one
+    read of their sizes from the device and no value-sized operator: on a GPU, every other read would
+    stall the host mid-forward until the device caught up. A known mask reads nothing. Each plan still
+    matches one built alone."""
+    from mimo.attention.block_plan import get_plans
+
+    clear_block_cache()
+    kern = kernels(interpret=True)
+    mask, docs = scenario("embedded_image_audio")
+    x = torch.zeros(*mask.shape, 1, 16)
+    inp = check_inputs(x, x, x, mask, mask, q_document_ids=docs, k_document_ids=docs)
+    key = (mask, mask, None, None, docs, docs)
+    tiles = [(16, 16, 1), (32, 16, None), (16, 32, None)]
+    with _Waits() as waits:
+        plans = get_plans(inp, key, tiles, kern)
+    assert waits.reads == ["tolist"] and waits.ops == []
+    with _Waits() as again:
+        assert all(p is q for p, q in zip(get_plans(inp, key, tiles, kern), plans))
+    assert again.reads == [] and again.ops == []
+    for (bm, bn, split), plan in zip(tiles, plans):
+        alone = build_plan(inp, bm, bn, split, kern)
+        for name in ("idx", "full", "cnt", "npart", "nonempty"):
+            assert torch.equal(getattr(plan.rows, name), getattr(alone.rows, name))
+            assert torch.equal(getattr(plan.cols, name), getattr(alone.cols, name))
+        assert (plan.items is None) == (split is None)
+    assert plans[0].items.n_slots > 0  # split rows: the merge's lists are sized from the read too
+
+
+def test_a_plan_build_with_a_bad_mask_says_which():
+    x = torch.zeros(1, 8, 1, 16)
+    good = torch.ones(1, 8, dtype=torch.int64)
+    bad = good.clone()
+    bad[0, 3] = -1
+    with pytest.raises(ValueError, match="k_mask has bit 63 set"):
+        build_plan(check_inputs(x, x, x, good, bad), 16, 16, None, kernels(interpret=True))
