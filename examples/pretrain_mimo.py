@@ -166,8 +166,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:  # the ranks' configs differ: every rank found it in the same reduction
         _stop(rank, str(exc), 2)
         os._exit(2)
-    except MediaError as exc:  # found by the rank that decoded the item: it reports; torchrun stops the others
-        print(str(exc), file=sys.stderr, flush=True)
+    except MediaError as exc:  # every rank after the same step: the ranks that decoded the items name them
+        if exc.own or rank == 0:
+            print(str(exc), file=sys.stderr, flush=True)
         os._exit(2)
     except DataError as exc:  # e.g. a bad record with on_bad_record: error; every rank meets it when it plans
         if rank != 0:  # the step, but a rank that reads ahead meets it first, while rank 0 may be waiting in

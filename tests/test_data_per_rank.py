@@ -127,10 +127,54 @@ def test_truncated_image_is_skipped_named_and_counted(data_dir, tmp_path):
 
 
 def test_truncated_image_stops_every_rank_under_error(data_dir, tmp_path):
+    """`error`: only the encoder rank that decodes the cut JPEG can find it. It trains the step with
+    zeros in its place and flags it in the step's loss sum, so every rank stops after that step
+    with exit code 2 on its own, with no launcher to stop the others: that rank names the record,
+    rank 0 says another rank failed, the third rank says nothing more. Started by hand (no torchrun):
+    when the rank raised at once, the others waited in the step for it until gloo reset them."""
+    from checkpoint_harness import start_by_hand, wait_all
+
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(_raw(data_dir, "bad.json", on_bad_record="error")))
-    r = _torchrun(cfg)
-    assert r.returncode != 0
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "record 'truncated-jpeg'" in errors[0] and "cut.jpg" in errors[0], r.stderr[-3000:]
-    assert f'File "{ROOT}/mimo' not in r.stderr  # no traceback from mimo (torchrun prints its own)
+    procs, outs = start_by_hand([sys.executable, SCRIPT, "--config", str(cfg), "--device", "cpu"], 3,
+                                str(tmp_path), {**os.environ, "PYTHONPATH": ROOT, "MIMO_DEBUG": ""})
+    codes, text = wait_all(procs, outs, timeout_s=240)
+    assert codes == [2, 2, 2], (codes, [t[-2000:] for t in text])
+    errors = [[line for line in t.splitlines() if line.startswith("error:")] for t in text]
+    named = [r for r in (1, 2) if errors[r]]
+    assert len(named) == 1, errors
+    assert len(errors[named[0]]) == 1 and "record 'truncated-jpeg'" in errors[named[0]][0]
+    assert "cut.jpg" in errors[named[0]][0], errors
+    assert errors[0] == ["error: data: step 3: 1 media item(s) failed to decode on other ranks under "
+                         "data.on_bad_record: error (the ranks that decoded them name the records)"], errors
+    assert errors[3 - named[0]] == [], errors
+    # Every rank trained steps 1 and 2 (rank 0 prints them) and stopped in step 3, before it was logged.
+    assert [line.split()[1] for line in text[0].splitlines() if line.startswith("step ")] == ["1/5", "2/5"], text[0]
+    assert not any(f'File "{ROOT}/mimo' in t for t in text)  # no traceback
+
+
+def _steps_until_media_error(raw):
+    """Train until the MediaError: (the step it came after, whether this rank decoded the bad item, its text)."""
+    from mimo.data.llava import MediaError
+    from mimo.runtime import select_runtime
+    from mimo.training import Trainer
+
+    trainer = Trainer(load_config(raw), select_runtime("cpu"))
+    for step in range(STEPS):
+        try:
+            trainer.train_step(step)
+        except MediaError as exc:
+            return step, exc.own, str(exc)
+    return None
+
+
+def test_a_truncated_image_under_error_stops_every_homogeneous_rank_after_its_step(data_dir):
+    """The same on a homogeneous layout (data parallel 2, each rank decoding its own samples' images):
+    both ranks raise after step 3 (index 2), one of them naming the record."""
+    raw = _raw(data_dir, "bad.json", on_bad_record="error")
+    raw["parallelism"] = {"language": {"dp": 2}, "images": {"dp": 2}}
+    out = run_on_ranks(_steps_until_media_error, 2, raw, timeout_s=300, daemon=False)
+    assert [o[0] for o in out] == [2, 2], out
+    assert sorted(o[1] for o in out) == [False, True], out
+    own = next(o[2] for o in out if o[1])
+    assert "record 'truncated-jpeg'" in own and "cut.jpg" in own, out

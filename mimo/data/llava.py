@@ -44,6 +44,16 @@ class DataError(ValueError):
     """A problem that stops the run: str() is one `error: ...` line."""
 
 
+class MediaError(DataError):
+    """A media item that passed its header check but failed to decode, under `on_bad_record: error`.
+    Found only by the rank that decodes it (str() is one `error: ...` line per item). `own`: False
+    where the failure was another rank's, learnt from the step's loss sum (`Trainer`)."""
+
+    def __init__(self, message: str, own: bool = True):
+        super().__init__(message)
+        self.own = own
+
+
 def record_id(record, index: int) -> str:
     rid = record.get("id") if isinstance(record, dict) else None
     return str(rid) if rid is not None else f"#{index}"

@@ -32,7 +32,7 @@ from mimo.config.hf_files import processor_dir, tokenizer_dir
 from .audio import AudioError, AudioLoader
 from .images import ImageError, ImageLoader, NativeImageLoader, media_name
 from .items import LazyItems, grid_patches, is_native, patch_width
-from .llava import BadRecord, ConversationEncoder, DataError, Encoded, record_id
+from .llava import BadRecord, ConversationEncoder, DataError, Encoded, MediaError, record_id
 from .mock import PAD_ID, Sample
 from .native_images import native_grid
 from .record_file import read_records
@@ -40,11 +40,6 @@ from .record_index import (KeyedRows, RecordIndex, RecordMeta, file_digest, fing
                            gather_keyed_index, load_index, save_index)
 from .sampler import GlobalSampler
 from .worker_start import stop_signal, worker_start
-
-
-class MediaError(DataError):
-    """A media item that passed its header check but failed to decode, under `on_bad_record: error`.
-    Found only by the rank that decodes it, which reports it (str() is one `error: ...` line)."""
 
 
 class Planned:
@@ -235,6 +230,10 @@ class LlavaDataset:
         # per encoder, items that passed their header check but failed to decode (on this rank)
         self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
         self._named: set = set()  # records already named in a bad-media warning (this rank)
+        # Under `on_bad_record: error`, a trainer defers decode failures (`defer_media_errors`): kept
+        # here with zeros in the item's place, so that every rank learns of them in the step and stops
+        # after it alike, instead of this rank alone stopping with the others waiting for it.
+        self.media_errors: Optional[List[str]] = None
         self._close_prefetch()
         self._peeked = None  # (record index, Planned): the record that did not fit the last sequence
 
@@ -513,12 +512,28 @@ class LlavaDataset:
                                    "data.index, since the index was made)", shape)
         return got
 
+    def defer_media_errors(self) -> None:
+        """Keep decode failures under `on_bad_record: error` in `media_errors` instead of raising them."""
+        self.media_errors = []
+
+    def take_media_errors(self) -> List[str]:
+        """The decode failures kept since the last call (none unless deferred)."""
+        if not self.media_errors:
+            return []
+        taken, self.media_errors = self.media_errors, []
+        return taken
+
     def _bad_media(self, name: str, record: str, reason: str, shape: tuple) -> torch.Tensor:
         """An item whose header was good but whose data is not (a truncated JPEG, say): under `skip`
         zeros of the item's size (the record was planned from its header, so every rank already
-        agrees on the step), named once and counted; under `error` the run stops, naming it."""
+        agrees on the step), named once and counted; under `error` the run stops, naming it (deferred:
+        zeros meanwhile, and the trainer stops every rank after the step)."""
         if self.on_bad == "error":
-            raise MediaError(f"error: data.path: record {record!r}: {reason}")
+            line = f"error: data.path: record {record!r}: {reason}"
+            if self.media_errors is None:
+                raise MediaError(line)
+            self.media_errors.append(line)
+            return torch.zeros(shape)
         self.bad_media[name] += 1
         if record not in self._named:
             self._named.add(record)

@@ -43,6 +43,9 @@ class StepData:
     step_batch: Dict[str, "EncoderItems"] = field(default_factory=dict)  # whole step: items this rank encodes
     windows: Optional[StepWindows] = None                  # whole step: boundary windows
     bad_media: int = 0  # items replaced by zeros while loading this step, counted on one rank per item
+    # Under on_bad_record: error, this rank's items that failed to decode while loading this step (one
+    # `error: ...` line each, zeros in their place): the step's loss sum tells every rank.
+    media_errors: List[str] = field(default_factory=list)
     # Whole step: each native-resolution encoder's item grids (t, h, w) by step item id, host metadata
     # every rank holds, from which each pipeline stage derives its activation shape, masks and rotary table.
     item_grids: Dict[str, List[Tuple[int, int, int]]] = field(default_factory=dict)

@@ -46,8 +46,9 @@ from .windows import DEFERRED, KEPT, microbatch_offsets
 
 
 # The slots of the step's loss all-reduce (one world sum, `RankStep.loss`): the loss sum, the
-# bad-media count, the stop flag (mimo.training.stop), then an MoE LLM's metrics (moe_metrics).
-LOSS_SLOT, BAD_MEDIA_SLOT, STOP_SLOT, MOE_SLOTS = 0, 1, 2, 3
+# bad-media count, the stop flag (mimo.training.stop), the count of media that failed to decode under
+# `on_bad_record: error`, then an MoE LLM's metrics (moe_metrics).
+LOSS_SLOT, BAD_MEDIA_SLOT, STOP_SLOT, MEDIA_ERROR_SLOT, MOE_SLOTS = 0, 1, 2, 3, 4
 
 
 class RankStep:
@@ -390,11 +391,14 @@ class RankStep:
             # Only the LLM's last-stage TP-rank-0 ranks hold loss; one world sum gives the global loss.
             g = self.trainer.topo.grid(LANGUAGE)
             last = g.is_member and g.is_last_stage and g.coords["tp"] == 0
-            # The same sum carries the step's bad-media count (host ints, each counted on one rank) and
-            # whether any rank asked to stop after this step (mimo.training.stop): the *_SLOT order.
+            # The same sum carries the step's bad-media count (host ints, each counted on one rank),
+            # whether any rank asked to stop after this step (mimo.training.stop) and how many items
+            # failed to decode under on_bad_record: error (the trainer stops every rank on it): the
+            # *_SLOT order.
             bad = torch.full((), float(self.data.bad_media), dtype=torch.float64, device=self.device)  # no copy
             stop = torch.full((), float(self.trainer.stop.requested()), dtype=torch.float64, device=self.device)
-            self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad, stop])
+            failed = torch.full((), float(len(self.data.media_errors)), dtype=torch.float64, device=self.device)
+            self.loss = torch.stack([self.loss_sum if last else torch.zeros_like(self.loss_sum), bad, stop, failed])
             if self.moe_metrics is not None:  # and an MoE LLM's metrics (mimo.training.moe_metrics)
                 self.loss = torch.cat([self.loss, self.moe_metrics.slots()])
             dist.all_reduce(self.loss)

@@ -23,6 +23,7 @@ from mimo.balance.step import StepBalancer
 from mimo.comm import build_communicator
 from mimo.config import LANGUAGE, MimoConfig, placement
 from mimo.data import PAD_ID, build_dataset, shard_indices
+from mimo.data.llava import MediaError
 from mimo.hf import check_hf_weights, hf_modules
 from mimo.model.transformer_config import dtype_of
 from mimo.runtime import NextStep, ParameterOffload, Runtime, StepTimer, megatron_scope, synchronize
@@ -38,7 +39,7 @@ from .metrics import StepTimes, reduce_step
 from .optimizer import ModelOptimizer, trainable
 from .parts import build_parts
 from .step_data import StepData, encoded_item_ids, item_sources, shard_step, step_windows, whole_step
-from .step_work import BAD_MEDIA_SLOT, LOSS_SLOT, MOE_SLOTS, STOP_SLOT, RankStep
+from .step_work import BAD_MEDIA_SLOT, LOSS_SLOT, MEDIA_ERROR_SLOT, MOE_SLOTS, STOP_SLOT, RankStep
 from .stop import StopRequest
 
 
@@ -54,6 +55,16 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
         if par[name].cp != 1 or par[name].ep != 1 or par[name].etp != 1:
             problems.append(f"parallelism.{name}.cp: encoders must use cp = 1, ep = 1 and etp = 1")
     return problems
+
+
+def check_media_errors(step: int, failed, own: List[str]) -> None:
+    """After a step, from its loss sum: under `on_bad_record: error`, `failed` items of the step failed
+    to decode over all ranks, `own` of them here (their lines). Every rank stops alike (the step is not
+    saved); the ranks that decoded them name the records."""
+    if int(failed):
+        raise MediaError("\n".join(own), own=True) if own else MediaError(
+            f"error: data: step {step + 1}: {int(failed)} media item(s) failed to decode on other ranks under "
+            "data.on_bad_record: error (the ranks that decoded them name the records)", own=False)
 
 
 def check_loss_tokens(step: int, n_tokens) -> None:
@@ -121,6 +132,9 @@ class Trainer:
                                           self.layer_offsets.get(LANGUAGE, 0), runtime.device)
 
         self.dataset = build_dataset(cfg)
+        if hasattr(self.dataset, "defer_media_errors"):  # mock data decodes nothing
+            # A decode failure under on_bad_record: error stops every rank after its step (check_media_errors).
+            self.dataset.defer_media_errors()
         self.agreement = PlanAgreement(self.dataset, cfg.training.timeout_minutes)  # collective: a group over all ranks
         if self.agreement.group is not None and hasattr(self.dataset, "build_index"):
             # Collective: each rank tokenises 1/W of the records, so that none tokenises every step's.
@@ -216,6 +230,8 @@ class Trainer:
         before = {n: bad.get(n, 0) for n in self.counting}
         data = self._load_step(step)
         data.bad_media = sum(bad.get(n, 0) - before[n] for n in self.counting)
+        if hasattr(self.dataset, "take_media_errors"):  # mock data decodes nothing
+            data.media_errors = self.dataset.take_media_errors()
         return data
 
     def _plan_locally(self, step: int) -> Tuple[int, Optional[BaseException]]:
@@ -256,6 +272,7 @@ class Trainer:
         with megatron_scope(self.runtime):
             run_plan(self.plan.through(LOSS), self.rank, work)
         loss = float(work.loss[LOSS_SLOT])
+        check_media_errors(step, work.loss[MEDIA_ERROR_SLOT], work.data.media_errors)
         check_loss_tokens(step, work.data.n_tokens)
         return loss
 
@@ -291,6 +308,7 @@ class Trainer:
         self.bad_media += int(work.loss[BAD_MEDIA_SLOT])
         stop = float(work.loss[STOP_SLOT]) > 0
         moe = self.moe_metrics.summarize(work.loss[MOE_SLOTS:].tolist()) if self.moe_metrics is not None else None
+        check_media_errors(step, work.loss[MEDIA_ERROR_SLOT], data.media_errors)
         check_loss_tokens(step, data.n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
