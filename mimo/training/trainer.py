@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from mimo.attention import enable_context_parallel_rope
@@ -304,12 +305,15 @@ class Trainer:
         # The dataset is the loader's until it is done (the metrics and a save read it next).
         self.next_step.settle()
         self.optim.end_step()
-        loss, norm, n_tokens = float(work.loss[LOSS_SLOT]), float(work.grad_norm), int(data.n_tokens)
-        self.bad_media += int(work.loss[BAD_MEDIA_SLOT])
-        stop = float(work.loss[STOP_SLOT]) > 0
-        moe = self.moe_metrics.summarize(work.loss[MOE_SLOTS:].tolist()) if self.moe_metrics is not None else None
-        check_media_errors(step, work.loss[MEDIA_ERROR_SLOT], data.media_errors)
-        check_loss_tokens(step, data.n_tokens)
+        # The step's one read from the device: the loss sum's slots, the gradient norm, the loss tokens.
+        read = torch.cat([work.loss, work.grad_norm.reshape(1).double(), data.n_tokens.reshape(1)]).tolist()
+        slots, norm, n_tokens = read[:-2], read[-2], int(read[-1])
+        loss = slots[LOSS_SLOT]
+        self.bad_media += int(slots[BAD_MEDIA_SLOT])
+        stop = slots[STOP_SLOT] > 0
+        moe = self.moe_metrics.summarize(slots[MOE_SLOTS:]) if self.moe_metrics is not None else None
+        check_media_errors(step, slots[MEDIA_ERROR_SLOT], data.media_errors)
+        check_loss_tokens(step, n_tokens)
         synchronize(self.runtime)
         elapsed = time.perf_counter() - start
         tr = self.cfg.training
