@@ -436,6 +436,9 @@ def test_energon_config_errors(energon_dir):
     raw = llava_raw(energon_dir, path=energon_dir, kind="energon")
     with pytest.raises(ConfigError, match="error: data.path: .* is not a prepared energon dataset"):
         load_config(raw)
+    raw = llava_raw(energon_dir, path=os.path.join(energon_dir, "nope"), kind="energon")
+    with pytest.raises(ConfigError, match="error: data.path: no such directory: .*nope"):
+        load_config(raw)
 
 
 def test_metrics_of_both_kinds(sample_dir):

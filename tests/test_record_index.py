@@ -403,6 +403,27 @@ def test_a_damaged_or_foreign_index_file_is_not_used(tmp_path, capsys):
                                        "index mimo writes never does); indexing the records again\n")
 
 
+def test_a_file_that_is_no_index_is_never_replaced(tmp_path):
+    """data.index naming some other file (the records file, a text file, another zip archive): the
+    start stops with one line and leaves the file as it is. Before, it warned, indexed the records
+    and wrote the index over the file (the records file too)."""
+    import zipfile
+
+    from mimo.data.llava import DataError
+    from mimo.data.record_index import load_index
+
+    records = tmp_path / "train.json"
+    records.write_text('[{"id": "a", "conversations": []}]')
+    other_zip = tmp_path / "images.zip"
+    with zipfile.ZipFile(other_zip, "w") as z:
+        z.writestr("img0.png", b"not really")
+    for path in (records, other_zip):
+        before = path.read_bytes()
+        with pytest.raises(DataError, match=f"data.index: {path} is not a record index .* left as it is"):
+            load_index(str(path), "key", 1)
+        assert path.read_bytes() == before
+
+
 def test_index_config_errors(sample_dir, tmp_path):  # noqa: F811
     from mimo.config import ConfigError
 
@@ -415,6 +436,9 @@ def test_index_config_errors(sample_dir, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="data.index: no such directory"):
         load_config(llava_raw(sample_dir, index=str(tmp_path / "nope" / "train.index")))
     assert load_config(llava_raw(sample_dir, index=str(tmp_path / "train.index"))).data.index
+    raw = llava_raw(sample_dir)
+    with pytest.raises(ConfigError, match=r"data.index: .* is the records file \(data.path\)"):
+        load_config(llava_raw(sample_dir, index=raw["data"]["path"]))
 
 
 def test_a_native_image_whose_size_changed_since_planning_is_bad_media(qwen_data, capfd):  # noqa: F811

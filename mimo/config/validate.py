@@ -232,9 +232,14 @@ def _check_data(cfg: MimoConfig, add) -> None:
                 add("data.index", f"{d.index} is a directory: name the file that keeps the record index")
             elif not os.path.isdir(where):
                 add("data.index", f"no such directory: {where}")
+            elif d.path and os.path.realpath(d.index) == os.path.realpath(d.path):
+                add("data.index", f"{d.index} is the records file (data.path): name another file for the index "
+                    "(a start writes the index there)")
     if d.kind == "energon":
         if not d.path:
             add("data.path", "required for data.kind energon (a directory prepared with `energon prepare`)")
+        elif not os.path.exists(d.path):
+            add("data.path", f"no such directory: {d.path}")
         elif not os.path.isfile(os.path.join(d.path, ".nv-meta", "dataset.yaml")):
             add("data.path", f"{d.path} is not a prepared energon dataset (no .nv-meta/dataset.yaml): "
                 "run `energon prepare` on it")

@@ -29,6 +29,7 @@ import json
 import os
 import socket
 import sys
+import zipfile
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -251,11 +252,32 @@ def save_index(index: RecordIndex, path: str, key: str) -> None:
             os.remove(tmp)
 
 
+def _foreign(path: str) -> bool:
+    """Whether `path` holds something else than an index mimo wrote, whole or damaged: it is not empty,
+    and it is not a zip archive holding the `key` entry every index holds, nor one too damaged to read
+    (it begins as a zip archive but does not read as one)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        return False
+    if head != b"PK\x03\x04":
+        return True
+    try:
+        with zipfile.ZipFile(path) as z:
+            return "key.npy" not in z.namelist()
+    except zipfile.BadZipFile:
+        return False
+
+
 def load_index(path: str, key: str, num_records: int) -> Optional[RecordIndex]:
     """The index kept in `path`, or None when there is none, it cannot be read, or it was made for
-    other records, tokenizer or settings (another fingerprint)."""
+    other records, tokenizer or settings (another fingerprint). A DataError when `path` holds something
+    else, which the index written after the start would replace."""
     if not os.path.isfile(path):
         return None
+    if _foreign(path):  # never replaced (the run writes its index there): it may hold anything, records included
+        raise DataError(f"error: data.index: {path} is not a record index (mimo writes a zip archive holding a "
+                        "`key` entry): it is left as it is; remove it, or name another file for data.index")
     try:
         with np.load(path, allow_pickle=False) as f:
             if str(f["key"]) != key or f["counts"].shape != (num_records, 4):
