@@ -61,12 +61,16 @@ def main(argv=None) -> int:
 
         cfg = load_for_world(args.config, args.set, world, preferred_device_name(args.device), rank,
                              int(os.environ.get("LOCAL_WORLD_SIZE", world)), check=args.check)
-        if args.log_json:
-            cfg.training.log_json = args.log_json
+        from mimo.config.outputs import output_problem
         from mimo.training import layout_problems
         from mimo.training.metrics import missing_packages
 
         problems = [tuple(p.split(": ", 1)) for p in layout_problems(cfg)] + missing_packages(cfg)
+        if args.log_json:
+            cfg.training.log_json = args.log_json
+            log_problem = output_problem(args.log_json, "file")
+            if log_problem:
+                problems.append(("--log-json", log_problem))
         device = None if args.check else device_problem(args.device)  # --check may run off the GPU nodes
         if device:
             problems.append(("--device", device))

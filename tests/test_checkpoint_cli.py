@@ -72,6 +72,39 @@ def test_output_paths_that_are_directories_are_one_error(saved, tmp_path, capsys
     assert checkpoint_cli(["convert", saved["dir"], "--to-torch", str(tmp_path)]) == 2  # before any load
     assert capsys.readouterr().err == f"error: --to-torch: {tmp_path} is a directory; name the file to write\n"
     assert out_dir_problem(None, "") == "an empty path; name the directory to write"  # hf export --out ''
+    # Under a file (before: a FileExistsError traceback after the load), and a disk that refuses the write.
+    (tmp_path / "afile").write_text("x")
+    assert checkpoint_cli(["convert", saved["dir"], "--to-torch", str(tmp_path / "afile" / "w.pt")]) == 2
+    assert capsys.readouterr().err == (f"error: --to-torch: {tmp_path / 'afile' / 'w.pt'} cannot be made: "
+                                       f"{tmp_path / 'afile'} is a file\n")
+    if os.path.exists("/dev/full"):
+        assert checkpoint_cli(["convert", saved["dir"], "--to-torch", "/dev/full"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --to-torch: writing /dev/full failed: ") and len(err.splitlines()) == 1, err
+    assert out_dir_problem(None, str(tmp_path / "afile" / "hf")) == (f"{tmp_path / 'afile' / 'hf'} cannot be made: "
+                                                                     f"{tmp_path / 'afile'} is a file")
+
+
+def test_output_files_and_directories_of_a_run_are_checked_with_the_config(tmp_path):
+    """training.log_json, training.timeline (files) and training.tensorboard_dir (a directory): a
+    directory where a file goes, a file where a directory goes, a path under a file are config
+    errors, found before the run rather than at its first write (the timeline at timeline_step)."""
+    from mimo.config import ConfigError
+
+    from tiny import TINY
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = {("log_json", str(tmp_path)): f"{tmp_path} is a directory; name the file to write",
+             ("timeline", str(afile / "t.json")): f"{afile / 't.json'} cannot be made: {afile} is a file",
+             ("tensorboard_dir", str(afile)): f"{afile} exists and is not a directory"}
+    for (key, value), reason in cases.items():
+        raw = copy.deepcopy(TINY)
+        raw["training"][key] = value
+        with pytest.raises(ConfigError, match=re.escape(f"training.{key}: {reason}")):
+            load_config(raw)
+        raw["training"][key] = str(tmp_path / "new" / "out")  # to be made: fine
+        assert getattr(load_config(raw).training, key)
 
 
 def test_a_damaged_format_record_is_named(saved, tmp_path):
@@ -277,3 +310,18 @@ def test_a_truncated_file_in_another_ranks_share_stops_the_job_with_that_ranks_l
     assert len(errors) == 1 and err[0].splitlines()[-1] == errors[0], err  # once, by rank 0
     assert errors[0].startswith(f"error: {victim}: truncated or modified (7 bytes"), errors
     assert not any("Traceback" in e for e in err), err
+
+
+def test_tools_name_an_output_under_a_file(tmp_path, capsys):
+    """tools/make_sample_data.py OUT_DIR and tools/timeline.py --out: one line, exit 2 (before: a traceback)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_sample_data
+    import timeline
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert make_sample_data.main([str(afile)]) == 2
+    assert capsys.readouterr().err == f"error: OUT_DIR: {afile} exists and is not a directory\n"
+    demo = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
+    assert timeline.main(["--simulate", demo, "--gpu", "cpu", "--out", str(afile / "t.png")]) == 2
+    assert capsys.readouterr().err == f"error: --out: {afile / 't.png'} cannot be made: {afile} is a file\n"

@@ -44,6 +44,15 @@ def test_device_cuda_without_cuda_is_a_config_error():
                                            "machine\n")
 
 
+def test_a_log_json_path_that_is_a_directory_is_an_error_before_the_run(tmp_path):
+    """Before: the run started and rank 0 died at its first step with an IsADirectoryError."""
+    one_rank = ["--set", "parallelism.language.dp=1", "--set", "parallelism.images.dp=1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, SCRIPT, "--config", DEMO, "--device", "cpu", "--log-json", str(tmp_path)]
+                       + one_rank, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**env, "PYTHONPATH": ROOT})
+    assert (r.returncode, r.stderr) == (2, f"error: --log-json: {tmp_path} is a directory; name the file to write\n")
+
+
 def test_killed_rank_stops_every_rank():
     proc = subprocess.Popen(TORCHRUN + [SCRIPT, "--config", DEMO, "--device", "cpu", "--set", "training.train_iters=100000",
                                         "--set", "training.timeout_minutes=1"],

@@ -246,6 +246,12 @@ def main(argv=None) -> int:
     if args.records < 1 or args.image_size < 8 or args.audio < 0 or args.audio_ms < 2:
         print("error: --records must be >= 1, --image-size >= 8, --audio >= 0 and --audio-ms >= 2", file=sys.stderr)
         return 2
+    from mimo.config.outputs import output_problem
+
+    problem = output_problem(args.out_dir, "directory")
+    if problem:
+        print(f"error: OUT_DIR: {problem}", file=sys.stderr)
+        return 2
     rng = random.Random(args.seed)
     sizes = args.image_sizes or (QWEN_VL_SIZES if args.qwen_vl else args.image_size)
     records = make_records(args.out_dir, args.records, sizes, rng)

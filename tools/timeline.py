@@ -199,6 +199,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if (args.trace is None) == (args.simulate is None):
         p.error("give a trace file or --simulate CONFIG.yaml (one of them)")
+    from mimo.config.outputs import output_problem
+
+    problem = output_problem(args.out, "file")
+    if problem:
+        print(f"error: --out: {problem}", file=sys.stderr)
+        return 2
     try:
         if args.simulate:
             boxes, rows = simulate(args.simulate, args.gpu)

@@ -41,11 +41,20 @@ def main(argv=None) -> int:
         else:
             import torch
 
-            if os.path.isdir(args.to_torch) or not os.path.basename(args.to_torch):
+            from mimo.config.outputs import output_problem
+
+            if not os.path.basename(args.to_torch):
                 raise CheckpointError(f"--to-torch: {args.to_torch or repr('')} is a directory; name the file to write")
+            problem = output_problem(args.to_torch, "file")
+            if problem:
+                raise CheckpointError(f"--to-torch: {problem}")
             weights = full_weights(args.path)
-            os.makedirs(os.path.dirname(os.path.abspath(args.to_torch)), exist_ok=True)
-            torch.save(weights, args.to_torch)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(args.to_torch)), exist_ok=True)
+                torch.save(weights, args.to_torch)
+            except (OSError, RuntimeError) as exc:  # the disk, not the input: torch reports a failed write as RuntimeError
+                print(f"error: --to-torch: writing {args.to_torch} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+                return 1
             n = sum(t.numel() for m in weights.values() for t in m.values())
             print(f"wrote {args.to_torch}: {len(weights)} modules, {n:,} parameters")
         return 0

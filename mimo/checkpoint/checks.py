@@ -15,6 +15,8 @@ import re
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
+from mimo.config.outputs import output_problem
+
 from .manifest import verify_read_by_all, verify_share
 from .paths import CheckpointError, read_latest, resolve
 from .safe_load import DCP_METADATA, check_dcp_metadata, load_torch_file
@@ -82,13 +84,12 @@ def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
 def check_save_dir(save: str) -> None:
     """`training.save` can hold checkpoints: a writable directory, or one that can be made (found now,
     not at the first save, `save_interval` steps into the run)."""
-    path = os.path.abspath(save)
-    existing = path
+    problem = output_problem(save, "directory")
+    if problem:
+        raise CheckpointError(f"training.save: {problem}")
+    existing = os.path.abspath(save)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = "exists and is not a directory" if existing == path else f"cannot be made: {existing} is a file"
-        raise CheckpointError(f"training.save: {save} {what}")
     # A file made and removed at once, rather than os.access: that says yes to root everywhere (even
     # under /proc) and cannot see every filesystem's refusal.
     try:

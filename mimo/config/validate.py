@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from .hf_files import processor_dir, tokenizer_dir
 from .load import Problem
+from .outputs import output_problem
 from .schema import (
     ATTENTION_KINDS,
     BAD_RECORD_MODES,
@@ -138,6 +139,10 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     for key in ("log_json", "tensorboard_dir", "wandb_project", "timeline", "save", "load"):
         if getattr(tr, key) == "":
             add(f"training.{key}", "must not be empty (leave the field out to disable it)")
+    for key, kind in (("log_json", "file"), ("timeline", "file"), ("tensorboard_dir", "directory")):
+        problem = output_problem(getattr(tr, key), kind) if getattr(tr, key) else ""
+        if problem:
+            add(f"training.{key}", problem)
 
     _check_parallelism(cfg, world_size, add)
     return problems

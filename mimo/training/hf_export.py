@@ -18,6 +18,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mimo.config import LANGUAGE, MimoConfig, load_config
+from mimo.config.outputs import output_problem
 from mimo.hf.convert import finish_directory, split_entry
 from mimo.model.reference_init import expert_shard, global_name, is_expert
 from mimo.model.stages import stage_layer_counts
@@ -32,8 +33,9 @@ def out_dir_problem(cfg: MimoConfig, out_dir: str) -> str:
     load a stale model.safetensors left there instead of the new index."""
     if not out_dir:
         return "an empty path; name the directory to write"
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        return f"{out_dir} exists and is not a directory"
+    problem = output_problem(out_dir, "directory")
+    if problem:
+        return problem
     sources = [(path, d) for path, d in [("model.hf", cfg.model.hf), ("model.language.hf", cfg.model.language.hf)]
                + [(f"model.encoders.{n}.hf", e.hf) for n, e in cfg.model.encoders.items()] if d]
     for path, d in sources:
