@@ -187,6 +187,12 @@ def main(argv=None) -> int:
             traceback.print_exc()
         # Exit without waiting on collectives the other ranks will never finish.
         os._exit(1)
+    except KeyboardInterrupt:  # Ctrl-C: the run ends mid-step; the finally below ends the data workers
+        print(f"rank {rank}: interrupted (SIGINT): the step in progress is not saved; a run stopped by the exit "
+              "signal instead (training.exit_signal_handler, SIGTERM) saves its last step", file=sys.stderr, flush=True)
+        if os.environ.get("MIMO_DEBUG"):
+            traceback.print_exc()
+        return 130
     finally:  # reached on a return, or a BaseException (KeyboardInterrupt) on its way out; the os._exit
         # paths above end the process without Python's exit, which would wait forever for data workers
         # that ignore the stop signal (Trainer.close).
