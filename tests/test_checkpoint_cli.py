@@ -4,6 +4,7 @@ import copy
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -261,6 +262,21 @@ def test_preflight_finds_truncated_shards_and_config_changes(saved, tmp_path):
     os.makedirs(tmp_path / "none", exist_ok=True)
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         preflight(load_config(empty))
+    # A file; a directory with a complete step but no `latest` (its run died between the two renames),
+    # also as its own training.save (before: started fresh, and its first save moved the step aside).
+    (tmp_path / "afile.txt").write_text("")
+    empty["training"]["load"] = str(tmp_path / "afile.txt")
+    with pytest.raises(CheckpointError, match=f"^training.load: {tmp_path / 'afile.txt'} is a file; name the"):
+        preflight(load_config(empty))
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(paths.iter_dir(saved["dir"], 2), paths.iter_dir(str(unnamed), 2))
+    for save in (None, str(unnamed)):
+        empty["training"].update(load=str(unnamed), save=save)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"training.load: {unnamed} holds no `latest` file, only step directories (newest iter_0000002)")):
+            preflight(load_config(empty))
+    empty["training"].update(load=paths.iter_dir(str(unnamed), 2), save=None)
+    assert preflight(load_config(empty)) == paths.iter_dir(str(unnamed), 2)  # the fix the message gives
     # A `training.save` that can never hold a checkpoint: found before the run, not at its first save.
     afile = tmp_path / "afile"
     afile.write_text("")

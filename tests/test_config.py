@@ -298,6 +298,18 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path):
     assert problem(apply_overrides, {}, ["training.train_iters=[1,2"]) == (
         "error: training.train_iters: cannot parse '[1,2' as a YAML value (expected ',' or ']', but got "
         "'<stream end>' at line 1, column 5)")
+    assert problem(apply_overrides, {}, ["=3"]) == (
+        "error: =3: override must look like dotted.path=value (a field name is empty)")  # before: "error: : unknown key"
+
+
+def test_config_check_refuses_a_world_size_below_one(capsys):
+    from mimo.config.__main__ import main
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                        "cpu_demo.yaml")
+    with pytest.raises(SystemExit) as exc:
+        main(["check", demo, "--world-size", "-1"])
+    assert exc.value.code == 2 and "--world-size: must be at least 1, got -1" in capsys.readouterr().err
 
 
 def test_example_configs_are_valid_and_runnable(tmp_path):
@@ -374,3 +386,16 @@ def test_memory_knobs_bad_values_are_one_line_errors(tmp_path):
                 "model.encoders.images.class_token", True)
     r = _cli(tmp_path, raw)
     assert r.returncode == 2 and "class token included) divisible by tp (2)" in r.stderr, r.stderr
+
+
+def test_a_bad_train_iters_or_lr_is_one_error_not_two():
+    """A negative train_iters or lr is its own error; the warmup and min_lr checks that compare with
+    them stay quiet (before: `warmup (0 steps) is longer than the run (train_iters = -3)`)."""
+    from tiny import TINY
+
+    for key, value in (("train_iters", -3), ("lr", -1.0)):
+        raw = copy.deepcopy(TINY)
+        raw["training"][key] = value
+        with pytest.raises(ConfigError) as exc:
+            load_config(raw)
+        assert [p for p, _ in exc.value.problems] == [f"training.{key}"], exc.value.problems

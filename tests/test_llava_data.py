@@ -283,6 +283,10 @@ def test_config_errors(sample_dir):
     raw["data"]["seq_length"] = 24
     assert "error: data.tokenizer: vocabulary of 72 tokens does not fit" in problems(raw)
     raw = llava_raw(sample_dir)
+    tok_file = os.path.join(sample_dir, "tokenizer", "tokenizer.json")
+    raw["data"]["tokenizer"] = tok_file  # the file, not its directory
+    assert f"error: data.tokenizer: {tok_file} is a file; name the HF tokenizer directory" in problems(raw)
+    raw = llava_raw(sample_dir)
     raw["model"]["language"]["attention"] = "sdpa"
     assert "error: data.packing: needs model.language.attention: bitfield" in problems(raw)
     del raw["model"]["language"]["attention"]  # packing with no attention named: bitfield, its one choice

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 from mimo.config.outputs import output_problem
 
 from .manifest import verify_read_by_all, verify_share
-from .paths import CheckpointError, read_latest, resolve
+from .paths import CheckpointError, complete_steps, iter_dir, read_latest, resolve
 from .safe_load import DCP_METADATA, check_dcp_metadata, load_torch_file
 
 COMMON = "common.pt"
@@ -112,6 +112,16 @@ def resume_target(cfg) -> Optional[str]:
     root = tr.load
     same = tr.save is not None and os.path.abspath(tr.save) == os.path.abspath(root)
     if read_latest(root) is None and not os.path.basename(os.path.normpath(root)).startswith("iter_"):
+        if os.path.isfile(root):
+            raise CheckpointError(f"training.load: {root} is a file; name the directory a run saved to "
+                                  "(its training.save) or one of its iter_NNNNNNN directories")
+        steps = complete_steps(root)
+        if steps:  # a save renamed into place, then the run died before `latest` named it
+            newest = iter_dir(root, steps[-1])
+            raise CheckpointError(f"training.load: {root} holds no `latest` file, only step directories (newest "
+                                  f"{os.path.basename(newest)}): its run ended before naming one; check it with "
+                                  f"`python -m mimo.checkpoint inspect {newest}` and resume it with training.load: "
+                                  f"{newest}")
         if same:
             return None  # auto-resume: nothing saved yet
         if not os.path.exists(root):

@@ -16,6 +16,8 @@ def main(argv=None) -> int:
     check.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="override a field, e.g. training.lr=1e-4")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size: must be at least 1, got {args.world_size}")
     try:
         load_config(args.file, args.set, world_size=args.world_size)
     except ConfigError as exc:

@@ -140,6 +140,9 @@ def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]
             continue
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            problems.append((item, "override must look like dotted.path=value (a field name is empty)"))
+            continue
         node = raw
         for p in parts[:-1]:
             node = node.setdefault(p, {})

@@ -270,6 +270,8 @@ def _check_data(cfg: MimoConfig, add) -> None:
         add(path, f"required for data.kind {d.kind} (an HF tokenizer directory)"
             + (f": {' and '.join(hf)} hold{'s' if len(hf) == 1 else ''} no tokenizer files" if hf else
                ", or set model.hf to a directory with one"))
+    elif os.path.isfile(tok):
+        add(path, f"{tok} is a file; name the HF tokenizer directory that holds it ({os.path.dirname(tok) or '.'}?)")
     elif not os.path.isdir(tok):
         add(path, f"no such directory: {tok}")
     else:
@@ -359,7 +361,7 @@ def _positive_ints(cfg: MimoConfig, add) -> None:
 def _check_schedule(tr, add) -> None:
     """The learning-rate schedule: warmup, then decay from lr to min_lr by the last step."""
     _check_choice(tr.lr_decay_style, LR_DECAY_STYLES, "training.lr_decay_style", add)
-    if tr.lr_warmup_iters > tr.train_iters:
+    if tr.train_iters > 0 and tr.lr_warmup_iters > tr.train_iters:  # (a bad train_iters is its own error)
         add("training.lr_warmup_iters", f"warmup ({tr.lr_warmup_iters} steps) is longer than the run "
             f"(train_iters = {tr.train_iters})")
     if tr.use_distributed_optimizer and tr.offload_encoders:
@@ -368,7 +370,7 @@ def _check_schedule(tr, add) -> None:
     if not tr.grad_reduce_in_fp32 and tr.precision != "bf16":
         add("training.grad_reduce_in_fp32", f"false needs precision: bf16 (precision {tr.precision} keeps "
             "fp32 gradients)")
-    if not 0 <= tr.min_lr <= tr.lr:
+    if tr.lr > 0 and not 0 <= tr.min_lr <= tr.lr:  # (a bad lr is its own error)
         add("training.min_lr", f"must be between 0 and training.lr ({tr.lr}), got {tr.min_lr}")
     if tr.lr_decay_style == "constant" and tr.min_lr not in (0, tr.lr):
         add("training.min_lr", "has no effect with lr_decay_style: constant (use linear or cosine)")
