@@ -599,3 +599,89 @@ def test_ranks_that_plan_different_steps_stop_with_one_error(sample_dir):
     eio = run_on_ranks(_train_tampered, 3, raw, 1, "eio", timeout_s=120)
     assert eio[1] == "[Errno 5] reading x.png failed: Input/output error", eio
     assert eio[0] == eio[2] == "error: data: another rank failed to plan step 1 (its own error line names the cause)"
+
+
+def _energon_changed(energon_dir, root, changes: dict) -> str:
+    """energon_captioning with tar members changed (name -> new bytes, or None: left out), prepared
+    again in `root`."""
+    import contextlib
+    import io
+    import tarfile
+
+    from megatron.energon.cli.main import main as energon_cli
+
+    os.makedirs(root)
+    with tarfile.open(os.path.join(energon_dir, "energon_captioning", "shard-000000.tar")) as tin, \
+            tarfile.open(os.path.join(root, "shard-000000.tar"), "w") as tout:
+        for m in tin.getmembers():
+            data = changes.get(m.name, tin.extractfile(m).read())
+            if data is not None:
+                m.size = len(data)
+                tout.addfile(m, io.BytesIO(data))
+    with contextlib.redirect_stdout(io.StringIO()):
+        energon_cli(["prepare", str(root), "--non-interactive", "--split-parts", "train:shard-{000000..000000}.tar",
+                     "--sample-type", "CaptioningSample", "--field-map", json.dumps({"image": "png", "caption": "txt"}),
+                     "--no-progress", "--num-workers", "1"], standalone_mode=False)
+    return str(root)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_energon_sample_energon_cannot_load_is_named_once_or_stops_the_run(energon_dir, tmp_path, capfd,
+                                                                             monkeypatch, workers):
+    """A sample whose caption file is missing from its tar: energon cannot make it. Under `skip` it is
+    left out of the stream and named once in one line (before: energon's traceback and the raw sample
+    at every pass, 26 tracebacks in 10 steps); under `error` the stream stops at it with one line,
+    also when energon's loader worker met it."""
+    from mimo.data import energon
+    from mimo.data.llava import DataError
+
+    path = _energon_changed(energon_dir, tmp_path / "broken", {"cap0005.txt": None})
+    line = "data.path: energon sample shard-000000.tar/cap0005: FieldAccessError: Cannot access 'txt'"
+    import tarfile
+
+    with tarfile.open(os.path.join(path, "shard-000000.tar")) as tar:
+        left = {m.name[:-4] for m in tar.getmembers() if m.name.endswith(".txt")}
+    assert "cap0005" not in left and len(left) > 10
+    monkeypatch.setattr(energon, "_warned", set())
+    src = energon.EnergonSource(path, 0, True, workers, None, "skip")
+    ids = []
+    for _ in range(3 * len(left)):  # three passes over the samples left
+        ids.append(src.record(src.peek())["id"])
+        src.advance()
+    src.close()
+    assert set(ids) == left
+    err = capfd.readouterr().err
+    assert [x for x in err.splitlines() if "cap0005" in x] == [
+        f"warning: {line}; skipped (energon drops it, so skipped_samples does not count it)"], err
+    src = energon.EnergonSource(path, 0, True, workers, None, "error")
+    with pytest.raises(DataError) as exc:
+        for _ in range(len(left) + 1):
+            src.peek()
+            src.advance()
+    src.close()
+    assert str(exc.value) == f"error: {line}"
+
+
+def test_an_energon_dataset_without_a_train_split_is_a_config_error(energon_dir, tmp_path):
+    import shutil
+
+    root = tmp_path / "val_only"
+    shutil.copytree(os.path.join(energon_dir, "energon_captioning"), root)
+    (root / ".nv-meta" / "split.yaml").write_text("split_parts:\n  val:\n  - shard-000000.tar\nexclude: []\n")
+    with pytest.raises(ConfigError, match=r"data.path: .*val_only has no 'train' split to train on \(.* has: val\)"):
+        load_config(llava_raw(energon_dir, path=str(root), kind="energon"))
+
+
+def test_an_energon_record_with_a_bad_image_is_named_once_by_its_sample(energon_dir, tmp_path, capfd):
+    """A streamed record comes back at a new stream position every pass: its skipping warning is
+    still printed once (before: at every pass, each time with another `<_io.BytesIO object at 0x...>`)."""
+    path = _energon_changed(energon_dir, tmp_path / "bad_image", {"cap0009.png": b"not an image"})
+    raw = llava_raw(energon_dir, path=path, kind="energon")
+    ds = dataset(raw)
+    capfd.readouterr()
+    for s in range(12):  # 96 records: several passes over the dataset
+        ds.plan(s)
+    lines = [x for x in capfd.readouterr().err.splitlines() if "cap0009" in x]
+    assert lines == ["warning: data: skipping record 'cap0009': unreadable image (12 bytes inline): cannot identify "
+                     "image file"], lines
+    assert ds.skipped > 2  # still counted at every pass

@@ -248,6 +248,8 @@ def _check_data(cfg: MimoConfig, add) -> None:
         elif not os.path.isfile(os.path.join(d.path, ".nv-meta", "dataset.yaml")):
             add("data.path", f"{d.path} is not a prepared energon dataset (no .nv-meta/dataset.yaml): "
                 "run `energon prepare` on it")
+        else:
+            _check_energon_split(d.path, add)
         try:
             import megatron.energon  # noqa: F401
         except ImportError:
@@ -374,6 +376,22 @@ def _check_schedule(tr, add) -> None:
         add("training.min_lr", f"must be between 0 and training.lr ({tr.lr}), got {tr.min_lr}")
     if tr.lr_decay_style == "constant" and tr.min_lr not in (0, tr.lr):
         add("training.min_lr", "has no effect with lr_decay_style: constant (use linear or cosine)")
+
+
+def _check_energon_split(path: str, add) -> None:
+    """Training reads the dataset's `train` split: it must have one (`.nv-meta/split.yaml`)."""
+    import yaml
+
+    split = os.path.join(path, ".nv-meta", "split.yaml")
+    try:
+        with open(split) as f:
+            parts = (yaml.safe_load(f) or {}).get("split_parts") or {}
+    except (OSError, yaml.YAMLError, AttributeError) as exc:
+        add("data.path", f"cannot read {split}: {str(exc).splitlines()[0]} (re-run `energon prepare`)")
+        return
+    if not parts.get("train"):
+        add("data.path", f"{path} has no 'train' split to train on ({split} has: "
+            f"{', '.join(parts) or 'none'}): re-run `energon prepare` with a train share")
 
 
 def _check_choice(value, choices, path, add) -> None:

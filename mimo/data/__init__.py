@@ -16,7 +16,7 @@ def build_dataset(cfg):
         from .worker_start import stop_signal
 
         d = cfg.data
-        source = EnergonSource(d.path, d.seed, d.shuffle, d.num_workers, stop_signal(cfg.training))
+        source = EnergonSource(d.path, d.seed, d.shuffle, d.num_workers, stop_signal(cfg.training), d.on_bad_record)
         return LlavaDataset(cfg, source=source)
     return MockMultimodalDataset(cfg)
 

@@ -20,8 +20,11 @@ load without unpickling any class, and rebuilds only energon's own dataclasses f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
+import os
+import sys
 import warnings
 from typing import Dict, Iterator, Optional
 
@@ -104,6 +107,54 @@ def energon_state(plain):
     return plain
 
 
+def _failed_name(sample, sources) -> str:
+    """The shard and key of a sample energon could not load, for its message."""
+    parts = getattr(sample, "data", None)  # a raw sample: its parts as read from the tar
+    if isinstance(parts, (tuple, list)) and parts and isinstance(parts[0], dict):
+        sample = parts[0]
+    if sources is None and isinstance(sample, dict):
+        sources = sample.get("__sources__")
+    src = sources[0] if sources else None
+    key = sample.get("__key__") if isinstance(sample, dict) else getattr(sample, "__key__", None)
+    if key is None and src is not None and getattr(src, "file_names", None):
+        key = str(src.file_names[0]).rsplit(".", 1)[0]
+    shard = getattr(src, "shard_name", None)
+    return f"{shard}/{key}" if shard else str(key)
+
+
+_warned: set = set()  # samples energon could not load, already named by this process
+
+
+def _sample_failed(on_bad: str, exc: Exception, sample, sources=None) -> None:
+    """energon's error handler (`WorkerConfig.global_error_handler`), called where it loads samples (in
+    the loader or its workers) for one it cannot make (a field the dataset's field map names is not
+    in the sample, say). Under `on_bad_record: error` the run stops: every rank reads the same stream,
+    so every rank meets it at the same record. Else energon drops the sample; rank 0 names it once
+    (energon's own handler printed a traceback and the raw sample at every pass)."""
+    if on_bad == "quiet":  # reading a share for the index: the stream names the sample when it reaches it
+        return
+    name = _failed_name(sample, sources)
+    # The first line, without the raw sample some of energon's messages print after " in {".
+    reason = (str(exc).splitlines() or [""])[0].split(" in {", 1)[0][:300]
+    line = f"data.path: energon sample {name}: {type(exc).__name__}: {reason}"
+    if on_bad == "error":
+        raise DataError(f"error: {line}")
+    if name not in _warned and os.environ.get("RANK", "0") == "0":
+        _warned.add(name)
+        print(f"warning: {line}; skipped (energon drops it, so skipped_samples does not count it)",
+              file=sys.stderr, flush=True)
+
+
+def worker_error_line(exc: DataError) -> str:
+    """The `error: ...` line of a DataError raised in a DataLoader worker (torch re-raises it in the
+    loading process with the worker's traceback as its message)."""
+    lines = str(exc).splitlines()
+    for line in reversed(lines):
+        if "error: " in line:
+            return line[line.index("error: "):]
+    return lines[0] if lines else "error: data.path: energon failed to load a sample"
+
+
 def _raw_bytes_encoder():
     from megatron.energon import DefaultTaskEncoder
 
@@ -116,8 +167,10 @@ def _raw_bytes_encoder():
 class EnergonSource:
     """peek / advance / record over energon's loader, like GlobalSampler over a record list."""
 
-    def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int, stop_signal: Optional[int] = None):
+    def __init__(self, path: str, seed: int, shuffle: bool, num_workers: int, stop_signal: Optional[int] = None,
+                 on_bad_record: str = "skip"):
         self.path, self.seed, self.shuffle, self.num_workers = path, seed, shuffle, num_workers
+        self.on_bad_record = on_bad_record
         self.stop_signal = stop_signal  # energon's loader workers ignore it (`worker_start`)
         # energon's loaders always ask for pinned memory; on a machine without a GPU torch then warns,
         # once per rank, that it will not pin. Nothing here goes to a device (records stay bytes). The
@@ -134,7 +187,8 @@ class EnergonSource:
         dataset is opened when it is first iterated (inside the caller's failure handling)."""
         from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
-        wc = WorkerConfig(rank=rank, world_size=world, num_workers=0)
+        wc = WorkerConfig(rank=rank, world_size=world, num_workers=0,
+                          global_error_handler=functools.partial(_sample_failed, "quiet"))
         part = get_val_dataset(self.path, split_part="train", worker_config=wc, batch_size=None,
                                task_encoder=_raw_bytes_encoder())
         for sample in get_loader(part):
@@ -143,7 +197,8 @@ class EnergonSource:
     def _open(self) -> None:
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers, seed_offset=self.seed)
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=self.num_workers, seed_offset=self.seed,
+                          global_error_handler=functools.partial(_sample_failed, self.on_bad_record))
         buffer = 100 if self.shuffle else None
         self._dataset = get_train_dataset(self.path, worker_config=wc, batch_size=None,
                                           shuffle_buffer_size=buffer, max_samples_per_sequence=buffer,
@@ -157,7 +212,10 @@ class EnergonSource:
     def _next(self):
         if self._it is None:
             self._it = iter(self._loader)
-        return next(self._it)
+        try:
+            return next(self._it)
+        except DataError as exc:  # `_sample_failed` under on_bad_record: error, perhaps from a worker
+            raise DataError(worker_error_line(exc)) from None
 
     def peek(self) -> int:
         if self._pending is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 from typing import Optional, Tuple, Union
 
 import torch
@@ -58,6 +59,12 @@ def media_name(src: Union[str, bytes]) -> str:
     return src if isinstance(src, str) else f"({len(src)} bytes inline)"
 
 
+def _reason(exc: Exception) -> str:
+    """Pillow's message without the in-memory file object it names for inline bytes (an address
+    that differs on every read, and means nothing to the user: `media_name` says what it is)."""
+    return re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc))
+
+
 def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     """(width, height) from the header; raise ImageError unless `path` (a file, or an image's
     bytes) has a header Pillow recognises.
@@ -79,7 +86,7 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
         failure = read_failure(path, exc)
         if failure is not None:
             raise failure from None
-        raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
+        raise ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}") from None
     if w < 1 or h < 1:
         raise ImageError(f"empty image {media_name(path)}")
     return w, h
@@ -103,7 +110,7 @@ class ImageLoader:
             with _open(path) as img:
                 rgb = img.convert("RGB")
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not (truncated)
-            raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
+            raise ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}") from None
         if self.processor is not None:
             return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()
         rgb = rgb.resize((self.image_size, self.image_size), Image.BICUBIC)
@@ -136,5 +143,5 @@ class NativeImageLoader:
                 img.load()
                 patches, _ = image_patches(img, self.enc, self.mean, self.std)
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not
-            raise ImageError(f"unreadable image {media_name(path)}: {exc}") from None
+            raise ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}") from None
         return torch.from_numpy(patches)

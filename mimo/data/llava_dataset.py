@@ -230,6 +230,7 @@ class LlavaDataset:
         # per encoder, items that passed their header check but failed to decode (on this rank)
         self.bad_media: Dict[str, int] = {n: 0 for n in cfg.model.encoders}
         self._named: set = set()  # records already named in a bad-media warning (this rank)
+        self._warned: set = set()  # bad records already named in a skipping warning (rank 0)
         # Under `on_bad_record: error`, a trainer defers decode failures (`defer_media_errors`): kept
         # here with zeros in the item's place, so that every rank learns of them in the step and stops
         # after it alike, instead of this rank alone stopping with the others waiting for it.
@@ -557,7 +558,11 @@ class LlavaDataset:
                 if self.on_bad == "error":
                     raise DataError(f"error: data.path: record {self._record_id(idx)!r}: {exc}") from None
                 self.bad[idx] = str(exc)
-                if _is_rank0():
+                # A streamed (energon) record comes back at a new position every epoch: named once by its
+                # sample name, as a file's record is by its line.
+                name = self._record(idx).get("source", idx) if self.records is None else idx
+                if _is_rank0() and name not in self._warned:
+                    self._warned.add(name)
                     print(f"warning: data: skipping record {self._record_id(idx)!r}: {exc}", file=sys.stderr,
                           flush=True)
         self.skipped += 1
