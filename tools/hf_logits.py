@@ -31,12 +31,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml
+    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml, without_data
     from mimo.hf import HFWeightsError, check_hf_weights
     from mimo.training.hf_logits import hf_logits
 
     try:
-        raw = apply_overrides(read_yaml(args.config), args.set)
+        # The model only: a training config's data (records, tokenizer) need not exist here.
+        raw = without_data(apply_overrides(read_yaml(args.config), args.set))
         check_hf_weights(load_config(raw))
         try:
             inputs = torch.load(args.inputs, map_location="cpu", weights_only=True)

@@ -1,7 +1,7 @@
 """Config contract: dataclasses, YAML loading and validation (no torch.distributed here)."""
 
 from .hf_arch import resolve_hf
-from .load import ConfigError, apply_overrides, build_config, read_yaml
+from .load import ConfigError, apply_overrides, build_config, read_yaml, without_data
 from .schema import (
     LANGUAGE,
     DataConfig,
@@ -38,5 +38,5 @@ def load_config(source, overrides=(), world_size=None) -> MimoConfig:
 __all__ = [
     "ConfigError", "DataConfig", "EncoderConfig", "LANGUAGE", "LanguageConfig", "MimoConfig",
     "ModelConfig", "ParallelConfig", "ProjectorConfig", "TrainingConfig", "load_config",
-    "placement", "validate",
+    "placement", "validate", "without_data",
 ]

@@ -131,6 +131,16 @@ def _join(path: str, key) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+def without_data(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """`raw` with mock data in place of its data section (its seq_length and seed kept): for the tools
+    that build the model and never read its data (HF export, logits), so that the records, tokenizer
+    and media of a training config need not exist where they run."""
+    raw = dict(raw)
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    raw["data"] = {"kind": "mock", **{k: data[k] for k in ("seq_length", "seed") if k in data}}
+    return raw
+
+
 def apply_overrides(raw: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
     """Apply `a.b.c=value` strings (value parsed as YAML) to a raw config dict."""
     problems: List[Problem] = []

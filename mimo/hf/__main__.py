@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     exp.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
     args = parser.parse_args(argv)
 
-    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml
+    from mimo.config import ConfigError, apply_overrides, load_config, read_yaml, without_data
 
     from . import HFWeightsError, check_hf_weights
 
@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     from mimo.runtime import RankFailed
 
     try:
-        raw = apply_overrides(read_yaml(args.config), args.set)
+        # The model only: a training config's data (records, tokenizer) need not exist here.
+        raw = without_data(apply_overrides(read_yaml(args.config), args.set))
         check_hf_weights(load_config(raw))
         # The launcher sits above the training layer it starts.
         from mimo.training.hf_export import export_config
