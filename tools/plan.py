@@ -34,6 +34,10 @@ from mimo.planner.hardware import get_gpu  # noqa: E402
 from mimo.planner.layout_search import GB, LayoutSearch  # noqa: E402
 from mimo.planner.megatron import RECOMPUTE, Par  # noqa: E402
 from mimo.planner.profile import agreement, load_profile, measured_run, profile_gpu  # noqa: E402
+
+# A calibration factor beyond this either way means a layer timing the planner's model cannot be off
+# by (its datasheet rates and the measured ones differ by far less): most likely a broken profile.
+CALIBRATION_SANE = 20
 from mimo.planner.spec import MAX_SIZE  # noqa: E402
 
 # What plan.py reads of a parallelism entry (stage_layers only with --evaluate);
@@ -209,6 +213,11 @@ def main(argv=None) -> int:
             args.gpu = f"{gpu.name} (profile)"
             cal = f", layer calibration x{used['calibration']:.4g}" if used["calibration"] is not None else ""
             print(f"# profile {args.profile}: {used['device']} as {gpu.name}, measured rates{cal}", file=sys.stderr)
+            k = used["calibration"]
+            if k is not None and not 1 / CALIBRATION_SANE <= k <= CALIBRATION_SANE:
+                print(f"warning: --profile: the measured layer time is {k:.3g}x the planner's model of it (more "
+                      f"than {CALIBRATION_SANE}x either way): check layer.forward_ms / layer.backward_ms, or use "
+                      "--no-calibrate", file=sys.stderr)
         searcher, spec = _searcher(raw, gpu, samples)
         order = [m.name for m in spec.modules]
         if args.evaluate:

@@ -50,7 +50,39 @@ def load_profile(path: str) -> dict:
         raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r} (tools/gpu_bench.py writes it)")
     if not isinstance(data.get("device"), str) or not data["device"].strip():
         raise ValueError(f"{path}: no device name")
+    problems = _shape_problems(data)
+    if problems:
+        raise ValueError(f"{path}: {problems[0]}")
     return data
+
+
+def _shape_problems(data: dict) -> list:
+    """What a profile the planner reads must hold where it holds it (`key: why`, first problem first):
+    tools/gpu_bench.py writes it so; a file edited by hand may not."""
+    out = []
+    for key in ("peak_tflops", "gemm_tflops", "memory_bandwidth"):
+        if data.get(key) is not None and not _ok(data[key]):
+            out.append(f"{key}: expected a positive number, got {data[key]!r}")
+    att = data.get("attention")
+    if att is not None and not (isinstance(att, list) and all(isinstance(r, dict) for r in att)):
+        out.append(f"attention: expected a list of rows (JSON objects), got {type(att).__name__}")
+    layer = data.get("layer")
+    if layer is not None:
+        if not isinstance(layer, dict):
+            return out + [f"layer: expected a JSON object, got {type(layer).__name__}"]
+        if not isinstance(layer.get("model"), dict):
+            out.append("layer.model: expected a JSON object (the profiled LLM's fields)")
+        for key in ("micro_batch", "seq_length"):
+            v = layer.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                out.append(f"layer.{key}: expected a positive integer, got {v!r}")
+        for key in ("forward_ms", "backward_ms"):
+            if not _ok(layer.get(key)):
+                out.append(f"layer.{key}: expected a positive number of milliseconds, got {layer.get(key)!r}")
+    step = data.get("step")
+    if step is not None and not isinstance(step, dict):
+        out.append(f"step: expected a JSON object, got {type(step).__name__}")
+    return out
 
 
 def spec_name(device: str) -> str:
@@ -120,7 +152,10 @@ def layer_model(profile: dict):
         return None
     lang = {k: v for k, v in layer["model"].items() if k != "attention"}
     lang.setdefault("max_sequence_length", layer["seq_length"])
-    spec = read_model({"language": lang, "encoders": {}})
+    try:
+        spec = read_model({"language": lang, "encoders": {}})
+    except ValueError as exc:  # it names the field as a config's: here it is the profile's
+        raise ValueError(f"profile layer.model: {exc}") from None
     return spec, int(layer["micro_batch"]), int(layer["seq_length"])
 
 

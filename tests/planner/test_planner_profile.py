@@ -150,6 +150,18 @@ def test_plan_cli_reads_the_profile(tmp_path):
     (json.dumps([1, 2]), "expected a JSON object"),
     (json.dumps({"schema": SCHEMA, "device": "TPU v5"}), "no planner GPU spec"),
     (json.dumps({"schema": SCHEMA, "device": "cpu", "gemm_tflops": -1}), "gemm_tflops: expected a positive"),
+    # Hand-edited files: each a traceback or a bare KeyError before.
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "attention": 5}), "attention: expected a list of rows"),
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "layer": {"model": {}, "micro_batch": 1, "forward_ms": 1.0,
+                                                              "backward_ms": 2.0}}),
+     "layer.seq_length: expected a positive integer, got None"),
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "layer": {"model": {}, "micro_batch": "x", "seq_length": 8,
+                                                              "forward_ms": 1.0, "backward_ms": 2.0}}),
+     "layer.micro_batch: expected a positive integer, got 'x'"),
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "layer": {"model": dict(MODEL, num_attention_heads=7),
+                                                              "micro_batch": 1, "seq_length": 8, "forward_ms": 1.0,
+                                                              "backward_ms": 2.0}}),
+     "profile layer.model: "),
 ])
 def test_bad_profile_is_one_error_line(tmp_path, content, message):
     cfg = tmp_path / "model.yaml"
@@ -160,6 +172,21 @@ def test_bad_profile_is_one_error_line(tmp_path, content, message):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_a_layer_timing_far_from_the_planners_model_warns(tmp_path):
+    """A calibration factor beyond 20x either way (a layer measured in 1e-9 ms, say) is named: every
+    predicted step would otherwise print as 0.000 s without a word."""
+    cfg = tmp_path / "model.yaml"
+    cfg.write_text(yaml.safe_dump(_raw()))
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(_profile(layer={"forward_ms": 1e-9, "backward_ms": 1e-9})))
+    r = _plan("--config", str(cfg), "--evaluate", "--json", "--profile", str(prof))
+    assert r.returncode == 0, r.stderr
+    assert "warning: --profile: the measured layer time is" in r.stderr and "--no-calibrate" in r.stderr
+    prof.write_text(json.dumps(_profile(layer={"forward_ms": 10.0, "backward_ms": 20.0})))
+    r = _plan("--config", str(cfg), "--evaluate", "--json", "--profile", str(prof))
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
 
 
 def test_missing_profile_file():
