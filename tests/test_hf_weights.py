@@ -481,6 +481,35 @@ def test_missing_and_misshaped_tensors_are_one_error_line(clip_llama, tmp_path):
     assert str(exc.value) == f"error: {bad}: no model.safetensors or model.safetensors.index.json"
 
 
+def test_logits_inputs_transformers_would_refuse_are_one_error_line(clip_llama, tmp_path):
+    """More images than placeholders (transformers: "Image features and image tokens do not match";
+    before, the extra image was ignored and logits written), token ids beyond the vocabulary (an
+    IndexError traceback) and a file torch.save did not write (a KeyError traceback)."""
+    from mimo.training.hf_logits import split_inputs
+
+    cfg = load_config(llava_config(clip_llama))
+    extra = llava_inputs()
+    extra["input_ids"][1, 10:26] = 5  # the second row's image tokens gone: two images, one placeholder run
+    with pytest.raises(ValueError, match=r"pixel_values: 2 items, but input_ids has placeholders for 1"):
+        split_inputs(cfg, extra)
+    wide = llava_inputs()
+    wide["input_ids"][0, 0] = cfg.model.language.vocab_size
+    with pytest.raises(ValueError, match=r"input_ids: token ids must be in \[0, \d+\)"):
+        split_inputs(cfg, wide)
+    assert len(split_inputs(cfg, llava_inputs())) == 2  # the good inputs still split
+
+    import yaml
+
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(llava_config(clip_llama)))
+    text = tmp_path / "in.txt"
+    text.write_text("these are not tensors")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "hf_logits.py"), "--config", str(tmp_path / "c.yaml"),
+                        "--inputs", str(text), "--out", str(tmp_path / "out.pt")], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert (r.returncode, r.stderr.strip().splitlines()) == (2, [f"error: {text}: not a file torch.save wrote (a dict "
+                                                                  "of tensors with input_ids)"]), r.stderr
+
+
 def test_quantized_weights_and_a_stale_index_are_one_error_line(clip_llama, tmp_path):
     """An FP8 checkpoint has the real weights' shapes: refused by its config's quantization_config
     and, without one, by the tensors' dtype; an index naming the wrong shard: the file and tensor named

@@ -48,6 +48,10 @@ def main(argv=None) -> int:
             print(f"error: {args.inputs}: holds objects an inputs file may not hold (tensors and plain data only)",
                   file=sys.stderr)
             return 2
+        except Exception:  # noqa: BLE001 (pickle reading other bytes fails with any error: KeyError, IndexError...)
+            print(f"error: {args.inputs}: not a file torch.save wrote (a dict of tensors with input_ids)",
+                  file=sys.stderr)
+            return 2
         if not isinstance(inputs, dict) or "input_ids" not in inputs:
             print(f"error: {args.inputs}: must hold a dict with input_ids", file=sys.stderr)
             return 2

@@ -42,6 +42,12 @@ def split_inputs(cfg: MimoConfig, inputs: Dict[str, torch.Tensor]) -> List[Sampl
     `image_grid_thw` int64 [N, 3]: the images in order of appearance, each one's placeholder run
     t*h*w / spatial_merge_size^2 tokens long (`split_native`)."""
     ids = inputs["input_ids"].long()
+    vocab = cfg.model.language.vocab_size
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids: must be [batch, tokens], got {list(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"input_ids: token ids must be in [0, {vocab}) (model.language.vocab_size), got "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
     native = {n: split_native(cfg, n, ids, inputs) for n, e in cfg.model.encoders.items() if is_native(e)}
     samples, used = [], {n: 0 for n in cfg.model.encoders}
     keys = {n: ("pixel_values" if e.kind == "vision" else "input_features") for n, e in cfg.model.encoders.items()}
@@ -70,6 +76,11 @@ def split_inputs(cfg: MimoConfig, inputs: Dict[str, torch.Tensor]) -> List[Sampl
             used[name] += k
         grids = {n: per_row[r][1] for n, per_row in native.items()} or None
         samples.append(Sample(input_ids=row.clone(), items=items, grids=grids))
+    for name in cfg.model.encoders:
+        pool = inputs.get(keys[name])
+        if name not in native and pool is not None and pool.shape[0] != used[name]:
+            # transformers refuses this too ("Image features and image tokens do not match").
+            raise ValueError(f"{keys[name]}: {pool.shape[0]} items, but input_ids has placeholders for {used[name]}")
     return samples
 
 
