@@ -186,6 +186,26 @@ def test_packed_steps_mix_sizes_and_positions_restart_per_record_as_get_rope_ind
     assert seen == GRIDS
 
 
+def test_an_image_beyond_the_aspect_limit_is_a_bad_record_naming_it(qwen_data, tmp_path):
+    """The processor refuses aspect ratios beyond 200:1: the record's error names the image and its
+    size (before: only the ratio, `absolute aspect ratio must be smaller than 200, got 332.3...`)."""
+    from PIL import Image
+
+    from mimo.data.llava import DataError
+
+    Image.new("RGB", (997, 3), (200, 30, 30)).save(tmp_path / "thin.png")
+    records = [{"id": "thin", "image": str(tmp_path / "thin.png"), "conversations": [
+        {"from": "human", "value": "<image>\nwhat is it ?"}, {"from": "gpt", "value": "a line ."}]}]
+    path = tmp_path / "thin.json"
+    path.write_text(json.dumps(records))
+    raw = qwen_llava(qwen_data, packing=False)
+    raw["data"].update(path=str(path), on_bad_record="error", shuffle=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    with pytest.raises(DataError, match=r"record 'thin': image .*thin.png \(997 x 3 pixels\): absolute aspect ratio "
+                                        r"must be smaller than 200"):
+        _dataset(raw).sample(0)
+
+
 def test_truncated_image_under_skip_is_zeros_of_its_header_size(qwen_data, tmp_path, capfd):
     from PIL import Image
 

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from .images import ImageError, check_image
+from .images import ImageError, check_image, media_name
 
 IMAGE_TAG = "<image>"
 AUDIO_TAG = "<audio>"
@@ -114,9 +114,13 @@ class ConversationEncoder:
             grids = []
             for p in images:
                 try:
-                    grids.append(self.image_grid(*check_image(self._path(p))))
+                    w, h = check_image(self._path(p))
                 except (ImageError, ValueError) as exc:
                     raise BadRecord(str(exc)) from None
+                try:
+                    grids.append(self.image_grid(w, h))
+                except ValueError as exc:  # the size itself (an aspect ratio beyond 200:1): name the image
+                    raise BadRecord(f"image {media_name(self._path(p))} ({w} x {h} pixels): {exc}") from None
         runs[self._image_piece] = runs.pop(IMAGE_TAG)
         ids, targets, seen = [], [], 0
         for text, target in self._segments(turns):
