@@ -48,6 +48,13 @@ def searcher(raw: dict, gpu: str, samples) -> tuple[LayoutSearch, object]:
                              f"do not fit in data.seq_length {seq}")
     over = [i for i, s in enumerate(samples or ())
             if s[0] + sum(s[1 if e.kind == "vision" else 2] * e.llm_tokens_per_item for e in spec.encoders) > seq]
+    kinds = {e.kind for e in spec.encoders}
+    for column, kind, what in ((1, "vision", "images"), (2, "audio", "audio clips")):
+        foreign = [i for i, s in enumerate(samples or ()) if s[column] and kind not in kinds]
+        if foreign:
+            # The trainer skips such records (media the model has no encoder for); the plan costs their text only.
+            print(f"warning: --samples: {len(foreign)} of {len(samples)} samples (first: {foreign[0]}) hold "
+                  f"{what}, but the model has no {kind} encoder; their {what} are not costed", file=sys.stderr)
     if over:
         # The trainer's loaders skip such records; the plan still costs the
         # items they hold, so say so rather than refuse a nearly-right file.

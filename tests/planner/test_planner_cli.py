@@ -385,3 +385,14 @@ def test_set_overrides_a_field_as_the_trainer_does(tmp_path, capsys):
     assert with_set["candidates"] == with_file["candidates"]
     assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--set", "nonsense"]) == 2
     assert capsys.readouterr().err.splitlines() == ["error: nonsense: override must look like dotted.path=value"]
+
+
+def test_samples_with_media_the_model_has_no_encoder_for_warn(tmp_path, capsys):
+    """Audio clips in --samples for a vision-only model: the trainer would skip those records; the plan
+    says their clips are not costed (before: nothing said)."""
+    samples = tmp_path / "s.json"
+    samples.write_text("[[100, 2, 3], [100, 1, 0]]")
+    assert plan_cli.main(["--config", LLAVA, "--gpus", "8", "--samples", str(samples), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: --samples: 1 of 2 samples (first: 0) hold audio clips, but the model has no audio encoder; "
+            "their audio clips are not costed") in err, err
