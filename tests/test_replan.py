@@ -122,13 +122,17 @@ def _main(argv, world, monkeypatch):
     return rc, err.getvalue()
 
 
-@pytest.mark.parametrize("case", ["unset", "empty"])
+@pytest.mark.parametrize("case", ["unset", "empty", "unnamed"])
 def test_replan_without_a_checkpoint_is_one_error(tmp_path, monkeypatch, case):
     d = str(tmp_path / "ck")
-    sets = ["training.replan=auto", f"training.save={d}"] + ([f"training.load={d}"] if case == "empty" else [])
+    sets = ["training.replan=auto", f"training.save={d}"] + ([f"training.load={d}"] if case != "unset" else [])
+    if case == "unnamed":  # a complete step whose run died before `latest` named it
+        os.makedirs(os.path.join(d, "iter_0000004"))
     rc, err = _main(["--config", CONFIG, "--device", "cpu"] + [a for s in sets for a in ("--set", s)], 4,
                     monkeypatch)
-    why = "training.load is unset" if case == "unset" else f"{d} holds no checkpoint yet; start on 6 ranks"
+    why = {"unset": "training.load is unset", "empty": f"{d} holds no checkpoint yet; start on 6 ranks",
+           "unnamed": f"{d} holds no `latest` file, only step directories (newest iter_0000004): resume it with "
+                      f"training.load: {d}/iter_0000004"}[case]
     assert rc == 2 and err == f"error: training.replan: auto on 4 ranks (the layout uses 6) resumes training.load, " \
                               f"but {why}\n"
 

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from mimo.config import ConfigError, MimoConfig, apply_overrides, load_config, read_yaml
 from mimo.config.schema import LANGUAGE
 
-from .paths import _ITER, read_latest
+from .paths import _ITER, complete_steps, iter_dir, read_latest
 
 TEMPLATES = "templates.json"
 PATH = "training.replan"
@@ -233,6 +233,11 @@ def _resumable(tr, world: int, configured: int) -> None:
     if tr.load is None:
         raise ConfigError([(PATH, why + "training.load is unset")])
     if read_latest(tr.load) is None and not _ITER.match(os.path.basename(os.path.normpath(tr.load))):
+        steps = complete_steps(tr.load)
+        if steps:  # a save renamed into place, then the run died before `latest` named it
+            newest = iter_dir(tr.load, steps[-1])
+            raise ConfigError([(PATH, why + f"{tr.load} holds no `latest` file, only step directories (newest "
+                                f"{os.path.basename(newest)}): resume it with training.load: {newest}")])
         raise ConfigError([(PATH, why + f"{tr.load} holds no checkpoint yet; start on {configured} ranks")])
 
 
