@@ -186,6 +186,18 @@ def test_packed_steps_mix_sizes_and_positions_restart_per_record_as_get_rope_ind
     assert seen == GRIDS
 
 
+def _one_image_record(qwen_data, tmp_path, name: str, on_bad_record: str) -> dict:
+    """The Qwen-VL config on one record `name` whose image is tmp_path/NAME.png, one sample a step."""
+    records = [{"id": name, "image": str(tmp_path / f"{name}.png"), "conversations": [
+        {"from": "human", "value": "<image>\nwhat shape is this ?"}, {"from": "gpt", "value": "a red square ."}]}]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(records))
+    raw = qwen_llava(qwen_data, packing=False)
+    raw["data"].update(path=str(path), on_bad_record=on_bad_record, shuffle=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    return raw
+
+
 def test_an_image_beyond_the_aspect_limit_is_a_bad_record_naming_it(qwen_data, tmp_path):
     """The processor refuses aspect ratios beyond 200:1: the record's error names the image and its
     size (before: only the ratio, `absolute aspect ratio must be smaller than 200, got 332.3...`)."""
@@ -194,13 +206,7 @@ def test_an_image_beyond_the_aspect_limit_is_a_bad_record_naming_it(qwen_data, t
     from mimo.data.llava import DataError
 
     Image.new("RGB", (997, 3), (200, 30, 30)).save(tmp_path / "thin.png")
-    records = [{"id": "thin", "image": str(tmp_path / "thin.png"), "conversations": [
-        {"from": "human", "value": "<image>\nwhat is it ?"}, {"from": "gpt", "value": "a line ."}]}]
-    path = tmp_path / "thin.json"
-    path.write_text(json.dumps(records))
-    raw = qwen_llava(qwen_data, packing=False)
-    raw["data"].update(path=str(path), on_bad_record="error", shuffle=False)
-    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    raw = _one_image_record(qwen_data, tmp_path, "thin", "error")
     with pytest.raises(DataError, match=r"record 'thin': image .*thin.png \(997 x 3 pixels\): absolute aspect ratio "
                                         r"must be smaller than 200"):
         _dataset(raw).sample(0)
@@ -215,13 +221,7 @@ def test_truncated_image_under_skip_is_zeros_of_its_header_size(qwen_data, tmp_p
     Image.new("RGB", (80, 60), (200, 30, 30)).save(tmp_path / "cut.png")
     whole = (tmp_path / "cut.png").read_bytes()
     (tmp_path / "cut.png").write_bytes(whole[:len(whole) // 2])  # header intact, pixels cut off
-    records = [{"id": "cut", "image": str(tmp_path / "cut.png"), "conversations": [
-        {"from": "human", "value": "<image>\nwhat shape is this ?"}, {"from": "gpt", "value": "a red square ."}]}]
-    path = tmp_path / "cut.json"
-    path.write_text(json.dumps(records))
-    raw = qwen_llava(qwen_data, packing=False)
-    raw["data"].update(path=str(path), on_bad_record="skip", shuffle=False)
-    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    raw = _one_image_record(qwen_data, tmp_path, "cut", "skip")
     ds = _dataset(raw)
     s = ds.sample(0)
     assert s.grids["images"] == [(1, 4, 6)]  # from the header: 80 x 60 pixels

@@ -15,7 +15,7 @@ import re
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
-from mimo.config.outputs import output_problem
+from mimo.config.outputs import first_existing, output_problem
 
 from .manifest import verify_read_by_all, verify_share
 from .paths import CheckpointError, complete_steps, iter_dir, read_latest, resolve
@@ -87,9 +87,7 @@ def check_save_dir(save: str) -> None:
     problem = output_problem(save, "directory")
     if problem:
         raise CheckpointError(f"training.save: {problem}")
-    existing = os.path.abspath(save)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = first_existing(save)
     # A file made and removed at once, rather than os.access: that says yes to root everywhere (even
     # under /proc) and cannot see every filesystem's refusal.
     try:

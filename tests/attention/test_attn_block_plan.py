@@ -5,6 +5,7 @@ import gc
 import pytest
 import torch
 from attn_scenarios import qkv, scenario
+from host_reads import on_host_reads
 
 from mimo.attention import KernelConfig, bitfield_attention, cache_stats, clear_block_cache, reference_attention
 from mimo.attention.block_plan import EMPTY, FULL, PARTIAL, build_plan
@@ -153,9 +154,8 @@ def test_default_masks_are_one_row_per_length_for_every_batch_size():
     assert _default_mask(False, 3, 24, "cpu").untyped_storage().data_ptr() == rows[0].untyped_storage().data_ptr()
 
 
-# What waits for the device: a Python read of a tensor's value, and an operator whose result's size
-# depends on the values (its output must be sized on the host first).
-READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+# What waits for the device: a Python read of a tensor's value (`host_reads`), and an operator whose
+# result's size depends on the values (its output must be sized on the host first).
 SIZED_BY_VALUES = {"aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
                    "aten.unique_dim.default", "aten.unique_consecutive.default"}
 
@@ -181,20 +181,15 @@ class _Waits:
                     waits.ops.append(name)
                 return func(*args, **kwargs)
 
-        self._saved = {n: getattr(torch.Tensor, n) for n in READS}
-        for n, original in self._saved.items():
-            def read(t, *a, _n=n, _original=original, **k):
-                self.reads.append(_n)
-                return _original(t, *a, **k)
-            setattr(torch.Tensor, n, read)
+        self._reads = on_host_reads(lambda name, tensor, caller: self.reads.append(name))
+        self._reads.__enter__()
         self._mode = Ops()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
-        for n, original in self._saved.items():
-            setattr(torch.Tensor, n, original)
+        self._reads.__exit__(*exc)
 
 
 def test_a_new_mask_waits_for_the_device_once_for_all_its_plans():

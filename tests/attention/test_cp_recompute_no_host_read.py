@@ -13,12 +13,13 @@ plain read, and with the registry turned off the header IS read (and caught).
 """
 
 import contextlib
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from host_reads import on_host_reads
 
 from mimo.runtime import run_on_ranks
 
@@ -27,7 +28,6 @@ MICROBATCHES = 10  # in flight at once: more than the old 8-entry unpack cache h
 # megatron-core's selective recompute packs the mask type into a host tensor and reads it back
 # (megatron/core/transformer/attention.py, `_checkpointed_attention_forward.custom_forward`).
 ALLOWED = {("attention.py", "custom_forward")}
-READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
 
 class HostRead(AssertionError):
@@ -37,26 +37,16 @@ class HostRead(AssertionError):
 @contextlib.contextmanager
 def no_host_reads(log):
     """Every Python-level read of a tensor's value raises HostRead (and is logged), except ALLOWED."""
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    def refuse(name, tensor, caller):
+        where = (caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name)
+        if where in ALLOWED and not tensor.is_cuda:
+            return
+        msg = f"{name}() of a {tuple(tensor.shape)} tensor at {caller.f_code.co_filename}:{caller.f_lineno}"
+        log.append(msg)
+        raise HostRead(msg)
 
-    def guard(name, original):
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1)
-            where = (caller.f_code.co_filename.rsplit("/", 1)[-1], caller.f_code.co_name)
-            if where in ALLOWED and not self.is_cuda:
-                return original(self, *args, **kwargs)
-            msg = f"{name}() of a {tuple(self.shape)} tensor at {caller.f_code.co_filename}:{caller.f_lineno}"
-            log.append(msg)
-            raise HostRead(msg)
-        return read
-
-    for name, original in saved.items():
-        setattr(torch.Tensor, name, guard(name, original))
-    try:
+    with on_host_reads(refuse):
         yield
-    finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _batch(b, s, seed):
