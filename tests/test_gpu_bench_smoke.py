@@ -130,3 +130,40 @@ def test_planner_reads_the_smoke_profile(smoke, tmp_path):
 
     check = step_check(profile)  # predicted vs measured step of the profiled model (a CPU smoke: no bound)
     assert check["predicted_step_ms"] > 0 and check["measured_step_ms"] == profile["step"]["mimo"]["step_ms"]
+
+
+def test_kernel_config_file_sets_the_bitfield_rows_settings(tmp_path):
+    """--kernel-config: the file tune_attention.py --json-out writes sets the bitfield kernels' launch
+    settings of the attention table, and each bitfield row records the resolved settings it ran."""
+    tuned = tmp_path / "tuned.json"
+    fields = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2, "bwd_block_m": 16,
+              "bwd_block_n": 32, "dq_block_m": 32, "dq_block_n": 16}
+    tuned.write_text(json.dumps({"device": "cpu", "kernel_config": fields, "ms": {}}))
+    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--skip", "step", "--kernel-config", str(tuned),
+                           "--profile-out", str(tmp_path / "profile.json")],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    bitfield = [r for r in rows if r["bench"] == "attention" and r["impl"] == "bitfield"]
+    assert len(bitfield) == 2
+    for r in bitfield:
+        assert r["fwd_bwd_ms"] > 0 and {k: r["kernel_config"][k] for k in fields} == fields, r
+        assert r["kernel_config"]["bwd_num_warps"] == 4  # a field the file leaves out: its default
+    assert not [r for r in rows if r["bench"] == "step"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"kernel_config": {"block_m": 64, "warps": 4}}', "unknown field(s) warps"),
+    ('{"block_m": "64"}', "field(s) block_m must be integers"),
+    ('{"block_m": 48}', "KernelConfig.block_m must be a power of two"),
+    ('[1, 2]', "expected an object of KernelConfig fields"),
+    ("{not json", "cannot read it as JSON"),
+])
+def test_a_bad_kernel_config_file_is_one_error_line(tmp_path, content, message):
+    bad = tmp_path / "k.json"
+    bad.write_text(content)
+    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--kernel-config", str(bad)], capture_output=True,
+                          text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: --kernel-config {bad}: ") and message in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr

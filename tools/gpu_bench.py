@@ -20,7 +20,9 @@ emitted with `"skipped"`, so the whole command stays under about 7 minutes on an
   (text, images, audio, two packed documents). sdpa runs `is_causal=True` (flash) for the causal
   mask and a dense boolean mask for the multimodal one (up to --sdpa-max-tokens; beyond, a row with
   `"skipped"`). A failed implementation gives a row with `"error"` and null times. bitfield rows
-  also carry `fwd_speedup_vs_flex` and `fwd_bwd_speedup_vs_flex` (flex ms / bitfield ms).
+  also carry `fwd_speedup_vs_flex` and `fwd_bwd_speedup_vs_flex` (flex ms / bitfield ms) and
+  `kernel_config`, the launch settings they ran with: KernelConfig's defaults, or those of
+  `--kernel-config FILE` (tools/tune_attention.py --json-out's file, or an object of its fields).
 * `{"bench": "step", "impl": "mimo"|"megatron", "model", "step_ms", "tokens_per_s", "mfu",
   "peak_memory_gb", "losses", ...}`: the same text-only GPT (default: the 1.24B LLM of
   examples/configs/gpu_llava_8gpu.yaml, 24 x 2048, GQA 16/8, ffn 8192, vocab 32000, 2048 tokens),
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -206,16 +209,45 @@ def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool)
     return impls
 
 
+def kernel_config_of(path: str):
+    """The KernelConfig in a JSON file: `tools/tune_attention.py --json-out`'s (its "kernel_config")
+    or a plain object of KernelConfig fields. Raises ValueError naming the file and the field."""
+    from mimo.attention import KernelConfig
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--kernel-config {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"--kernel-config {path}: cannot read it as JSON ({exc})") from None
+    fields = raw.get("kernel_config", raw) if isinstance(raw, dict) else raw
+    if not isinstance(fields, dict):
+        raise ValueError(f"--kernel-config {path}: expected an object of KernelConfig fields")
+    known = set(KernelConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"--kernel-config {path}: unknown field(s) {', '.join(unknown)} "
+                         f"(KernelConfig has {', '.join(sorted(known))})")
+    bad = sorted(k for k, v in fields.items() if v is not None and (not isinstance(v, int) or isinstance(v, bool)))
+    if bad:
+        raise ValueError(f"--kernel-config {path}: field(s) {', '.join(bad)} must be integers")
+    return KernelConfig(**fields)
+
+
 def bench_attention(emit, device, seqlens, heads, kv_heads, head_dim, iters, dtype, masks, sdpa_max_tokens,
-                    tiny=False, deadline=None) -> list:
+                    tiny=False, deadline=None, cfg=None) -> list:
     """The attention table; once `deadline` (time.perf_counter()) has passed, the remaining rows are
-    emitted with `"skipped"` so that the whole run stays inside its budget."""
+    emitted with `"skipped"` so that the whole run stays inside its budget. `cfg`: the bitfield
+    kernels' KernelConfig (default: its defaults); its resolved fields go into the bitfield rows."""
     from mimo.attention import KernelConfig
     from mimo.training.flops import attention_pairs
 
     from bench_attention import mixed_layout
 
-    cfg = KernelConfig(16, 16, 16, 16, split_tiles=2) if tiny else KernelConfig()
+    if cfg is None:
+        cfg = KernelConfig(16, 16, 16, 16, split_tiles=2) if tiny else KernelConfig()
+    resolved = dataclasses.asdict(cfg.resolve(head_dim))
     rows = []
     for s in seqlens:
         for mask_kind in masks:
@@ -265,6 +297,8 @@ def bench_attention(emit, device, seqlens, heads, kv_heads, head_dim, iters, dty
                                bwd_tflops=_sig(2.5 * fwd_flops / (fb_ms - f_ms) / 1e9) if fb_ms > f_ms else None)
                 except Exception as exc:  # one backend failing must not hide the others
                     row.update(fwd_ms=None, fwd_bwd_ms=None, fwd_tflops=None, fwd_bwd_tflops=None, error=_short(exc))
+                if name == "bitfield":
+                    row["kernel_config"] = resolved
                 flex = next((r for r in rows[::-1] if r["impl"] == "flex" and r["tokens"] == s
                              and r["mask"] == mask_kind), None)
                 if name == "bitfield" and flex and flex.get("fwd_bwd_ms") and row.get("fwd_bwd_ms"):
@@ -730,6 +764,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--attn-iters", type=int, default=3)
+    p.add_argument("--kernel-config", default=None, metavar="FILE",
+                   help="bitfield kernels' launch settings: tools/tune_attention.py --json-out's file, or a "
+                        "JSON object of KernelConfig fields (default: KernelConfig's defaults)")
     p.add_argument("--sdpa-max-tokens", type=int, default=16384,
                    help="multimodal sdpa needs a dense s x s mask: not beyond this many tokens")
     p.add_argument("--seq-length", type=int, default=2048)
@@ -755,6 +792,15 @@ def main(argv=None) -> int:
         return 0
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before mimo.attention is imported
+    kernel_cfg = None
+    if args.kernel_config:
+        try:
+            kernel_cfg = kernel_config_of(args.kernel_config)
+            kernel_cfg.resolve(16 if args.cpu_smoke else args.head_dim)
+        except ValueError as exc:
+            where = "" if str(exc).startswith("--kernel-config") else f"--kernel-config {args.kernel_config}: "
+            print(f"error: {where}{exc}", file=sys.stderr)
+            return 2
     t_start = time.perf_counter()
 
     from mimo.config import load_config
@@ -818,11 +864,12 @@ def main(argv=None) -> int:
         deadline = None if smoke else t_start + args.budget_s
         if smoke:
             attention_rows = bench_attention(emit, device, [48], 2, 1, 16, 1, torch.float32,
-                                             args.masks.split(","), 1 << 30, tiny=True)
+                                             args.masks.split(","), 1 << 30, tiny=True, cfg=kernel_cfg)
         else:
             attention_rows = bench_attention(emit, device, [int(x) for x in args.seqlens.split(",")], args.heads,
                                              args.kv_heads, args.head_dim, args.attn_iters, dtype,
-                                             args.masks.split(","), args.sdpa_max_tokens, deadline=deadline)
+                                             args.masks.split(","), args.sdpa_max_tokens, deadline=deadline,
+                                             cfg=kernel_cfg)
         log(f"attention done at {time.perf_counter() - t_start:.0f}s")
         write_profile()
 

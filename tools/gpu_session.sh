@@ -8,12 +8,14 @@
 #   2. the profile's predicted vs measured one-GPU step (python -m mimo.planner.profile);
 #   3. examples/configs/gpu_llava_1gpu.yaml trained for 10 steps (the 1.24B LLaVA-style model's MFU);
 #   4. tools/plan.py --evaluate: the planner with the measured profile against that run;
-#   5. with the time left, tools/tune_attention.py (launch settings of the current kernels).
+#   5. with the time left, tools/tune_attention.py (launch settings of the current kernels, with the
+#      bench's grouped KV heads; `gpu_bench.py --skip step --kernel-config OUT_DIR/tuned.json` then
+#      sets its winners against flex_attention).
 #
 #   bash tools/gpu_session.sh OUT_DIR [BUDGET_S]     # default budget 570 s
 #
 # Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
-# tune.log and session.log (every step's output, a "step NAME: rc R, S s" line after each).
+# tune.log, tuned.json and session.log (every step's output, a "step NAME: rc R, S s" line after each).
 # Wheels in .whl/ (megatron-core, which the GPU image lacks: scripts/device_wheels.sh fetches it; WHEELS
 # names another folder) are installed first into /tmp/site. Without a CUDA device it says so and exits 0.
 # PYTHON overrides the interpreter (default python3).
@@ -82,5 +84,6 @@ cat "$OUT/plan_eval.json" >> "$LOG" 2>/dev/null
 SEQLENS=16384,65536
 [ "$(left)" -lt 300 ] && SEQLENS=16384
 step tune_attention $(($(left) - 10)) \
-    sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS > \"$OUT/tune.log\" 2>&1"
+    sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS --kv-heads 8 --json-out \"$OUT/tuned.json\" \
+> \"$OUT/tune.log\" 2>&1"
 echo "gpu_session: done in $(($(date +%s) - START)) s of a ${BUDGET} s budget" | tee -a "$LOG"

@@ -13,13 +13,16 @@ configuration's, so a setting that computes something else is reported, never pi
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
 markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths;
 before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
-limit (a GPU lent for minutes) still leaves what it measured. Exits with status 2 and a message when
+limit (a GPU lent for minutes) still leaves what it measured. `--json-out FILE` also writes the
+fastest settings as JSON (`{"kernel_config": {...}, "ms": {...}}`), which `tools/gpu_bench.py
+--kernel-config FILE` benchmarks against flex_attention in the same session. Exits with status 2 and a message when
 CUDA is asked for but unavailable.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -31,12 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import _short, _time, add_shape_args, device_refused, mixed_layout  # noqa: E402
 
 # (block_m, block_n, num_warps, num_stages). The first of each list is KernelConfig's default for
-# head_dim 65-128 and the reference every other row is checked against; the second is the
-# untuned setting it replaced (docs/benchmarks.md).
-FORWARD = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-           (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)]
-BACKWARD = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 2), (64, 32, 4, 2),
-            (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2), (32, 128, 4, 2), (128, 64, 4, 2)]
+# head_dim 65-128 and the reference every other row is checked against (the forward's second, 8 warps,
+# was the default before the H200 tuning of 2026-11-29). The lists hold the settings that came close
+# on an H200 (docs/benchmarks.md) and those torch's flex_attention uses on sm_90
+# (forward 128x64 with 8 warps and 3 stages; dK/dV 64 queries x 128 keys and dQ 128 queries x 64 keys,
+# 8 warps, 3 stages); BACKWARD serves both backward kernels (block_m: queries, block_n: keys).
+FORWARD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 4),
+           (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
+BACKWARD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3), (64, 128, 8, 2),
+            (128, 64, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3)]
 TINY_FORWARD = [(16, 16, 4, 2), (32, 16, 4, 2)]
 TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
 TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
@@ -127,6 +133,8 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(p, "16384,65536")
+    p.add_argument("--json-out", default=None,
+                   help="also write the fastest settings here as JSON (for gpu_bench.py --kernel-config)")
     args = p.parse_args(argv)
     if device_refused("tune_attention", args):
         return 2
@@ -170,11 +178,27 @@ def main(argv=None) -> int:
             gain = totals[cands[0]] / totals[best[phase]] if cands[0] in totals else float("nan")
             print(f"fastest {phase}: {best[phase]} ({gain:.2f}x the first row)")
     if len(best) == 3:
-        f, b, d = best["forward"], best["dkdv"], best["dq"]
-        print(f"\nKernelConfig(block_m={f[0]}, block_n={f[1]}, num_warps={f[2]}, num_stages={f[3]}, "
-              f"bwd_block_m={b[0]}, bwd_block_n={b[1]}, bwd_num_warps={b[2]}, bwd_num_stages={b[3]}, "
-              f"dq_block_m={d[0]}, dq_block_n={d[1]}, dq_num_warps={d[2]}, dq_num_stages={d[3]})")
+        fields = best_fields(best)
+        print("\nKernelConfig(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")")
+        if args.json_out:
+            ms = {phase: {str(s): round(results[s][phase][c][0] * 1e3, 4) for s in seqlens}
+                  for phase, c in best.items()}
+            with open(args.json_out, "w") as f:
+                json.dump({"device": name, "dtype": str(dtype).replace("torch.", ""), "heads": args.heads,
+                           "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kernel_config": fields,
+                           "ms": ms}, f, indent=1)
+    elif args.json_out:
+        print(f"tune_attention: no phase had a candidate within the tolerance; {args.json_out} not written",
+              file=sys.stderr)
     return 0
+
+
+def best_fields(best: dict) -> dict:
+    """KernelConfig's fields of the fastest forward, dK/dV and dQ settings."""
+    names = {"forward": ("block_m", "block_n", "num_warps", "num_stages"),
+             "dkdv": ("bwd_block_m", "bwd_block_n", "bwd_num_warps", "bwd_num_stages"),
+             "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages")}
+    return {k: v for phase, keys in names.items() for k, v in zip(keys, best[phase])}
 
 
 if __name__ == "__main__":

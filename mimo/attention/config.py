@@ -45,11 +45,11 @@ class KernelConfig:
 
     def resolve(self, head_dim: int) -> "KernelConfig":
         big = head_dim > 128
-        # head_dim 65-128: tuned on an H200 (tools/tune_attention.py, docs/benchmarks.md); the
-        # forward gains a pipeline stage, the backward runs best on 4 warps. Other widths keep
+        # head_dim 65-128: tuned on an H200 (tools/tune_attention.py, docs/benchmarks.md): every
+        # kernel runs best on 4 warps, the forward with a third pipeline stage. Other widths keep
         # the earlier, untuned choices.
         tuned = 64 < head_dim <= 128
-        num_warps = self.num_warps or (4 if head_dim <= 64 else 8)
+        num_warps = self.num_warps or (4 if head_dim <= 128 else 8)
         num_stages = self.num_stages or (3 if tuned else 1 if big else 2)
         bwd_block_m = self.bwd_block_m or (32 if big else 64)
         bwd_block_n = self.bwd_block_n or (32 if big else 64)

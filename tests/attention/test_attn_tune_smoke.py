@@ -1,5 +1,6 @@
 """tools/tune_attention.py in its CPU smoke mode, and the launch settings it tunes (KernelConfig)."""
 
+import json
 import os
 import sys
 
@@ -48,8 +49,8 @@ def test_cuda_request_without_gpu_exits_clearly(capsys):
 
 def test_backward_kernels_take_their_own_launch_settings():
     tuned = KernelConfig().resolve(128)
-    assert (tuned.num_warps, tuned.num_stages, tuned.bwd_num_warps, tuned.bwd_num_stages) == (8, 3, 4, 2)
-    assert _launch_opts(tuned, False) == {"num_warps": 8, "num_stages": 3}
+    assert (tuned.num_warps, tuned.num_stages, tuned.bwd_num_warps, tuned.bwd_num_stages) == (4, 3, 4, 2)
+    assert _launch_opts(tuned, False) == {"num_warps": 4, "num_stages": 3}
     assert _launch_opts(tuned, False, "dkdv") == {"num_warps": 4, "num_stages": 2}
     assert _launch_opts(tuned, False, "dq") == {"num_warps": 4, "num_stages": 2}  # the dK/dV kernel's by default
     assert _launch_opts(tuned, True, "dkdv") == {}  # the interpreter takes none
@@ -68,3 +69,23 @@ def test_the_reference_rows_are_the_defaults_for_head_dim_128():
     tool, d = tune_attention, KernelConfig().resolve(128)
     assert tool.FORWARD[0] == (d.block_m, d.block_n, d.num_warps, d.num_stages)
     assert tool.BACKWARD[0] == (d.bwd_block_m, d.bwd_block_n, d.bwd_num_warps, d.bwd_num_stages)
+
+
+def test_json_out_holds_the_printed_fastest_settings(tmp_path, capsys):
+    out_file = tmp_path / "tuned.json"
+    assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
+    printed = capsys.readouterr().out.split("\nKernelConfig(")[1].split(")")[0]
+    saved = json.loads(out_file.read_text())
+    fields = saved["kernel_config"]
+    assert printed == ", ".join(f"{k}={v}" for k, v in fields.items())
+    assert set(fields) == set(KernelConfig.__dataclass_fields__) - {"split_tiles"}
+    KernelConfig(**fields).resolve(16)  # a config the kernels take as it is
+    assert set(saved["ms"]) == {"forward", "dkdv", "dq"} and all(v["48"] > 0 for v in saved["ms"].values())
+    assert (saved["heads"], saved["kv_heads"], saved["head_dim"]) == (2, 1, 16)
+
+
+def test_json_out_is_not_written_without_a_winner(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tune_attention, "TOLERANCE", -1.0)
+    out_file = tmp_path / "tuned.json"
+    assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
+    assert not out_file.exists() and "not written" in capsys.readouterr().err
