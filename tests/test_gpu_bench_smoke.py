@@ -167,3 +167,11 @@ def test_a_bad_kernel_config_file_is_one_error_line(tmp_path, content, message):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: --kernel-config {bad}: ") and message in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--out", "--profile-out"])
+def test_an_output_path_that_cannot_be_written_stops_before_the_run(tmp_path, flag):
+    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", flag, str(tmp_path)], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: {flag}: {tmp_path} is a directory; name the file to write\n"

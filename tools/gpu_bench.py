@@ -782,6 +782,13 @@ def main(argv=None) -> int:
                    help="attention rows not started within this many seconds of the start are skipped")
     args = p.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
+    from mimo.config.outputs import output_problem
+
+    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out)):
+        problem = path and output_problem(path, "file")
+        if problem:  # found now, not after the run's minutes on the GPU
+            print(f"error: {flag}: {problem}", file=sys.stderr)
+            return 2
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:

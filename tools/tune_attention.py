@@ -136,6 +136,13 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", default=None,
                    help="also write the fastest settings here as JSON (for gpu_bench.py --kernel-config)")
     args = p.parse_args(argv)
+    if args.json_out:
+        from mimo.config.outputs import output_problem
+
+        problem = output_problem(args.json_out, "file")
+        if problem:  # found now, not after minutes of tuning
+            print(f"error: --json-out: {problem}", file=sys.stderr)
+            return 2
     if device_refused("tune_attention", args):
         return 2
 

@@ -89,3 +89,10 @@ def test_json_out_is_not_written_without_a_winner(tmp_path, capsys, monkeypatch)
     out_file = tmp_path / "tuned.json"
     assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
     assert not out_file.exists() and "not written" in capsys.readouterr().err
+
+
+def test_a_json_out_that_cannot_be_written_stops_before_tuning(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(tmp_path / "file" / "t.json")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("error: --json-out: ") and "is a file" in out.err
