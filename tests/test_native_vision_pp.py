@@ -19,7 +19,8 @@ def _per_stage_layer_numbers():
     import mimo.model.native_vision as nv
 
     spec = nv.native_layer_spec
-    nv.native_layer_spec = lambda attention, full_layers, layer_offset=0: spec(attention, full_layers, 0)
+    nv.native_layer_spec = lambda attention, full_layers, layer_offset=0, kernel=None: spec(attention, full_layers,
+                                                                                         0, kernel)
 
 
 def _train_per_stage(raw, steps):

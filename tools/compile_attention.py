@@ -141,7 +141,7 @@ def compile_one(fn, constants, opts, dtype, arch, scalars) -> dict:
 
 def _launches(kern, head_dims, dtypes, overrides: dict, names):
     """(head_dim, dtype, variant) for each distinct variant among `names` (kernel function names)."""
-    from mimo.attention.config import KernelConfig
+    from mimo.config.kernel import KernelConfig
 
     seen = set()
     for head_dim in head_dims:
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--dtype {unknown[0]!r}: expected one of {', '.join(DTYPES)}")
         if not head_dims or any(d < 1 or d > 256 for d in head_dims):
             raise ValueError("--head-dim: each head dim must be 1..256")
-        from mimo.attention.config import KernelConfig
+        from mimo.config.kernel import KernelConfig
 
         for d in head_dims:
             KernelConfig(**overrides).resolve(d)

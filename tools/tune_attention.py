@@ -15,7 +15,8 @@ markdown table per phase and the `KernelConfig` of the fastest candidates summed
 before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
 limit (a GPU lent for minutes) still leaves what it measured. `--json-out FILE` also writes the
 fastest settings as JSON (`{"kernel_config": {...}, "ms": {...}}`), which `tools/gpu_bench.py
---kernel-config FILE` benchmarks against flex_attention in the same session. Exits with status 2 and a message when
+--kernel-config FILE` benchmarks against flex_attention in the same session; the printed
+`attention_kernel: {...}` line sets them for training in a model's YAML. Exits with status 2 and a message when
 CUDA is asked for but unavailable.
 """
 
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
     if len(best) == 3:
         fields = best_fields(best)
         print("\nKernelConfig(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")")
+        print("# in a model's YAML (model.language, or an encoder with attention: bitfield):\n"
+              "attention_kernel: {" + ", ".join(f"{k}: {v}" for k, v in fields.items()) + "}")
         if args.json_out:
             ms = {phase: {str(s): round(results[s][phase][c][0] * 1e3, 4) for s in seqlens}
                   for phase, c in best.items()}

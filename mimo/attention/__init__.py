@@ -7,7 +7,7 @@ global positions) and ``cp_permute`` (per-microbatch permutation plumbing).
 
 from .balance import assign_blocks, assign_from_workloads, block_workloads, imbalance, rank_workloads
 from .block_plan import cache_stats, clear_block_cache
-from .config import KernelConfig
+from mimo.config.kernel import KernelConfig
 from .function import bitfield_attention, bitfield_attention_general
 from .mask import (
     CAUSAL,

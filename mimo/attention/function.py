@@ -10,7 +10,7 @@ import torch
 from mimo.runtime.device import multiprocessor_count
 
 from .block_plan import BlockPlan, get_plans
-from .config import KernelConfig
+from mimo.config.kernel import KernelConfig
 from .inputs import AttentionInputs, check_inputs
 from .kernel_loader import backend_for, kernels
 from .reference import reference_attention_general

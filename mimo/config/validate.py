@@ -10,6 +10,7 @@ import os
 from typing import List, Optional
 
 from .hf_files import processor_dir, tokenizer_dir
+from .kernel import KernelConfig
 from .load import Problem
 from .outputs import output_problem
 from .schema import (
@@ -72,6 +73,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
     if lang.text_sees is not None and lang.modality_attention == "causal":
         add("model.language.text_sees", "needs model.language.modality_attention: bidirectional "
                                         "(with causal, every token sees every earlier one)")
+    _check_attention_kernel(lang, "model.language", add)
     _check_choice(lang.cp_policy, CP_POLICIES, "model.language.cp_policy", add)
     _check_choice(lang.normalization, NORMALIZATIONS, "model.language.normalization", add)
     _check_choice(lang.activation, ACTIVATIONS, "model.language.activation", add)
@@ -404,6 +406,34 @@ def _check_heads(m, path: str, add) -> None:
         add(f"{path}.hidden_size", f"must be divisible by num_attention_heads ({m.num_attention_heads})")
 
 
+def _check_attention_kernel(m, path: str, add) -> None:
+    """`attention_kernel`: KernelConfig's fields, each a positive integer (split_tiles may be 0: no
+    split), that KernelConfig accepts for the module's head dim; only with attention: bitfield."""
+    fields = m.attention_kernel
+    if fields is None:
+        return
+    path = f"{path}.attention_kernel"
+    if m.attention != "bitfield":
+        add(path, "only takes effect with attention: bitfield")
+        return
+    known = [f.name for f in dataclasses.fields(KernelConfig)]
+    unknown = [k for k in fields if k not in known]
+    for k in unknown:
+        add(f"{path}.{k}", f"unknown field (KernelConfig has {', '.join(known)})")
+    low = [k for k, v in fields.items() if k in known and v < (0 if k == "split_tiles" else 1)]
+    for k in low:
+        add(f"{path}.{k}", f"must be {'>= 0' if k == 'split_tiles' else 'a positive integer'}, got {fields[k]}")
+    heads = m.num_attention_heads
+    head_dim = getattr(m, "kv_channels", None) or (m.hidden_size // heads if heads > 0 else 0)
+    if head_dim <= 0:
+        return
+    try:
+        KernelConfig(**{k: v for k, v in fields.items() if k not in unknown and k not in low}).resolve(head_dim)
+    except ValueError as exc:  # "KernelConfig.<field> must be ...": name the YAML field instead
+        field, _, reason = str(exc).partition(" ")
+        add(f"{path}.{field.split('.')[-1]}", reason)
+
+
 def _native(enc: EncoderConfig) -> bool:
     return enc.kind == "vision" and enc.resolution == "native"
 
@@ -432,6 +462,7 @@ def _check_encoder(enc: EncoderConfig, path: str, add) -> None:
     _check_choice(enc.kind, ENCODER_KINDS, f"{path}.kind", add)
     _check_choice(enc.projector.kind, PROJECTOR_KINDS, f"{path}.projector.kind", add)
     _check_choice(enc.attention, ATTENTION_KINDS, f"{path}.attention", add)
+    _check_attention_kernel(enc, path, add)
     _check_choice(enc.activation, ACTIVATIONS, f"{path}.activation", add)
     _check_choice(enc.projector.activation, ACTIVATIONS[:-1], f"{path}.projector.activation", add)
     _check_choice(enc.frontend, AUDIO_FRONTENDS, f"{path}.frontend", add)

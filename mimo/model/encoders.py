@@ -33,7 +33,8 @@ class _Encoder(MegatronModule):
             torch.randn(tokens + extra, config.hidden_size) * config.init_method_std)
         if enc.pre_norm:
             self.pre_norm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.block = TransformerBlock(config=config, spec=block_spec(encoder_layer_spec(enc.attention), config.num_layers),
+        layer = encoder_layer_spec(enc.attention, enc.attention_kernel)
+        self.block = TransformerBlock(config=config, spec=block_spec(layer, config.num_layers),
                                       pre_process=True, post_process=True, post_layer_norm=enc.final_norm,
                                       pg_collection=pg_collection)
 

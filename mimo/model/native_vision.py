@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 
 from mimo.attention.core_attention import BitfieldCoreAttention
 from mimo.attention.mask import TEXT
+from mimo.config.kernel import KernelConfig
 
 from .architecture import ACTIVATION_FUNCS
 from .sdpa_attention import SDPACoreAttention
@@ -147,11 +148,13 @@ class NativeSDPAAttention(_LayerMask, SDPACoreAttention):
         return super().forward(query, key, value, (ids[:, :, None] != ids[:, None, :])[:, None], *args, **kwargs)
 
 
-def native_layer_spec(attention: str, full_attention_layers, layer_offset: int = 0):
+def native_layer_spec(attention: str, full_attention_layers, layer_offset: int = 0, kernel=None):
+    """`kernel`: the bitfield kernels' KernelConfig fields (the encoder's `attention_kernel`)."""
     spec = encoder_layer_spec(attention)
     core = {"bitfield": NativeBitfieldAttention, "sdpa": NativeSDPAAttention}[attention]
+    extra = {"kernel_config": KernelConfig(**kernel)} if kernel and attention == "bitfield" else {}
     spec.submodules.self_attention.submodules.core_attention = functools.partial(
-        core, full_attention_layers=full_attention_layers, layer_offset=layer_offset)
+        core, full_attention_layers=full_attention_layers, layer_offset=layer_offset, **extra)
     return spec
 
 
@@ -205,7 +208,8 @@ class NativeVisionEncoder(MegatronModule):
                                       use_cpu_initialization=True, cp_group=getattr(pg_collection, "cp", None))
         self.block = TransformerBlock(config=config,
                                       spec=TransformerBlockSubmodules(
-                                          layer_specs=[native_layer_spec(enc.attention, full_layers, layer_offset)]
+                                          layer_specs=[native_layer_spec(enc.attention, full_layers, layer_offset,
+                                                                         enc.attention_kernel)]
                                           * config.num_layers),
                                       pre_process=True, post_process=True, post_layer_norm=False,
                                       pg_collection=pg_collection)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+import functools
+from typing import Dict, List, Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -13,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from mimo.config.kernel import KernelConfig
 from mimo.config.validate import grouped_gemm_problem
 from mimo.runtime.fusions import active as active_fusions
 
@@ -22,12 +24,16 @@ from .norm import TorchNorm
 from .sdpa_attention import SDPACoreAttention
 
 
-def core_attention_class(kind: str):
+def core_attention_class(kind: str, kernel: Optional[Dict[str, int]] = None):
+    """The core attention module of `kind`; `kernel`: the bitfield kernels' KernelConfig fields (a
+    config's `attention_kernel`), bound to the module."""
     if kind == "sdpa":
         return SDPACoreAttention
     if kind == "bitfield":
         from mimo.attention.core_attention import BitfieldCoreAttention
 
+        if kernel:
+            return functools.partial(BitfieldCoreAttention, kernel_config=KernelConfig(**kernel))
         return BitfieldCoreAttention
     raise ValueError(f"unknown attention kind {kind!r} (sdpa | bitfield)")
 
@@ -37,7 +43,7 @@ def mlp_spec() -> ModuleSpec:
                                                            linear_fc2=RowParallelLinear))
 
 
-def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
+def encoder_layer_spec(attention: str = "sdpa", kernel: Optional[Dict[str, int]] = None) -> ModuleSpec:
     """Pre-norm transformer layer with bidirectional self-attention (modality encoders)."""
     return ModuleSpec(
         module=TransformerLayer,
@@ -48,7 +54,7 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=core_attention_class(attention),
+                    core_attention=core_attention_class(attention, kernel),
                     linear_proj=RowParallelLinear,
                 ),
             ),
@@ -61,14 +67,15 @@ def encoder_layer_spec(attention: str = "sdpa") -> ModuleSpec:
 
 
 def llm_layer_spec(attention: str = "sdpa", normalization: str = "LayerNorm",
-                   num_experts: Optional[int] = None, qk_layernorm: bool = False) -> ModuleSpec:
+                   num_experts: Optional[int] = None, qk_layernorm: bool = False,
+                   kernel: Optional[Dict[str, int]] = None) -> ModuleSpec:
     """megatron's local GPT layer with the core attention swapped for ours; with `num_experts` its
     MLP is megatron-core's MoELayer (router, token dispatcher, SequentialMLP experts, shared expert);
     with `qk_layernorm` q and k are normalised per head (Qwen3) by our torch norm."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization,
                                     qk_layernorm=qk_layernorm)
     attn = spec.submodules.self_attention.submodules
-    attn.core_attention = core_attention_class(attention)
+    attn.core_attention = core_attention_class(attention, kernel)
     if num_experts:
         spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
     if qk_layernorm:
@@ -96,10 +103,11 @@ def llm_block_layer_specs(lang, first_layer: int, count: int, config) -> List[Mo
     `lang.moe_layers()` (megatron-core's `moe_layer_freq`); `config` the LLM's TransformerConfig."""
     moe = lang.moe_layers()[first_layer:first_layer + count]
     qk = bool(getattr(lang, "qk_layernorm", False))
-    dense = llm_layer_spec(lang.attention, lang.normalization, qk_layernorm=qk)
+    dense = llm_layer_spec(lang.attention, lang.normalization, qk_layernorm=qk, kernel=lang.attention_kernel)
     if not any(moe):
         return [dense] * count
-    sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts, qk_layernorm=qk)
+    sparse = llm_layer_spec(lang.attention, lang.normalization, num_experts=lang.num_moe_experts, qk_layernorm=qk,
+                            kernel=lang.attention_kernel)
     if grouped_experts(lang, config):
         sparse.submodules.mlp.submodules.experts.module = GroupedExperts
     return [sparse if m else dense for m in moe]

@@ -18,7 +18,7 @@ from mimo.attention import (
     CAUSAL, TEXT, KernelConfig, bitfield_attention, cache_stats, clear_block_cache, reference_attention,
 )
 from mimo.attention.block_plan import FULL, PARTIAL, get_plan
-from mimo.attention.config import AUTO_SPLIT_TILES
+from mimo.config.kernel import AUTO_SPLIT_TILES
 from mimo.attention.inputs import check_inputs
 from mimo.attention.kernel_loader import kernels
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from mimo.attention import KernelConfig
 from mimo.attention.function import _launch_opts
@@ -74,10 +75,13 @@ def test_the_reference_rows_are_the_defaults_for_head_dim_128():
 def test_json_out_holds_the_printed_fastest_settings(tmp_path, capsys):
     out_file = tmp_path / "tuned.json"
     assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
-    printed = capsys.readouterr().out.split("\nKernelConfig(")[1].split(")")[0]
+    out = capsys.readouterr().out
+    printed = out.split("\nKernelConfig(")[1].split(")")[0]
     saved = json.loads(out_file.read_text())
     fields = saved["kernel_config"]
     assert printed == ", ".join(f"{k}={v}" for k, v in fields.items())
+    # The YAML line for a model's config says the same.
+    assert yaml.safe_load(out.split("\n# in a model's YAML")[1].split("\n", 1)[1]) == {"attention_kernel": fields}
     assert set(fields) == set(KernelConfig.__dataclass_fields__) - {"split_tiles"}
     KernelConfig(**fields).resolve(16)  # a config the kernels take as it is
     assert set(saved["ms"]) == {"forward", "dkdv", "dq"} and all(v["48"] > 0 for v in saved["ms"].values())

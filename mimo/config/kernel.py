@@ -1,4 +1,6 @@
-"""Tile sizes and intra-GPU split settings of the bitfield attention kernels."""
+"""Tile sizes, launch settings and intra-GPU split settings of the bitfield attention kernels
+(mimo.attention), and their defaults: a config of its own because a model's YAML can set them
+(`model.language.attention_kernel`, `model.encoders.<name>.attention_kernel`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Optional
 # FILL_WAVES programs per SM (one program per query block and head).
 AUTO_SPLIT_TILES = 16
 FILL_WAVES = 2
+# A program is at most 1024 threads: 32 warps.
+MAX_WARPS = 32
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,13 @@ class KernelConfig:
             value = getattr(out, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}")
+        for name in ("num_warps", "bwd_num_warps", "dq_num_warps"):
+            value = getattr(out, name)
+            if value < 1 or value > MAX_WARPS or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two from 1 to {MAX_WARPS}, got {value}")
+        for name in ("num_stages", "bwd_num_stages", "dq_num_stages"):
+            if getattr(out, name) < 1:
+                raise ValueError(f"KernelConfig.{name} must be >= 1, got {getattr(out, name)}")
         if out.split_tiles is not None and out.split_tiles < 0:
             raise ValueError(f"KernelConfig.split_tiles must be >= 0, got {out.split_tiles}")
         return out
