@@ -7,12 +7,15 @@ TransformerConfig, layer spec, seed, data, Adam, distributed optimizer) in fp32;
 agree, which is what makes the GPU run's step-time ratio a like-for-like comparison.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from mimo.config.kernel import KernelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "gpu_bench.py")
@@ -146,16 +149,38 @@ def test_kernel_config_file_sets_the_bitfield_rows_settings(tmp_path):
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
     bitfield = [r for r in rows if r["bench"] == "attention" and r["impl"] == "bitfield"]
     assert len(bitfield) == 2
+    resolved = dataclasses.asdict(KernelConfig(**fields).resolve(16))  # the file's fields, the defaults for the rest
     for r in bitfield:
-        assert r["fwd_bwd_ms"] > 0 and {k: r["kernel_config"][k] for k in fields} == fields, r
-        assert r["kernel_config"]["bwd_num_warps"] == 4  # a field the file leaves out: its default
+        assert r["fwd_bwd_ms"] > 0 and r["kernel_config"] == resolved, r
+    assert {k: resolved[k] for k in fields} == fields
     assert not [r for r in rows if r["bench"] == "step"]
+
+
+def test_a_tuned_file_for_another_attention_shape_is_named(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gpu_bench
+
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"heads": 16, "kv_heads": 16, "head_dim": 128, "kernel_config": {}}))
+    assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 8, 128) == "kv_heads 16 there, 8 here"
+    assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 16, 128) == ""
+    tuned.write_text(json.dumps({"block_m": 64}))  # a plain object of fields says nothing about the shape
+    assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 8, 128) == ""
+
+
+def test_outputs_in_a_directory_not_made_yet_are_written(tmp_path):
+    out = tmp_path / "new" / "deeper" / "bench.jsonl"
+    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--skip", "step", "--out", str(out)],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_text().count("\n") >= 7 and (tmp_path / "new" / "deeper" / "bench.profile.json").is_file()
 
 
 @pytest.mark.parametrize("content, message", [
     ('{"kernel_config": {"block_m": 64, "warps": 4}}', "unknown field(s) warps"),
     ('{"block_m": "64"}', "field(s) block_m must be integers"),
     ('{"block_m": 48}', "KernelConfig.block_m must be a power of two"),
+    ('{"num_warps": 0}', "field(s) num_warps must be positive"),
     ('[1, 2]', "expected an object of KernelConfig fields"),
     ("{not json", "cannot read it as JSON"),
 ])

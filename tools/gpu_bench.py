@@ -232,7 +232,21 @@ def kernel_config_of(path: str):
     bad = sorted(k for k, v in fields.items() if v is not None and (not isinstance(v, int) or isinstance(v, bool)))
     if bad:
         raise ValueError(f"--kernel-config {path}: field(s) {', '.join(bad)} must be integers")
+    low = sorted(k for k, v in fields.items() if v is not None and v < (0 if k == "split_tiles" else 1))
+    if low:  # 0 would silently mean "the default" to KernelConfig
+        raise ValueError(f"--kernel-config {path}: field(s) {', '.join(low)} must be positive")
     return KernelConfig(**fields)
+
+
+def tuned_shape_mismatch(path: str, heads: int, kv_heads: int, head_dim: int) -> str:
+    """What differs between the attention shape a tune_attention.py file was tuned at and this run's
+    ('' when nothing, or when the file does not say)."""
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        return ""
+    ours = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    return ", ".join(f"{k} {raw[k]} there, {v} here" for k, v in ours.items() if k in raw and raw[k] != v)
 
 
 def bench_attention(emit, device, seqlens, heads, kv_heads, head_dim, iters, dtype, masks, sdpa_max_tokens,
@@ -784,11 +798,15 @@ def main(argv=None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     from mimo.config.outputs import output_problem
 
-    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out)):
+    prof_path = args.profile_out or default_profile_path(args.out)
+    for flag, path in (("--out", args.out), ("--profile-out", prof_path)):
         problem = path and output_problem(path, "file")
         if problem:  # found now, not after the run's minutes on the GPU
-            print(f"error: {flag}: {problem}", file=sys.stderr)
+            where = flag if flag == "--out" or args.profile_out else "--profile-out (default: next to --out)"
+            print(f"error: {where}: {problem}", file=sys.stderr)
             return 2
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
@@ -804,6 +822,11 @@ def main(argv=None) -> int:
         try:
             kernel_cfg = kernel_config_of(args.kernel_config)
             kernel_cfg.resolve(16 if args.cpu_smoke else args.head_dim)
+            if not args.cpu_smoke:
+                differs = tuned_shape_mismatch(args.kernel_config, args.heads, args.kv_heads, args.head_dim)
+                if differs:
+                    log(f"warning: --kernel-config {args.kernel_config} was tuned for another attention shape "
+                        f"({differs}): its settings are run as they are")
         except ValueError as exc:
             where = "" if str(exc).startswith("--kernel-config") else f"--kernel-config {args.kernel_config}: "
             print(f"error: {where}{exc}", file=sys.stderr)
@@ -829,7 +852,6 @@ def main(argv=None) -> int:
     attention_rows, step_rows, extra, gemm = [], {}, {}, []
     env = emit(env_row(device, smoke))
     dtype = torch.float32 if smoke else torch.bfloat16
-    prof_path = args.profile_out or default_profile_path(args.out)
 
     def write_profile():
         """Written after the step benches and again after the attention table (a run cut short by a

@@ -144,6 +144,7 @@ def main(argv=None) -> int:
         if problem:  # found now, not after minutes of tuning
             print(f"error: --json-out: {problem}", file=sys.stderr)
             return 2
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     if device_refused("tune_attention", args):
         return 2
 
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kernel_config": fields,
                            "ms": ms}, f, indent=1)
     elif args.json_out:
-        print(f"tune_attention: no phase had a candidate within the tolerance; {args.json_out} not written",
+        missing = ", ".join(p for p in ("forward", "dkdv", "dq") if p not in best)
+        print(f"tune_attention: no candidate of {missing} was within the tolerance; {args.json_out} not written",
               file=sys.stderr)
     return 0
 
