@@ -177,11 +177,11 @@ def test_outputs_in_a_directory_not_made_yet_are_written(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"kernel_config": {"block_m": 64, "warps": 4}}', "unknown field(s) warps"),
-    ('{"block_m": "64"}', "field(s) block_m must be integers"),
+    ('{"kernel_config": {"block_m": 64, "warps": 4}}', "warps: unknown field"),
+    ('{"block_m": "64"}', "block_m: must be an integer"),
     ('{"block_m": 48}', "KernelConfig.block_m must be a power of two"),
-    ('{"num_warps": 0}', "field(s) num_warps must be positive"),
-    ('[1, 2]', "expected an object of KernelConfig fields"),
+    ('{"num_warps": 0}', "num_warps: must be a positive integer"),
+    ('[1, 2]', "must be a mapping of KernelConfig fields"),
     ("{not json", "cannot read it as JSON"),
 ])
 def test_a_bad_kernel_config_file_is_one_error_line(tmp_path, content, message):
@@ -200,3 +200,24 @@ def test_an_output_path_that_cannot_be_written_stops_before_the_run(tmp_path, fl
                           env=_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"error: {flag}: {tmp_path} is a directory; name the file to write\n"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--skip", "foo"], "error: --skip: unknown part(s) foo (parts: attention, step, profile)"),
+    (["--masks", "causal,foo"], "error: --masks 'causal,foo': expected comma-separated names from causal, multimodal"),
+    (["--seqlens", "abc"], "error: --seqlens 'abc': expected comma-separated integers"),
+    (["--seqlens", "0"], "error: --seqlens '0': each length must be >= 1"),
+    (["--heads", "16", "--kv-heads", "3"], "error: --kv-heads: must divide --heads (16), got 3"),
+    (["--attn-iters", "0"], "error: --attn-iters: must be >= 1, got 0"),
+    (["--warmup", "8"], "error: --warmup: must be >= 0 and below --steps (8), got 8"),
+    (["--global-batch", "3", "--micro-batch", "2"], "error: --global-batch: must be a multiple of --micro-batch (2), got 3"),
+    (["--budget-s", "-1"], "error: --budget-s: must be > 0, got -1.0"),
+])
+def test_a_bad_flag_is_one_line_before_anything_runs_in_every_mode(capsys, argv, line):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gpu_bench
+
+    for mode in ([], ["--cpu-smoke"]):  # without CUDA too: a GPU run would meet it minutes in
+        assert gpu_bench.main(mode + argv) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err == line + "\n", out

@@ -9,6 +9,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
@@ -28,10 +30,10 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     assert os.listdir(tmp_path / "out") == ["session.log"]
 
 
-def _fake_python(tmp_path, megatron=True):
+def _fake_python(tmp_path, megatron=True, pip_ok=True):
     """A stand-in for python3 on a GPU machine: claims CUDA (and megatron-core unless told not to),
-    records every other command line, and writes the files the real tools would (so later steps find
-    their inputs)."""
+    fails `-m pip` when told to, records every other command line, and writes the files the real
+    tools would (so later steps find their inputs)."""
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python3"
     out = shlex.quote(str(tmp_path / "out"))
@@ -43,6 +45,7 @@ if [ "$1" = "-c" ]; then
     esac
     exit 0
 fi
+if [ "$1 $2" = "-m pip" ]; then exit {0 if pip_ok else 1}; fi
 echo "$*" >> {shlex.quote(str(calls))}
 prev=
 for a in "$@"; do
@@ -103,9 +106,29 @@ def test_a_wheel_that_does_not_install_stops_the_session_with_one_error_line(tmp
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a zip")
-    proc = _run(tmp_path / "out", sys.executable, wheels=wheels)
+    fake, calls = _fake_python(tmp_path, pip_ok=False)
+    proc = _run(tmp_path / "out", fake, wheels=wheels)
     assert proc.returncode == 1
     assert proc.stdout.startswith(f"error: installing {wheels}/*.whl failed") and proc.stdout.count("\n") == 1
+    assert not calls.exists()  # no step ran
+
+
+def test_without_cuda_wheels_are_not_installed(tmp_path):
+    """The wheels are for the GPU machine's Python: without CUDA the session says so and installs nothing."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-0.0-py3-none-any.whl").write_bytes(b"not a zip")
+    proc = _run(tmp_path / "out", sys.executable, wheels=wheels)
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.strip() == "gpu_session: no CUDA device on this machine; nothing measured"
+
+
+@pytest.mark.parametrize("budget", ["abc", "1.5", "-5", "0", "00", "10abc", "99999999999999999999"])
+def test_a_budget_that_is_not_a_number_of_seconds_is_refused(tmp_path, budget):
+    fake, calls = _fake_python(tmp_path)
+    proc = _run(tmp_path / "out", fake, budget=budget)
+    assert proc.returncode == 2 and proc.stdout == "" and not calls.exists()
+    assert proc.stderr.startswith("error: BUDGET_S must be ") and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_without_megatron_core_it_stops_before_any_step_and_says_how_to_carry_it(tmp_path):

@@ -201,7 +201,10 @@ def check(arch: int, head_dims, dtypes, overrides: dict, names=tuple(KERNELS.val
 
 
 def _int_list(text: str):
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--head-dim {text!r}: expected comma-separated integers") from None
 
 
 def main(argv=None) -> int:
@@ -214,12 +217,19 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default=",".join(KERNELS),
                    help=f"comma-separated, of {', '.join(KERNELS)} (default all)")
     args = p.parse_args(argv)
+    from mimo.config.kernel import field_problems, resolve_problem
+
     try:
         head_dims = _int_list(args.head_dim)
         dtypes = [x.strip() for x in args.dtype.split(",") if x.strip()]
-        overrides = json.loads(args.config)
-        if not isinstance(overrides, dict):
-            raise ValueError("--config must be a JSON object of KernelConfig fields")
+        try:
+            overrides = json.loads(args.config)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"--config: not JSON ({exc})") from None
+        problems = field_problems(overrides)
+        if problems:
+            key, reason = problems[0]
+            raise ValueError(f"--config: {key + ': ' if key else ''}{reason}")
         kernel_names = [x.strip() for x in args.kernels.split(",") if x.strip()]
         unknown = [k for k in kernel_names if k not in KERNELS]
         if unknown or not kernel_names:
@@ -229,11 +239,13 @@ def main(argv=None) -> int:
             raise ValueError(f"--dtype {unknown[0]!r}: expected one of {', '.join(DTYPES)}")
         if not head_dims or any(d < 1 or d > 256 for d in head_dims):
             raise ValueError("--head-dim: each head dim must be 1..256")
-        from mimo.config.kernel import KernelConfig
-
+        if not dtypes:
+            raise ValueError(f"--dtype {args.dtype!r}: expected names from {', '.join(DTYPES)}")
         for d in head_dims:
-            KernelConfig(**overrides).resolve(d)
-    except (ValueError, TypeError) as exc:
+            problem = resolve_problem(overrides, d)
+            if problem:
+                raise ValueError(f"--config: {problem[0]}: {problem[1]}")
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -212,29 +212,20 @@ def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool)
 def kernel_config_of(path: str):
     """The KernelConfig in a JSON file: `tools/tune_attention.py --json-out`'s (its "kernel_config")
     or a plain object of KernelConfig fields. Raises ValueError naming the file and the field."""
-    from mimo.attention import KernelConfig
+    from mimo.config.kernel import KernelConfig, field_problems
 
     try:
         with open(path) as f:
             raw = json.load(f)
     except OSError as exc:
         raise ValueError(f"--kernel-config {path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"--kernel-config {path}: cannot read it as JSON ({exc})") from None
     fields = raw.get("kernel_config", raw) if isinstance(raw, dict) else raw
-    if not isinstance(fields, dict):
-        raise ValueError(f"--kernel-config {path}: expected an object of KernelConfig fields")
-    known = set(KernelConfig.__dataclass_fields__)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"--kernel-config {path}: unknown field(s) {', '.join(unknown)} "
-                         f"(KernelConfig has {', '.join(sorted(known))})")
-    bad = sorted(k for k, v in fields.items() if v is not None and (not isinstance(v, int) or isinstance(v, bool)))
-    if bad:
-        raise ValueError(f"--kernel-config {path}: field(s) {', '.join(bad)} must be integers")
-    low = sorted(k for k, v in fields.items() if v is not None and v < (0 if k == "split_tiles" else 1))
-    if low:  # 0 would silently mean "the default" to KernelConfig
-        raise ValueError(f"--kernel-config {path}: field(s) {', '.join(low)} must be positive")
+    problems = field_problems(fields)
+    if problems:
+        key, reason = problems[0]
+        raise ValueError(f"--kernel-config {path}: {key + ': ' if key else ''}{reason}")
     return KernelConfig(**fields)
 
 
@@ -764,6 +755,46 @@ def default_profile_path(out) -> str:
 
 # ----------------------------------------------------------------------------------------------
 
+PARTS = ("attention", "step", "profile")
+MASKS = ("causal", "multimodal")
+
+
+def arg_problems(args) -> list:
+    """One line per flag whose value the run could not use ("--flag: why")."""
+    out = []
+    unknown = [x for x in args.skip.split(",") if x and x not in PARTS]
+    if unknown:
+        out.append(f"--skip: unknown part(s) {', '.join(unknown)} (parts: {', '.join(PARTS)})")
+    masks = args.masks.split(",")
+    if not all(masks) or any(m not in MASKS for m in masks):
+        out.append(f"--masks {args.masks!r}: expected comma-separated names from {', '.join(MASKS)}")
+    try:
+        lengths = [int(x) for x in args.seqlens.split(",")]
+        if any(n < 1 for n in lengths):
+            out.append(f"--seqlens {args.seqlens!r}: each length must be >= 1")
+    except ValueError:
+        out.append(f"--seqlens {args.seqlens!r}: expected comma-separated integers")
+    for flag, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--attn-iters", args.attn_iters),
+                        ("--seq-length", args.seq_length), ("--global-batch", args.global_batch),
+                        ("--micro-batch", args.micro_batch), ("--steps", args.steps)):
+        if value < 1:
+            out.append(f"{flag}: must be >= 1, got {value}")
+    if args.heads >= 1 and args.kv_heads >= 1 and args.heads % args.kv_heads:
+        out.append(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
+    if not 1 <= args.head_dim <= 256:
+        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {args.head_dim}")
+    if not 0 <= args.warmup < args.steps:
+        out.append(f"--warmup: must be >= 0 and below --steps ({args.steps}), got {args.warmup}")
+    if args.micro_batch >= 1 and args.global_batch % args.micro_batch:
+        out.append(f"--global-batch: must be a multiple of --micro-batch ({args.micro_batch}), got "
+                   f"{args.global_batch}")
+    if not args.budget_s > 0:
+        out.append(f"--budget-s: must be > 0, got {args.budget_s}")
+    if args.top_kernels < 0:
+        out.append(f"--top-kernels: must be >= 0, got {args.top_kernels}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -795,6 +826,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=360.0,
                    help="attention rows not started within this many seconds of the start are skipped")
     args = p.parse_args(argv)
+    problems = arg_problems(args)
+    if problems:  # found now, in every mode, not when the attention table starts minutes into a GPU run
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     skip = {s for s in args.skip.split(",") if s}
     from mimo.config.outputs import output_problem
 

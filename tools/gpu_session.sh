@@ -17,11 +17,20 @@
 # Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
 # tune.log, tuned.json and session.log (every step's output, a "step NAME: rc R, S s" line after each).
 # Wheels in .whl/ (megatron-core, which the GPU image lacks: scripts/device_wheels.sh fetches it; WHEELS
-# names another folder) are installed first into /tmp/site. Without a CUDA device it says so and exits 0.
+# names another folder) are installed into /tmp/site once CUDA is found; without a CUDA device it says so and exits 0,
+# installing nothing. BUDGET_S must be a whole number of seconds (1-999999).
 # PYTHON overrides the interpreter (default python3).
 set -u
 OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
 BUDGET=${2:-570}
+case "$BUDGET" in
+    ''|*[!0-9]*|0) echo "error: BUDGET_S must be a positive whole number of seconds, got '$BUDGET'" >&2; exit 2;;
+esac
+if [ "${#BUDGET}" -gt 6 ] || [ "$((10#$BUDGET))" -lt 1 ]; then
+    echo "error: BUDGET_S must be 1 to 999999 seconds, got $BUDGET" >&2
+    exit 2
+fi
+BUDGET=$((10#$BUDGET))
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl}
 START=$(date +%s)
@@ -48,6 +57,11 @@ step() {
     echo "step $name: rc $rc, $(($(date +%s) - t0)) s" | tee -a "$LOG"
 }
 
+# No CUDA: nothing to measure, and nothing installed (the wheels are for the GPU machine's Python).
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >> "$LOG" 2>&1; then
+    echo "gpu_session: no CUDA device on this machine; nothing measured" | tee -a "$LOG"
+    exit 0
+fi
 if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
     if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             "$WHEELS"/*.whl >> "$LOG" 2>&1; then
@@ -55,10 +69,6 @@ if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
         exit 1
     fi
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" >> "$LOG" 2>&1; then
-    echo "gpu_session: no CUDA device on this machine; nothing measured" | tee -a "$LOG"
-    exit 0
 fi
 # Every step imports megatron-core; the GPU image lacks it (scripts/device_wheels.sh fetches the wheel).
 if ! "$PY" -c "import megatron.core" >> "$LOG" 2>&1; then

@@ -97,3 +97,33 @@ class KernelConfig:
         if multiprocessors is None or programs >= FILL_WAVES * multiprocessors:
             return 0
         return AUTO_SPLIT_TILES
+
+
+def field_problems(fields) -> list:
+    """(field, reason) for each entry of a mapping of KernelConfig fields that KernelConfig would
+    refuse or misread: not a mapping, an unknown name, a value that is not an integer, or one below 1
+    (below 0 for split_tiles), which KernelConfig would take as "the default". A mapping without such
+    problems can still fail `resolve` (a tile that is not a power of two, say)."""
+    if not isinstance(fields, dict):
+        return [("", f"must be a mapping of KernelConfig fields, got {fields!r}")]
+    known = [f for f in KernelConfig.__dataclass_fields__]
+    problems = []
+    for key, value in fields.items():
+        if key not in known:
+            problems.append((str(key), f"unknown field (KernelConfig has {', '.join(known)})"))
+        elif not isinstance(value, int) or isinstance(value, bool):
+            problems.append((key, f"must be an integer, got {value!r}"))
+        elif value < (0 if key == "split_tiles" else 1):
+            problems.append((key, f"must be {'>= 0' if key == 'split_tiles' else 'a positive integer'}, got {value}"))
+    return problems
+
+
+def resolve_problem(fields: dict, head_dim: int) -> tuple:
+    """(field, reason) when KernelConfig(**fields).resolve(head_dim) refuses the fields (each of which
+    passed `field_problems`), else ()."""
+    try:
+        KernelConfig(**fields).resolve(head_dim)
+    except ValueError as exc:  # "KernelConfig.<field> must be ..."
+        field, _, reason = str(exc).partition(" ")
+        return field.split(".")[-1], reason
+    return ()

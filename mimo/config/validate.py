@@ -10,7 +10,7 @@ import os
 from typing import List, Optional
 
 from .hf_files import processor_dir, tokenizer_dir
-from .kernel import KernelConfig
+from .kernel import field_problems, resolve_problem
 from .load import Problem
 from .outputs import output_problem
 from .schema import (
@@ -407,8 +407,8 @@ def _check_heads(m, path: str, add) -> None:
 
 
 def _check_attention_kernel(m, path: str, add) -> None:
-    """`attention_kernel`: KernelConfig's fields, each a positive integer (split_tiles may be 0: no
-    split), that KernelConfig accepts for the module's head dim; only with attention: bitfield."""
+    """`attention_kernel`: KernelConfig's fields that KernelConfig accepts for the module's head dim;
+    only with attention: bitfield."""
     fields = m.attention_kernel
     if fields is None:
         return
@@ -416,22 +416,16 @@ def _check_attention_kernel(m, path: str, add) -> None:
     if m.attention != "bitfield":
         add(path, "only takes effect with attention: bitfield")
         return
-    known = [f.name for f in dataclasses.fields(KernelConfig)]
-    unknown = [k for k in fields if k not in known]
-    for k in unknown:
-        add(f"{path}.{k}", f"unknown field (KernelConfig has {', '.join(known)})")
-    low = [k for k, v in fields.items() if k in known and v < (0 if k == "split_tiles" else 1)]
-    for k in low:
-        add(f"{path}.{k}", f"must be {'>= 0' if k == 'split_tiles' else 'a positive integer'}, got {fields[k]}")
+    problems = field_problems(fields)
+    for key, reason in problems:
+        add(f"{path}.{key}" if key else path, reason)
     heads = m.num_attention_heads
     head_dim = getattr(m, "kv_channels", None) or (m.hidden_size // heads if heads > 0 else 0)
-    if head_dim <= 0:
-        return
-    try:
-        KernelConfig(**{k: v for k, v in fields.items() if k not in unknown and k not in low}).resolve(head_dim)
-    except ValueError as exc:  # "KernelConfig.<field> must be ...": name the YAML field instead
-        field, _, reason = str(exc).partition(" ")
-        add(f"{path}.{field.split('.')[-1]}", reason)
+    if head_dim > 0:
+        bad = {key for key, _ in problems}
+        problem = resolve_problem({k: v for k, v in fields.items() if k not in bad}, head_dim)
+        if problem:
+            add(f"{path}.{problem[0]}", problem[1])
 
 
 def _native(enc: EncoderConfig) -> bool:

@@ -93,9 +93,13 @@ def test_every_kernel_argument_has_a_type():
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "int8"], "--dtype 'int8'"),
     (["--kernels", "fwd,softmax"], "--kernels"),
-    (["--config", '{"block_m": 48}'], "power of two"),
-    (["--config", '{"tile": 64}'], "tile"),
-    (["--config", "[1]"], "JSON object"),
+    (["--config", '{"block_m": 48}'], "--config: block_m: must be a power of two"),
+    (["--config", '{"tile": 64}'], "--config: tile: unknown field"),
+    (["--config", "[1]"], "--config: must be a mapping of KernelConfig fields"),
+    (["--config", '{"num_warps": 0}'], "--config: num_warps: must be a positive integer"),  # not "the default"
+    (["--config", '{"block_m": "32"}'], "--config: block_m: must be an integer"),
+    (["--config", "{bad"], "--config: not JSON"),
+    (["--head-dim", "abc"], "--head-dim 'abc': expected comma-separated integers"),
     (["--head-dim", "512"], "1..256"),
     ([], "TRITON_INTERPRET"),  # this process imported Triton for its interpreter: no GPU code from here
 ])

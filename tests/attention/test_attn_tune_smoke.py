@@ -101,3 +101,15 @@ def test_a_json_out_that_cannot_be_written_stops_before_tuning(tmp_path, capsys)
     assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(tmp_path / "file" / "t.json")]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.startswith("error: --json-out: ") and "is a file" in out.err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--seqlens", "abc"], "error: --seqlens 'abc': expected comma-separated integers"),
+    (["--heads", "3", "--kv-heads", "2"], "error: --kv-heads: must divide --heads (3), got 2"),
+    (["--iters", "0"], "error: --iters: must be >= 1, got 0"),
+    (["--head-dim", "300"], "error: --head-dim: must be 1..256 (what the kernels take), got 300"),
+])
+def test_a_bad_shape_flag_is_one_line_before_anything_runs(capsys, argv, line):
+    assert tune_attention.main(["--device", "cpu", "--tiny"] + argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == line + "\n", out
