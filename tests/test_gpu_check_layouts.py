@@ -85,6 +85,18 @@ def test_unknown_layout_is_an_error():
     assert proc.returncode == 2 and "unknown layout" in proc.stderr
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--cpu-self-check", "--cpu-rtol", "-1"], "error: --cpu-rtol: must be > 0, got -1.0"),  # every layout "differed"
+    (["--layouts", "--only", ","], "error: --only ',': an empty layout name"),
+    (["--seqlens", "abc"], "error: --seqlens 'abc': expected comma-separated integers"),  # a GPU traceback before
+    (["--layouts", "--timeout", "0"], "error: --timeout: must be > 0, got 0.0"),
+])
+def test_a_bad_flag_is_one_line_before_any_check(capsys, argv, line):
+    assert _tool_module().main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == line + "\n", out
+
+
 def test_torchrun_launch_gather_and_compare_on_cpu():
     """The GPU path's machinery — torchrun launch of the layout worker, every rank's record gathered on
     rank 0, compared with the 1-rank CPU run — on gloo CPU ranks (hidden `--torchrun-cpu`), since no

@@ -274,6 +274,27 @@ def _run_layout_on_gpus(name: str, steps: int, timeout_s: float, device: str = "
         return {"run": torch.load(result, weights_only=True)}  # plain tensors, floats and dicts only
 
 
+def arg_problems(args) -> list:
+    """One line per flag the checks could not use ("--flag: why"), found before any check runs."""
+    out = []
+    if args.only and not all(args.only.split(",")):
+        out.append(f"--only {args.only!r}: an empty layout name")
+    try:
+        if any(int(x) < 1 for x in args.seqlens.split(",")):
+            out.append(f"--seqlens {args.seqlens!r}: each length must be >= 1")
+    except ValueError:
+        out.append(f"--seqlens {args.seqlens!r}: expected comma-separated integers")
+    for flag, value in (("--rtol", args.rtol), ("--cpu-rtol", args.cpu_rtol), ("--timeout", args.timeout)):
+        if not value > 0:  # a tolerance below 0 fails every layout; NaN passes none
+            out.append(f"{flag}: must be > 0, got {value}")
+    for flag, value in (("--heads", args.heads), ("--iters", args.iters)):
+        if value < 1:
+            out.append(f"{flag}: must be >= 1, got {value}")
+    if not 1 <= args.head_dim <= 256:
+        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {args.head_dim}")
+    return out
+
+
 def layouts_main(args) -> int:
     """`--layouts` / `--cpu-self-check`: one JSON line per layout, then a summary line."""
     names = [n for n in LAYOUTS if not args.only or n in args.only.split(",")]
@@ -350,7 +371,8 @@ def layouts_main(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes: 4k and 8k tokens, 2 training steps")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes: 4k and 8k tokens (not --seqlens), 2 kernel timings, 3 training steps")
     p.add_argument("--layouts", action="store_true",
                    help="tiny-model layouts under torchrun + NCCL vs the 1-rank CPU FP32 run (the layouts that fit "
                         "the GPUs present; the rest are reported as not checked)")
@@ -371,6 +393,11 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
+    problems = arg_problems(args)
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     if args.layout_worker:
         return layout_worker(args.layout_worker, args.steps, args.result, args.worker_device)
     if args.layouts or args.cpu_self_check:

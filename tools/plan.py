@@ -197,6 +197,12 @@ def main(argv=None) -> int:
             raise ValueError(f"--gpu: {exc}") from None
         if args.out is not None and not args.out.strip():
             raise ValueError("--out: empty path")
+        if args.out:
+            from mimo.config.outputs import output_problem
+
+            problem = output_problem(args.out, "file")
+            if problem:  # found before the search, not after it
+                raise ValueError(f"--out: {problem}")
         raw = apply_overrides(load_raw(args.config), args.set)
         training = section(raw, "training")
         if args.global_batch is not None:
@@ -275,6 +281,7 @@ def main(argv=None) -> int:
             raise ValueError(f"the planned config fails the config check: {field}: {reason}") from None
         text = to_yaml(cfg)
         if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as fh:
                 fh.write(text)
     except ConfigError as exc:  # its lines start with `error:`

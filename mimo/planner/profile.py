@@ -60,9 +60,15 @@ def _shape_problems(data: dict) -> list:
     """What a profile the planner reads must hold where it holds it (`key: why`, first problem first):
     tools/gpu_bench.py writes it so; a file edited by hand may not."""
     out = []
+    if data.get("dtype") not in (None, "bfloat16", "float32"):  # the rates are read against this dtype's peak
+        out.append(f"dtype: expected bfloat16 or float32 (what tools/gpu_bench.py measures in), "
+                   f"got {data['dtype']!r}")
     for key in ("peak_tflops", "gemm_tflops", "memory_bandwidth"):
         if data.get(key) is not None and not _ok(data[key]):
             out.append(f"{key}: expected a positive number, got {data[key]!r}")
+    peak, gemm = data.get("peak_tflops"), data.get("gemm_tflops")
+    if _ok(peak) and _ok(gemm) and data.get("dtype") in (None, "bfloat16") and gemm > peak:
+        out.append(f"gemm_tflops: {gemm} is above the device's peak_tflops ({peak}): not a measured rate")
     att = data.get("attention")
     if att is not None and not (isinstance(att, list) and all(isinstance(r, dict) for r in att)):
         out.append(f"attention: expected a list of rows (JSON objects), got {type(att).__name__}")

@@ -396,3 +396,11 @@ def test_samples_with_media_the_model_has_no_encoder_for_warn(tmp_path, capsys):
     err = capsys.readouterr().err
     assert ("warning: --samples: 1 of 2 samples (first: 0) hold audio clips, but the model has no audio encoder; "
             "their audio clips are not costed") in err, err
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_search(tmp_path, capsys):
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --out: {tmp_path} is a directory; name the file to write\n"
+    out = tmp_path / "not" / "made" / "best.yaml"  # a directory not made yet is made
+    assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--out", str(out)]) == 0
+    assert yaml.safe_load(out.read_text())["parallelism"]

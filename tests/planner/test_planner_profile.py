@@ -172,6 +172,10 @@ def test_plan_cli_reads_the_profile(tmp_path):
     (json.dumps([1, 2]), "expected a JSON object"),
     (json.dumps({"schema": SCHEMA, "device": "TPU v5"}), "no planner GPU spec"),
     (json.dumps({"schema": SCHEMA, "device": "cpu", "gemm_tflops": -1}), "gemm_tflops: expected a positive"),
+    # A dtype the rates cannot be read against (before: read as fp32 without a word), a rate above the peak.
+    (json.dumps({"schema": SCHEMA, "device": "cpu", "dtype": "int8"}), "dtype: expected bfloat16 or float32"),
+    (json.dumps({"schema": SCHEMA, "device": "NVIDIA H200", "peak_tflops": 989.0, "gemm_tflops": 1e9}),
+     "gemm_tflops: 1000000000.0 is above the device's peak_tflops (989.0)"),
     # Hand-edited files: each a traceback or a bare KeyError before.
     (json.dumps({"schema": SCHEMA, "device": "cpu", "attention": 5}), "attention: expected a list of rows"),
     (json.dumps({"schema": SCHEMA, "device": "cpu", "layer": {"model": {}, "micro_batch": 1, "forward_ms": 1.0,
