@@ -5,9 +5,10 @@ Context parallelism: ``balance`` (block workloads, rank assignment policies),
 global positions) and ``cp_permute`` (per-microbatch permutation plumbing).
 """
 
+from mimo.config.kernel import KernelConfig
+
 from .balance import assign_blocks, assign_from_workloads, block_workloads, imbalance, rank_workloads
 from .block_plan import cache_stats, clear_block_cache
-from mimo.config.kernel import KernelConfig
 from .function import bitfield_attention, bitfield_attention_general
 from .mask import (
     CAUSAL,

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from mimo.config.kernel import KernelConfig
+
 from .context_parallel import as_context_parallel_mask, context_parallel_attention_sbhd
 from .function import bitfield_attention
 from .mask import BitfieldMask, bidirectional_mask, causal_mask

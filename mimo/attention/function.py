@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
+from mimo.config.kernel import KernelConfig
 from mimo.runtime.device import multiprocessor_count
 
 from .block_plan import BlockPlan, get_plans
-from mimo.config.kernel import KernelConfig
 from .inputs import AttentionInputs, check_inputs
 from .kernel_loader import backend_for, kernels
 from .reference import reference_attention_general
