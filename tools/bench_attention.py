@@ -125,28 +125,29 @@ def add_shape_args(p: argparse.ArgumentParser, seqlens: str) -> None:
     p.add_argument("--iters", type=int, default=5)
 
 
-def shape_problems(args) -> list:
-    """One line per shape flag of `add_shape_args` the run could not use ("--flag: why")."""
+def shape_problems(seqlens: str, heads: int, kv_heads: int, head_dim: int, iters: int,
+                   iters_flag: str = "--iters") -> list:
+    """One line per attention-shape flag a run could not use ("--flag: why"); the bench tools share it."""
     out = []
     try:
-        if any(int(x) < 1 for x in args.seqlens.split(",")):
-            out.append(f"--seqlens {args.seqlens!r}: each length must be >= 1")
+        if any(int(x) < 1 for x in seqlens.split(",")):
+            out.append(f"--seqlens {seqlens!r}: each length must be >= 1")
     except ValueError:
-        out.append(f"--seqlens {args.seqlens!r}: expected comma-separated integers")
-    for flag, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--iters", args.iters)):
+        out.append(f"--seqlens {seqlens!r}: expected comma-separated integers")
+    for flag, value in (("--heads", heads), ("--kv-heads", kv_heads), (iters_flag, iters)):
         if value < 1:
             out.append(f"{flag}: must be >= 1, got {value}")
-    if args.heads >= 1 and args.kv_heads >= 1 and args.heads % args.kv_heads:
-        out.append(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
-    if not 1 <= args.head_dim <= 256:
-        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {args.head_dim}")
+    if heads >= 1 and kv_heads >= 1 and heads % kv_heads:
+        out.append(f"--kv-heads: must divide --heads ({heads}), got {kv_heads}")
+    if not 1 <= head_dim <= 256:
+        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {head_dim}")
     return out
 
 
 def device_refused(tool: str, args) -> bool:
     """Say why and return True when a shape flag is unusable or `args.device` cannot run; a CPU smoke
     run turns on the Triton interpreter (before mimo.attention is imported)."""
-    problems = shape_problems(args)
+    problems = shape_problems(args.seqlens, args.heads, args.kv_heads, args.head_dim, args.iters)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:

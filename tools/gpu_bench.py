@@ -768,21 +768,13 @@ def arg_problems(args) -> list:
     masks = args.masks.split(",")
     if not all(masks) or any(m not in MASKS for m in masks):
         out.append(f"--masks {args.masks!r}: expected comma-separated names from {', '.join(MASKS)}")
-    try:
-        lengths = [int(x) for x in args.seqlens.split(",")]
-        if any(n < 1 for n in lengths):
-            out.append(f"--seqlens {args.seqlens!r}: each length must be >= 1")
-    except ValueError:
-        out.append(f"--seqlens {args.seqlens!r}: expected comma-separated integers")
-    for flag, value in (("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--attn-iters", args.attn_iters),
-                        ("--seq-length", args.seq_length), ("--global-batch", args.global_batch),
+    from bench_attention import shape_problems
+
+    out += shape_problems(args.seqlens, args.heads, args.kv_heads, args.head_dim, args.attn_iters, "--attn-iters")
+    for flag, value in (("--seq-length", args.seq_length), ("--global-batch", args.global_batch),
                         ("--micro-batch", args.micro_batch), ("--steps", args.steps)):
         if value < 1:
             out.append(f"{flag}: must be >= 1, got {value}")
-    if args.heads >= 1 and args.kv_heads >= 1 and args.heads % args.kv_heads:
-        out.append(f"--kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
-    if not 1 <= args.head_dim <= 256:
-        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {args.head_dim}")
     if not 0 <= args.warmup < args.steps:
         out.append(f"--warmup: must be >= 0 and below --steps ({args.steps}), got {args.warmup}")
     if args.micro_batch >= 1 and args.global_batch % args.micro_batch:

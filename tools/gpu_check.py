@@ -279,19 +279,12 @@ def arg_problems(args) -> list:
     out = []
     if args.only and not all(args.only.split(",")):
         out.append(f"--only {args.only!r}: an empty layout name")
-    try:
-        if any(int(x) < 1 for x in args.seqlens.split(",")):
-            out.append(f"--seqlens {args.seqlens!r}: each length must be >= 1")
-    except ValueError:
-        out.append(f"--seqlens {args.seqlens!r}: expected comma-separated integers")
+    from bench_attention import shape_problems
+
+    out += shape_problems(args.seqlens, args.heads, args.heads, args.head_dim, args.iters)
     for flag, value in (("--rtol", args.rtol), ("--cpu-rtol", args.cpu_rtol), ("--timeout", args.timeout)):
         if not value > 0:  # a tolerance below 0 fails every layout; NaN passes none
             out.append(f"{flag}: must be > 0, got {value}")
-    for flag, value in (("--heads", args.heads), ("--iters", args.iters)):
-        if value < 1:
-            out.append(f"{flag}: must be >= 1, got {value}")
-    if not 1 <= args.head_dim <= 256:
-        out.append(f"--head-dim: must be 1..256 (what the kernels take), got {args.head_dim}")
     return out
 
 
