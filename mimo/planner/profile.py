@@ -232,22 +232,26 @@ def measured_run(path: str, warmup: int) -> dict:
     """A training run's `--log-json` file (examples/pretrain_mimo.py: one JSON object per step with
     `step`, `step_time_s` and `mfu`) over the steps after the first `warmup`: the median step time
     (s), how many steps that is, and the median MFU (None where the run knew no peak). A step
-    logged twice (a resumed run) counts with its last row."""
+    logged twice (a resumed run) counts with its last row; a last line cut short (no newline: a run
+    killed while writing it, as a time limit does) is left out."""
     rows = {}
     try:
         with open(path) as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    step, t = row["step"], float(row["step_time_s"])
-                except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-                    raise ValueError(f"{path}:{n}: not a step row of --log-json (JSON with step and step_time_s)") \
-                        from None
-                if not isinstance(step, int) or not math.isfinite(t) or t <= 0:
-                    raise ValueError(f"{path}:{n}: step {step!r} with step_time_s {t!r}")
-                rows[step] = (t, row.get("mfu"))
+            lines = fh.readlines()
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                step, t = row["step"], float(row["step_time_s"])
+            except (json.JSONDecodeError, TypeError, KeyError, ValueError) as exc:
+                if n == len(lines) and not line.endswith("\n") and isinstance(exc, json.JSONDecodeError):
+                    break
+                raise ValueError(f"{path}:{n}: not a step row of --log-json (JSON with step and step_time_s)") \
+                    from None
+            if not isinstance(step, int) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"{path}:{n}: step {step!r} with step_time_s {t!r}")
+            rows[step] = (t, row.get("mfu"))
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror or type(exc).__name__})") from None
     except UnicodeDecodeError:

@@ -266,6 +266,16 @@ def test_a_resumed_step_counts_with_its_last_row(tmp_path):
     assert measured_run(str(log), 1) == {"step_time_s": 4.0, "steps": 3, "mfu": 0.4}
 
 
+def test_a_last_line_cut_short_by_a_killed_run_is_left_out(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    full = "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in [(1, 9.0), (2, 1.0), (3, 3.0)])
+    log.write_text(full + '{"step": 4, "step_ti')  # the run was killed while writing step 4
+    assert measured_run(str(log), 1) == {"step_time_s": 2.0, "steps": 2, "mfu": None}
+    log.write_text(full + '{"step": 4, "step_ti\n' + full)  # in the middle: still an error
+    with pytest.raises(ValueError, match="steps.jsonl:4: not a step row"):
+        measured_run(str(log), 1)
+
+
 @pytest.mark.parametrize("content,args,message", [
     ("{}\n", [], "steps.jsonl:1: not a step row of --log-json"),
     ('{"step": 1, "step_time_s": -1}\n', [], "steps.jsonl:1: step 1 with step_time_s -1.0"),
