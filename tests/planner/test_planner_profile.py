@@ -267,6 +267,8 @@ def test_a_resumed_step_counts_with_its_last_row(tmp_path):
 
 
 def test_a_last_line_cut_short_by_a_killed_run_is_left_out(tmp_path):
+    from mimo.planner.profile import measured_run
+
     log = tmp_path / "steps.jsonl"
     full = "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in [(1, 9.0), (2, 1.0), (3, 3.0)])
     log.write_text(full + '{"step": 4, "step_ti')  # the run was killed while writing step 4
