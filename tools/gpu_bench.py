@@ -833,8 +833,6 @@ def main(argv=None) -> int:
             where = flag if flag == "--out" or args.profile_out else "--profile-out (default: next to --out)"
             print(f"error: {where}: {problem}", file=sys.stderr)
             return 2
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
@@ -845,6 +843,9 @@ def main(argv=None) -> int:
         return 0
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before mimo.attention is imported
+    for path in (args.out, prof_path):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kernel_cfg = None
     if args.kernel_config:
         try:
