@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--homogeneous", action="store_true", help="with --evaluate: Megatron's homogeneous baseline")
     p.add_argument("--measured", help="with --evaluate: the --log-json file of a run of this config; its median "
                                       "step time is set next to the prediction")
-    p.add_argument("--warmup", type=int, default=3, help="with --measured: first steps left out (default 3)")
+    p.add_argument("--warmup", type=int, default=None, help="with --measured: first steps left out (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--top", type=int, default=5, help="candidates to list / emit in JSON")
     p.add_argument("--out", help="write the best config here (search)")
@@ -183,6 +183,9 @@ def main(argv=None) -> int:
             raise ValueError("--homogeneous: only with --evaluate")
         if args.measured is not None and not args.evaluate:
             raise ValueError("--measured: only with --evaluate")
+        if args.warmup is not None and args.measured is None:
+            raise ValueError("--warmup: only with --measured")
+        args.warmup = 3 if args.warmup is None else args.warmup
         if args.warmup < 0:
             raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
         if args.out is not None and args.evaluate:

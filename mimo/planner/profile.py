@@ -244,7 +244,7 @@ def measured_run(path: str, warmup: int) -> dict:
             try:
                 row = json.loads(line)
                 step, t = row["step"], float(row["step_time_s"])
-            except (json.JSONDecodeError, TypeError, KeyError, ValueError) as exc:
+            except (json.JSONDecodeError, TypeError, KeyError, ValueError, RecursionError) as exc:
                 if n == len(lines) and not line.endswith("\n") and isinstance(exc, json.JSONDecodeError):
                     break
                 raise ValueError(f"{path}:{n}: not a step row of --log-json (JSON with step and step_time_s)") \

@@ -283,12 +283,18 @@ def test_a_last_line_cut_short_by_a_killed_run_is_left_out(tmp_path):
     ('{"step": 1, "step_time_s": -1}\n', [], "steps.jsonl:1: step 1 with step_time_s -1.0"),
     ('{"step": 1, "step_time_s": 0.5}\n', [], "1 steps logged, none after the 3 warm-up steps (--warmup)"),
     ('{"step": 1, "step_time_s": 0.5}\n', ["--warmup", "-1"], "--warmup: expected a non-negative integer, got -1"),
+    ("[" * 100000 + "\n", [], "steps.jsonl:1: not a step row of --log-json"),  # a RecursionError traceback before
 ])
 def test_a_bad_measured_file_is_one_error_line(tmp_path, content, args, message):
     log = tmp_path / "steps.jsonl"
     log.write_text(content)
     r = _plan("--config", DEMO, "--evaluate", "--gpu", "cpu", "--measured", str(log), *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_warmup_needs_measured():
+    r = _plan("--config", DEMO, "--evaluate", "--gpu", "cpu", "--warmup", "5")
+    assert r.returncode == 2 and r.stderr == "error: --warmup: only with --measured\n"
 
 
 def test_measured_needs_evaluate(tmp_path):
