@@ -142,11 +142,14 @@ def test_kernel_config_file_sets_the_bitfield_rows_settings(tmp_path):
     fields = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2, "bwd_block_m": 16,
               "bwd_block_n": 32, "dq_block_m": 32, "dq_block_n": 16}
     tuned.write_text(json.dumps({"device": "cpu", "kernel_config": fields, "ms": {}}))
+    out = tmp_path / "new" / "deeper" / "bench.jsonl"  # also: a directory not made yet is made
     proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--skip", "step", "--kernel-config", str(tuned),
-                           "--profile-out", str(tmp_path / "profile.json")],
+                           "--out", str(out)],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.strip()]
+    assert rows == [json.loads(x) for x in out.read_text().splitlines()]
+    assert (out.parent / "bench.profile.json").is_file()
     bitfield = [r for r in rows if r["bench"] == "attention" and r["impl"] == "bitfield"]
     assert len(bitfield) == 2
     resolved = dataclasses.asdict(KernelConfig(**fields).resolve(16))  # the file's fields, the defaults for the rest
@@ -156,24 +159,22 @@ def test_kernel_config_file_sets_the_bitfield_rows_settings(tmp_path):
     assert not [r for r in rows if r["bench"] == "step"]
 
 
-def test_a_tuned_file_for_another_attention_shape_is_named(tmp_path):
+def _tool():
+    """tools/gpu_bench.py as a module, for the checks that end before anything runs."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import gpu_bench
 
+    return gpu_bench
+
+
+def test_a_tuned_file_for_another_attention_shape_is_named(tmp_path):
+    gpu_bench = _tool()
     tuned = tmp_path / "tuned.json"
     tuned.write_text(json.dumps({"heads": 16, "kv_heads": 16, "head_dim": 128, "kernel_config": {}}))
     assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 8, 128) == "kv_heads 16 there, 8 here"
     assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 16, 128) == ""
     tuned.write_text(json.dumps({"block_m": 64}))  # a plain object of fields says nothing about the shape
     assert gpu_bench.tuned_shape_mismatch(str(tuned), 16, 8, 128) == ""
-
-
-def test_outputs_in_a_directory_not_made_yet_are_written(tmp_path):
-    out = tmp_path / "new" / "deeper" / "bench.jsonl"
-    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--skip", "step", "--out", str(out)],
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert out.read_text().count("\n") >= 7 and (tmp_path / "new" / "deeper" / "bench.profile.json").is_file()
 
 
 @pytest.mark.parametrize("content, message", [
@@ -184,22 +185,21 @@ def test_outputs_in_a_directory_not_made_yet_are_written(tmp_path):
     ('[1, 2]', "must be a mapping of KernelConfig fields"),
     ("{not json", "cannot read it as JSON"),
 ])
-def test_a_bad_kernel_config_file_is_one_error_line(tmp_path, content, message):
+def test_a_bad_kernel_config_file_is_one_error_line(tmp_path, capsys, monkeypatch, content, message):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what --cpu-smoke sets: restored after the test
     bad = tmp_path / "k.json"
     bad.write_text(content)
-    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--kernel-config", str(bad)], capture_output=True,
-                          text=True, env=_env(), cwd=ROOT, timeout=120)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith(f"error: --kernel-config {bad}: ") and message in proc.stderr
-    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert _tool().main(["--cpu-smoke", "--kernel-config", str(bad), "--out", str(tmp_path / "b.jsonl")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"error: --kernel-config {bad}: ") and message in out.err
+    assert out.err.count("\n") == 1, out.err
 
 
 @pytest.mark.parametrize("flag", ["--out", "--profile-out"])
-def test_an_output_path_that_cannot_be_written_stops_before_the_run(tmp_path, flag):
-    proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", flag, str(tmp_path)], capture_output=True, text=True,
-                          env=_env(), cwd=ROOT, timeout=120)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == f"error: {flag}: {tmp_path} is a directory; name the file to write\n"
+def test_an_output_path_that_cannot_be_written_stops_before_the_run(tmp_path, capsys, flag):
+    assert _tool().main(["--cpu-smoke", flag, str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"error: {flag}: {tmp_path} is a directory; name the file to write\n"
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -214,9 +214,7 @@ def test_an_output_path_that_cannot_be_written_stops_before_the_run(tmp_path, fl
     (["--budget-s", "-1"], "error: --budget-s: must be > 0, got -1.0"),
 ])
 def test_a_bad_flag_is_one_line_before_anything_runs_in_every_mode(capsys, argv, line):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import gpu_bench
-
+    gpu_bench = _tool()
     for mode in ([], ["--cpu-smoke"]):  # without CUDA too: a GPU run would meet it minutes in
         assert gpu_bench.main(mode + argv) == 2
         out = capsys.readouterr()
