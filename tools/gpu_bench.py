@@ -2,13 +2,13 @@
 """One-GPU speed bench: attention kernels, mimo vs plain megatron-core training step, top kernels,
 and a measured hardware profile for the planner (DESIGN.md, "GPU speed"; issue #40 item 3).
 
-    python tools/gpu_bench.py --out gpu_bench.jsonl          # on one CUDA GPU, < 8 minutes on an H100
+    python tools/gpu_bench.py --out gpu_bench.jsonl          # on one CUDA GPU (175 s on an H200)
     python tools/gpu_bench.py --cpu-smoke --out smoke.jsonl  # CPU, gloo world size 1, fp32, tiny sizes
 
 Every result is one JSON line on stdout (and appended to --out), each with `"device"`; the order of
 the run is env, step (both impls, then the profiled step, one layer alone, the model's GEMMs), then
 the attention table, whose rows not started within --budget-s seconds (default 360) of the start are
-emitted with `"skipped"`, so the whole command stays under about 7 minutes on an H100:
+emitted with `"skipped"`, so the whole command stays inside a few minutes (175 s on an H200):
 
 * `{"bench": "env", "torch", "triton", "megatron_core", "gemm_n", "gemm_tflops", ...}`: versions and
   one 8192^3 bf16 GEMM rate.
