@@ -209,10 +209,11 @@ def attention_impls(q, k, v, mask, docs, causal: bool, cfg, sdpa_dense_ok: bool)
     return impls
 
 
-def kernel_config_of(path: str):
-    """The KernelConfig in a JSON file: `tools/tune_attention.py --json-out`'s (its "kernel_config")
-    or a plain object of KernelConfig fields. Raises ValueError naming the file and the field."""
-    from mimo.config.kernel import KernelConfig, field_problems
+def kernel_config_of(path: str, head_dim: int):
+    """The KernelConfig in a JSON file (`tools/tune_attention.py --json-out`'s, under its
+    "kernel_config", or a plain object of KernelConfig fields), checked for `head_dim`, and the file's
+    whole object. Raises ValueError naming the file and the field."""
+    from mimo.config.kernel import KernelConfig, field_problems, resolve_problem
 
     try:
         with open(path) as f:
@@ -222,22 +223,18 @@ def kernel_config_of(path: str):
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"--kernel-config {path}: cannot read it as JSON ({exc})") from None
     fields = raw.get("kernel_config", raw) if isinstance(raw, dict) else raw
-    problems = field_problems(fields)
-    if problems:
-        key, reason = problems[0]
+    problem = (field_problems(fields) or [resolve_problem(fields, head_dim)])[0]
+    if problem:
+        key, reason = problem
         raise ValueError(f"--kernel-config {path}: {key + ': ' if key else ''}{reason}")
-    return KernelConfig(**fields)
+    return KernelConfig(**fields), raw
 
 
-def tuned_shape_mismatch(path: str, heads: int, kv_heads: int, head_dim: int) -> str:
-    """What differs between the attention shape a tune_attention.py file was tuned at and this run's
-    ('' when nothing, or when the file does not say)."""
-    with open(path) as f:
-        raw = json.load(f)
-    if not isinstance(raw, dict):
-        return ""
+def tuned_shape_mismatch(tuned: dict, heads: int, kv_heads: int, head_dim: int) -> str:
+    """What differs between the attention shape a tune_attention.py file (its object) was tuned at
+    and this run's ('' when nothing, or when the file does not say)."""
     ours = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
-    return ", ".join(f"{k} {raw[k]} there, {v} here" for k, v in ours.items() if k in raw and raw[k] != v)
+    return ", ".join(f"{k} {tuned[k]} there, {v} here" for k, v in ours.items() if k in tuned and tuned[k] != v)
 
 
 def bench_attention(emit, device, seqlens, heads, kv_heads, head_dim, iters, dtype, masks, sdpa_max_tokens,
@@ -849,17 +846,15 @@ def main(argv=None) -> int:
     kernel_cfg = None
     if args.kernel_config:
         try:
-            kernel_cfg = kernel_config_of(args.kernel_config)
-            kernel_cfg.resolve(16 if args.cpu_smoke else args.head_dim)
-            if not args.cpu_smoke:
-                differs = tuned_shape_mismatch(args.kernel_config, args.heads, args.kv_heads, args.head_dim)
-                if differs:
-                    log(f"warning: --kernel-config {args.kernel_config} was tuned for another attention shape "
-                        f"({differs}): its settings are run as they are")
+            kernel_cfg, tuned = kernel_config_of(args.kernel_config, 16 if args.cpu_smoke else args.head_dim)
         except ValueError as exc:
-            where = "" if str(exc).startswith("--kernel-config") else f"--kernel-config {args.kernel_config}: "
-            print(f"error: {where}{exc}", file=sys.stderr)
+            print(f"error: {exc}", file=sys.stderr)
             return 2
+        differs = isinstance(tuned, dict) and not args.cpu_smoke and tuned_shape_mismatch(
+            tuned, args.heads, args.kv_heads, args.head_dim)
+        if differs:
+            log(f"warning: --kernel-config {args.kernel_config} was tuned for another attention shape "
+                f"({differs}): its settings are run as they are")
     t_start = time.perf_counter()
 
     from mimo.config import load_config

@@ -49,26 +49,21 @@ TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
 TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
 
 
-def forward_config(c) -> "KernelConfig":
+# KernelConfig's fields a candidate (block_m, block_n, num_warps, num_stages) sets, per kernel.
+FIELDS = {"forward": ("block_m", "block_n", "num_warps", "num_stages"),
+          "dkdv": ("bwd_block_m", "bwd_block_n", "bwd_num_warps", "bwd_num_stages"),
+          "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages")}
+
+
+def config(phase: str, c) -> "KernelConfig":
+    """The KernelConfig of candidate `c` for `phase`'s kernel (the other kernels keep their defaults)."""
     from mimo.attention import KernelConfig
 
-    return KernelConfig(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
+    return KernelConfig(**dict(zip(FIELDS[phase], c)))
 
 
-def backward_config(c) -> "KernelConfig":
-    from mimo.attention import KernelConfig
-
-    return KernelConfig(bwd_block_m=c[0], bwd_block_n=c[1], bwd_num_warps=c[2], bwd_num_stages=c[3])
-
-
-def dq_config(c) -> "KernelConfig":
-    from mimo.attention import KernelConfig
-
-    return KernelConfig(dq_block_m=c[0], dq_block_n=c[1], dq_num_warps=c[2], dq_num_stages=c[3])
-
-
-# phase -> (KernelConfig of a candidate, which of q, k, v need gradients)
-BACKWARD_PHASES = {"dkdv": (backward_config, (False, True, True)), "dq": (dq_config, (True, False, False))}
+# backward phase -> which of q, k, v need gradients
+BACKWARD_PHASES = {"dkdv": (False, True, True), "dq": (True, False, False)}
 
 
 def _max_err(got, want) -> float:
@@ -94,25 +89,25 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
     for c in forward:
         try:
             with torch.no_grad():
-                got = bitfield_attention(q, k, v, mask, docs, kernel_config=forward_config(c))
+                got = bitfield_attention(q, k, v, mask, docs, kernel_config=config("forward", c))
                 want_out = got if want_out is None else want_out
                 err = _max_err([got], [want_out])
 
-                def fwd(cfg=forward_config(c)):
+                def fwd(cfg=config("forward", c)):
                     bitfield_attention(q, k, v, mask, docs, kernel_config=cfg)
 
                 out["forward"][c] = (time_fn(fwd), err)
         except Exception as exc:  # a setting the GPU cannot launch (shared memory) is reported, not fatal
             out["forward"][c] = (None, _short(exc))
         _progress(s, "forward", c, out["forward"][c])
-    for phase, (config, needs) in BACKWARD_PHASES.items():
+    for phase, needs in BACKWARD_PHASES.items():
         # Only the inputs this kernel differentiates need gradients: the other kernel never runs.
         inputs = [t if need else t.detach() for t, need in zip((q, k, v), needs)]
         wrt = [t for t in inputs if t.requires_grad]
         want_grads = None
         for c in backward:
             try:
-                o = bitfield_attention(*inputs, mask, docs, kernel_config=config(c))
+                o = bitfield_attention(*inputs, mask, docs, kernel_config=config(phase, c))
                 got = torch.autograd.grad(o, wrt, go, retain_graph=True)
                 want_grads = got if want_grads is None else want_grads
                 err = _max_err(got, want_grads)
@@ -160,9 +155,8 @@ def main(argv=None) -> int:
     results = {s: tune_length(s, args, dtype, device, forward, backward,
                               lambda fn: _time(fn, args.iters, device)) for s in seqlens}
     best = {}
-    for phase, cands, fields in (("forward", forward, "block_m, block_n, num_warps, num_stages"),
-                                 ("dkdv", backward, "bwd_block_m, bwd_block_n, bwd_num_warps, bwd_num_stages"),
-                                 ("dq", backward, "dq_block_m, dq_block_n, dq_num_warps, dq_num_stages")):
+    for phase, cands in (("forward", forward), ("dkdv", backward), ("dq", backward)):
+        fields = ", ".join(FIELDS[phase])
         print(f"\n{phase} ({fields}); ms, and max difference from the first row (the reference)")
         print("| config | " + " | ".join(f"{s} tokens" for s in seqlens) + " | total ms |")
         print("|---|" + "---|" * (len(seqlens) + 1))
@@ -199,7 +193,7 @@ def main(argv=None) -> int:
                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kernel_config": fields,
                            "ms": ms}, f, indent=1)
     elif args.json_out:
-        missing = ", ".join(p for p in ("forward", "dkdv", "dq") if p not in best)
+        missing = ", ".join(p for p in FIELDS if p not in best)
         print(f"tune_attention: no candidate of {missing} was within the tolerance; {args.json_out} not written",
               file=sys.stderr)
     return 0
@@ -207,10 +201,7 @@ def main(argv=None) -> int:
 
 def best_fields(best: dict) -> dict:
     """KernelConfig's fields of the fastest forward, dK/dV and dQ settings."""
-    names = {"forward": ("block_m", "block_n", "num_warps", "num_stages"),
-             "dkdv": ("bwd_block_m", "bwd_block_n", "bwd_num_warps", "bwd_num_stages"),
-             "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages")}
-    return {k: v for phase, keys in names.items() for k, v in zip(keys, best[phase])}
+    return {k: v for phase, keys in FIELDS.items() for k, v in zip(keys, best[phase])}
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def field_problems(fields) -> list:
     problems can still fail `resolve` (a tile that is not a power of two, say)."""
     if not isinstance(fields, dict):
         return [("", f"must be a mapping of KernelConfig fields, got {fields!r}")]
-    known = [f for f in KernelConfig.__dataclass_fields__]
+    known = list(KernelConfig.__dataclass_fields__)
     problems = []
     for key, value in fields.items():
         if key not in known:
