@@ -140,7 +140,7 @@ def test_kernel_config_file_sets_the_bitfield_rows_settings(tmp_path):
     settings of the attention table, and each bitfield row records the resolved settings it ran."""
     tuned = tmp_path / "tuned.json"
     fields = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2, "bwd_block_m": 16,
-              "bwd_block_n": 32, "dq_block_m": 32, "dq_block_n": 16}
+              "bwd_block_n": 32, "dq_block_m": 32, "dq_block_n": 16, "fused_backward": True}
     tuned.write_text(json.dumps({"device": "cpu", "kernel_config": fields, "ms": {}}))
     out = tmp_path / "new" / "deeper" / "bench.jsonl"  # also: a directory not made yet is made
     proc = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--skip", "step", "--kernel-config", str(tuned),
@@ -181,6 +181,8 @@ def test_a_tuned_file_for_another_attention_shape_is_named(tmp_path):
     ('{"block_m": "64"}', "block_m: must be an integer"),
     ('{"block_m": 48}', "block_m: must be a power of two"),
     ('{"num_warps": 0}', "num_warps: must be a positive integer"),
+    ('{"fused_backward": "yes"}', "fused_backward: must be true or false"),
+    ('{"fused_backward": true, "dq_num_stages": 3}', "fused_backward: needs the dK/dV and dQ kernels' warps"),
     ('[1, 2]', "must be a mapping of KernelConfig fields"),
     ("{not json", "cannot read it as JSON"),
 ])

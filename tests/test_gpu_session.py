@@ -15,12 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
 
-def _run(out, python, budget="570", timeout=120, wheels=None):
+def _run(out, python, budget="570", timeout=120, wheels=None, focus=()):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     # By default no wheels to install (a developer's checkout may hold .whl/ for the GPU machine's Python).
     env.update(PYTHON=python, CUDA_VISIBLE_DEVICES="", WHEELS=str(wheels or str(out) + ".nowheels"))
-    return subprocess.run(["bash", SCRIPT, str(out), budget], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=timeout)
+    return subprocess.run(["bash", SCRIPT, str(out), budget, *focus], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
 
 
 def test_without_cuda_it_says_so_and_exits_0(tmp_path):
@@ -49,7 +49,7 @@ if [ "$1 $2" = "-m pip" ]; then exit {0 if pip_ok else 1}; fi
 echo "$*" >> {shlex.quote(str(calls))}
 prev=
 for a in "$@"; do
-    case "$prev" in --out|--log-json) echo '{{}}' > "$a";; esac
+    case "$prev" in --out|--log-json|--json-out) echo '{{}}' > "$a";; esac
     prev=$a
 done
 case "$*" in *tools/gpu_bench.py*) echo '{{}}' > {out}/gpu_bench.profile.json;; esac
@@ -74,10 +74,13 @@ def test_with_a_gpu_every_step_runs_in_order_with_real_flags(tmp_path):
     assert "device: FakeGPU" in proc.stdout and "gpu_session: done in" in proc.stdout
     out = tmp_path / "out"
     assert {"session.log", "gpu_check.json", "gpu_bench.jsonl", "gpu_bench.profile.json", "llava_1gpu.jsonl",
-            "plan_eval.json", "tune.log"} == set(os.listdir(out))
+            "plan_eval.json", "tune.log", "tuned.json"} == set(os.listdir(out))
     assert "--seqlens 16384,65536" in lines[-1]  # the whole budget was left for tuning
+    _flags_exist(lines, tools)
 
-    # Every flag the script passes exists in the real tool (a renamed flag fails here, not on the GPU).
+
+def _flags_exist(lines, tools):
+    """Every flag the script passes exists in the real tool (a renamed flag fails here, not on the GPU)."""
     for line, tool in zip(lines, tools):
         flags = set(re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", line))
         if tool == "mimo.planner.profile":
@@ -87,6 +90,32 @@ def test_with_a_gpu_every_step_runs_in_order_with_real_flags(tmp_path):
                                   timeout=120).stdout
         missing = [f for f in flags if f not in helptext]
         assert not missing, (tool, missing)
+
+
+def test_the_attention_focus_runs_the_table_tuning_and_the_tuned_table(tmp_path):
+    fake, calls = _fake_python(tmp_path)
+    proc = _run(tmp_path / "out", fake, focus=["attention"])
+    assert proc.returncode == 0, proc.stderr
+    lines = calls.read_text().splitlines()
+    tools = [re.search(r"tools/\w+\.py", x).group(0) for x in lines]
+    assert tools == ["tools/gpu_check.py", "tools/gpu_bench.py", "tools/tune_attention.py", "tools/gpu_bench.py"]
+    steps = re.findall(r"^step (\w+): rc (\d+)", proc.stdout, re.M)
+    assert steps == [(n, "0") for n in ("gpu_check", "attention", "tune_attention", "attention_tuned")]
+    for bench in (lines[1], lines[3]):  # bitfield attention at the acceptance lengths only, inside the budget
+        assert "--skip step,profile --seqlens 65536,32768,16384" in bench
+        assert int(re.search(r"--budget-s (\d+)", bench).group(1)) >= 10
+    assert f"--kernel-config {tmp_path / 'out' / 'tuned.json'}" in lines[3]
+    # (gpu_bench.profile.json is the stand-in's, written for every bench call.)
+    assert {"session.log", "gpu_check.json", "attention.jsonl", "tune.log", "tuned.json",
+            "attention_tuned.jsonl"} == set(os.listdir(tmp_path / "out")) - {"gpu_bench.profile.json"}
+    _flags_exist(lines, tools)
+
+
+def test_an_unknown_focus_is_refused(tmp_path):
+    fake, calls = _fake_python(tmp_path)
+    proc = _run(tmp_path / "out", fake, focus=["kernels"])
+    assert proc.returncode == 2 and proc.stdout == "" and not calls.exists()
+    assert proc.stderr == "error: the third argument must be 'attention' (or 'all', the default), got 'kernels'\n"
 
 
 def test_a_short_budget_skips_what_does_not_fit(tmp_path):

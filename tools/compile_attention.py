@@ -6,12 +6,14 @@
     python tools/compile_attention.py --config '{"bwd_num_warps": 8}' --kernels dkdv   # a setting to try
 
 Every kernel variant the runtime can launch for a head dim and dtype (forward, split merge, dK/dV,
-dQ, tile classification; with and without document ids; sequence lengths that divide the tiles and
-lengths that do not) is compiled by Triton to a cubin for the chosen architecture with the launch
+dQ, the one-launch backward where the config sets `fused_backward`, the backward's delta, tile
+classification; with and without document ids; sequence lengths that divide the tiles and lengths
+that do not) is compiled by Triton to a cubin for the chosen architecture with the launch
 settings `KernelConfig` resolves to, exactly as `mimo.attention.function` launches it. Triton and its
 bundled `ptxas` do this on any x86-64 machine; no GPU or CUDA driver is needed.
 
-One JSON line per variant: kernel, arch, head_dim, dtype, has_doc, even, tiles, num_warps,
+One JSON line per variant: kernel, arch, head_dim, dtype, has_doc (has_dlse for the delta kernel), even, tiles (queries x keys; the
+one-launch backward: the dK/dV tiles, then the dQ tiles; the delta kernel: rows x padded head dim), num_warps,
 num_stages, shared_bytes (shared memory per program), registers (per thread), spill_bytes (spill
 stores + loads reported by ptxas), fits, and error where the compile failed; then one summary line.
 Exit status 1 when a variant fails to compile or needs more shared memory or registers per program
@@ -38,13 +40,13 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100:
 REGISTERS_PER_SM = 65536
 
 ACTIVATIONS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}   # the run's dtype
-FP32 = {"LSE", "DELTA", "PART_O", "PART_LSE"}
+FP32 = {"LSE", "DELTA", "DLSE", "PART_O", "PART_LSE"}
 MASKS = {"QM", "QP", "QD", "KM", "KP", "KD"}                  # int64 [b, s]
 PLAN = {"ITEM_ROW", "ITEM_START", "ITEM_LEN", "ITEM_SLOT", "KV_IDX", "KV_NPART", "KV_CNT", "COLS", "Q_IDX",
         "Q_NPART", "Q_CNT", "ROWS", "AGG_ROW", "AGG_SLOT", "AGG_LEN"}  # int32 block-plan lists
 DTYPES = ("bf16", "fp16", "fp32")  # Triton's names too
 KERNELS = {"fwd": "fwd_kernel", "merge": "merge_kernel", "dkdv": "bwd_dkdv_kernel", "dq": "bwd_dq_kernel",
-           "classify": "classify_kernel"}
+           "fused": "bwd_kernel", "delta": "bwd_delta_kernel", "classify": "classify_kernel"}
 
 # A representative launch: batch 1, 16 query heads over 4 kv heads (GQA), contiguous [b, s, h, d]
 # tensors; 16384 tokens divide every tile, 16389 divide none.
@@ -52,14 +54,17 @@ HEADS, KV_HEADS = 16, 4
 EVEN_TOKENS, UNEVEN_TOKENS = 16384, 16389
 
 
-def _scalar_values(fn, head_dim: int, tokens: int, block_m: int, block_n: int) -> dict:
-    """The integer arguments a launch of this shape passes (Triton specialises on their divisibility)."""
+def _scalar_values(fn, head_dim: int, tokens: int, block_m: int, block_n: int, dq_tiles=None) -> dict:
+    """The integer arguments a launch of this shape passes (Triton specialises on their divisibility);
+    `dq_tiles`: the dQ plan's tiles of the one-launch backward (default: the same tiles)."""
     def strides(heads):
         return tokens * heads * head_dim, heads * head_dim, head_dim
 
     q, kv = strides(HEADS), strides(KV_HEADS)
+    dq_m, dq_n = dq_tiles or (block_m, block_n)
     values = dict(s_q=tokens, s_k=tokens, n_qb=-(-tokens // block_m), n_kb=-(-tokens // block_n), hq=HEADS,
-                  group=HEADS // KV_HEADS)
+                  group=HEADS // KV_HEADS, dq_n_qb=-(-tokens // dq_m), dq_n_kb=-(-tokens // dq_n),
+                  n_cols=KV_HEADS * -(-tokens // block_n))
     for prefix, s in (("sq", q), ("sk", kv), ("sv", kv), ("so", q), ("sdo", q), ("sdq", q), ("sdk", kv),
                       ("sdv", kv)):
         values.update({prefix + "b": s[0], prefix + "s": s[1], prefix + "h": s[2]})
@@ -99,7 +104,9 @@ def signature(fn, constants: dict, dtype: str, scalars: dict):
 
 def variants(kern, cfg, head_dim: int, dtype: str):
     """(kernel name, fn, tiles, has_doc, even, constants, launch options) the runtime can launch."""
-    from mimo.attention.function import _launch_opts, _shape_constants  # what function.py passes
+    from mimo.attention.function import (  # what function.py passes
+        _delta_constants, _fused_constants, _launch_opts, _shape_constants,
+    )
 
     launches = (("fwd_kernel", "fwd", cfg.block_m, cfg.block_n), ("bwd_dkdv_kernel", "dkdv", cfg.bwd_block_m,
                 cfg.bwd_block_n), ("bwd_dq_kernel", "dq", cfg.dq_block_m, cfg.dq_block_n))
@@ -111,6 +118,21 @@ def variants(kern, cfg, head_dim: int, dtype: str):
                 constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False,
                                  **_shape_constants(bm, bn, head_dim, tokens, tokens))
                 yield name, getattr(kern, name), (bm, bn), has_doc, even, constants, _launch_opts(cfg, False, kind)
+    kv_tiles, dq_tiles = (cfg.bwd_block_m, cfg.bwd_block_n), (cfg.dq_block_m, cfg.dq_block_n)
+    for has_doc in (False, True) if cfg.fused_backward else ():
+        for even in (True, False):
+            tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
+            constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False,
+                             **_fused_constants(kv_tiles, dq_tiles, head_dim, tokens, tokens))
+            yield ("bwd_kernel", kern.bwd_kernel, kv_tiles + dq_tiles, has_doc, even, constants,
+                   _launch_opts(cfg, False, "dkdv"))
+    for even in (True, False):
+        tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
+        for has_dlse in (False, True):
+            constants = dict(HAS_DLSE=has_dlse, **_delta_constants(head_dim, tokens))
+            yield ("bwd_delta_kernel", kern.bwd_delta_kernel, (constants["BLOCK_M"], constants["BLOCK_D"]), False, even,
+                   constants,
+                   {"num_warps": 4})
     shape = _shape_constants(cfg.block_m, cfg.block_n, head_dim, EVEN_TOKENS, EVEN_TOKENS)
     yield ("merge_kernel", kern.merge_kernel, (cfg.block_m, cfg.block_n), False, True,
            dict(BLOCK_M=cfg.block_m, BLOCK_D=shape["BLOCK_D"], HEAD_DIM=head_dim), _launch_opts(cfg, False, "fwd"))
@@ -186,9 +208,12 @@ def check(arch: int, head_dims, dtypes, overrides: dict, names=tuple(KERNELS.val
                 kern, head_dims, dtypes, overrides, names):
             row = dict(kernel=name, arch=f"sm_{arch}", head_dim=head_dim, dtype=dtype, has_doc=has_doc, even=even,
                        tiles=list(tiles), num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 3))
+            if "HAS_DLSE" in constants:
+                row["has_dlse"] = constants["HAS_DLSE"]
             tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
             try:
-                row.update(compile_one(fn, constants, opts, dtype, arch, _scalar_values(fn, head_dim, tokens, *tiles)))
+                row.update(compile_one(fn, constants, opts, dtype, arch,
+                                       _scalar_values(fn, head_dim, tokens, *tiles[:2], tiles[2:] or None)))
             except Exception as exc:  # a variant that does not build is the finding, not a crash
                 row.update(fits=False, error=f"{type(exc).__name__}: {str(exc).strip()[:400]}")
                 yield row

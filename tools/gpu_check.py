@@ -21,7 +21,8 @@ Checks, each reported with its figures and `ok`:
 * `kernels`: the bitfield-attention Triton kernels compiled natively (bf16) at 4k-64k tokens on a
   multimodal mask (text, images, audio, two packed documents). The forward output is compared with
   the fp32 reference on sampled query rows at every length; the backward (dq, dk, dv) against the
-  whole fp32 reference where its score matrix fits (up to 16k). Forward+backward time is measured
+  whole fp32 reference where its score matrix fits (up to 16k), as two launches (`dq_max_err`, ...)
+  and as one (`fused_backward`: `fused_dq_max_err`, ...). Forward+backward time is measured
   next to `flex_attention` (compiled) on the same mask (not with `--quick`: `tools/gpu_bench.py`
   times both).
 * `training_step`: one GPU, bf16 parameters with fp32 master weights, the distributed optimizer:
@@ -55,12 +56,14 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def check_kernels(seqlens, heads: int, head_dim: int, iters: int, compare=("bitfield", "flex_attention")) -> dict:
+def check_kernels(seqlens, heads: int, head_dim: int, iters: int, compare=("bitfield", "flex_attention"),
+                  device: str = "cuda") -> dict:
+    """`device`: cuda; the test suite runs it on cpu (Triton's interpreter) at tiny sizes."""
     from bench_attention import _implementations, _time, mixed_layout
 
     from mimo.attention import KernelConfig, bitfield_attention, reference_attention, reference_attention_general
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     rows = []
     ok = True
     for s in seqlens:
@@ -79,14 +82,16 @@ def check_kernels(seqlens, heads: int, head_dim: int, iters: int, compare=("bitf
         row_ok = row["fwd_max_err"] < 2e-2
         if s <= 16384:  # the whole fp32 reference, forward and backward
             qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-            qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
             go = torch.randn_like(q)
             reference_attention(qr, kr, vr, mask, docs).backward(go.float())
-            bitfield_attention(qb, kb, vb, mask, docs).backward(go)
-            for name, a, b in (("dq", qb, qr), ("dk", kb, kr), ("dv", vb, vr)):
-                row[f"{name}_max_err"] = _max_err(a.grad, b.grad)
-                # bf16 gradients summed over up to 16k keys: relative to the gradient's scale.
-                row_ok &= row[f"{name}_max_err"] <= 2e-2 * max(1.0, float(b.grad.abs().max()))
+            # The backward as two launches (the default) and as one (KernelConfig.fused_backward).
+            for prefix, cfg in (("", KernelConfig()), ("fused_", KernelConfig(fused_backward=True))):
+                qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                bitfield_attention(qb, kb, vb, mask, docs, kernel_config=cfg).backward(go)
+                for name, a, b in (("dq", qb, qr), ("dk", kb, kr), ("dv", vb, vr)):
+                    row[f"{prefix}{name}_max_err"] = _max_err(a.grad, b.grad)
+                    # bf16 gradients summed over up to 16k keys: relative to the gradient's scale.
+                    row_ok &= row[f"{prefix}{name}_max_err"] <= 2e-2 * max(1.0, float(b.grad.abs().max()))
             del qr, kr, vr, qb, kb, vb
             torch.cuda.empty_cache()
         row["ok"] = bool(row_ok)

@@ -13,16 +13,25 @@
 #      sets its winners against flex_attention).
 #
 #   bash tools/gpu_session.sh OUT_DIR [BUDGET_S]     # default budget 570 s
+#   bash tools/gpu_session.sh OUT_DIR BUDGET_S attention
 #
 # Files in OUT_DIR: gpu_check.json, gpu_bench.jsonl, gpu_bench.profile.json, llava_1gpu.jsonl, plan_eval.json,
 # tune.log, tuned.json and session.log (every step's output, a "step NAME: rc R, S s" line after each).
+# `attention` (the third argument) measures bitfield attention only, for kernel work whose other
+# figures are already in: step 0, the attention table at 16k-64k tokens (attention.jsonl), step 5,
+# then the table again with the tuned settings (attention_tuned.jsonl) with the time left.
 # Wheels in .whl/ (megatron-core, which the GPU image lacks: scripts/device_wheels.sh fetches it; WHEELS
 # names another folder) are installed into /tmp/site once CUDA is found; without a CUDA device it says so and exits 0,
 # installing nothing. BUDGET_S must be a whole number of seconds (1-999999).
 # PYTHON overrides the interpreter (default python3).
 set -u
-OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S]}
+OUT=${1:?usage: bash tools/gpu_session.sh OUT_DIR [BUDGET_S] [attention]}
 BUDGET=${2:-570}
+FOCUS=${3:-all}
+case "$FOCUS" in
+    all|attention) ;;
+    *) echo "error: the third argument must be 'attention' (or 'all', the default), got '$FOCUS'" >&2; exit 2;;
+esac
 case "$BUDGET" in
     ''|*[!0-9]*|0) echo "error: BUDGET_S must be a positive whole number of seconds, got '$BUDGET'" >&2; exit 2;;
 esac
@@ -80,6 +89,31 @@ fi
 
 step gpu_check "$(min 90 $(($(left) - 240)))" sh -c "\"$PY\" tools/gpu_check.py --quick > \"$OUT/gpu_check.json\""
 cat "$OUT/gpu_check.json" >> "$LOG" 2>/dev/null
+if [ "$FOCUS" = attention ]; then
+    # The acceptance lengths, longest first; flex_attention and SDPA in the same table. Then tuning with
+    # half of what is left (one length when that is little), then the table with the tuned settings.
+    ATTN="--skip step,profile --seqlens 65536,32768,16384"
+    # A row started before the bench's --budget-s may run on for up to ~50 s (a cold flex compile at 64k).
+    bench_budget() { echo $(($1 > 60 ? $1 - 50 : 10)); }
+    LIMIT=$(min 200 $(($(left) - 150)))
+    step attention "$LIMIT" "$PY" tools/gpu_bench.py $ATTN --out "$OUT/attention.jsonl" \
+        --profile-out "$OUT/attention.profile.json" --budget-s "$(bench_budget "$LIMIT")"
+    SEQLENS=16384,65536
+    [ "$(left)" -lt 400 ] && SEQLENS=16384
+    step tune_attention $(($(left) / 2)) \
+        sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS --kv-heads 8 --json-out \"$OUT/tuned.json\" \
+> \"$OUT/tune.log\" 2>&1"
+    if [ -f "$OUT/tuned.json" ]; then
+        LIMIT=$(($(left) - 10))
+        step attention_tuned "$LIMIT" "$PY" tools/gpu_bench.py $ATTN --kernel-config "$OUT/tuned.json" \
+            --out "$OUT/attention_tuned.jsonl" --profile-out "$OUT/attention_tuned.profile.json" \
+            --budget-s "$(bench_budget "$LIMIT")"
+    else
+        echo "step attention_tuned: skipped, no tuned.json" | tee -a "$LOG"
+    fi
+    echo "gpu_session: done in $(($(date +%s) - START)) s of a ${BUDGET} s budget" | tee -a "$LOG"
+    exit 0
+fi
 step gpu_bench "$(min 330 $(($(left) - 170)))" \
     "$PY" tools/gpu_bench.py --out "$OUT/gpu_bench.jsonl" --budget-s 240
 step profile_check "$(min 60 "$(left)")" "$PY" -m mimo.planner.profile "$OUT/gpu_bench.profile.json"

@@ -8,8 +8,10 @@
 The forward and the two backward kernels are tuned apart (they take separate `KernelConfig` fields:
 forward, `bwd_*` for dK/dV, `dq_*` for dQ): each candidate forward is timed alone, each candidate
 dK/dV kernel alone (repeated `autograd.grad` over one retained forward whose queries need no
-gradient) and each dQ kernel alone (keys and values need none). Every candidate's output and gradients are compared with the default
-configuration's, so a setting that computes something else is reported, never picked. The mask is
+gradient) and each dQ kernel alone (keys and values need none). Then the whole backward with the
+fastest dK/dV and dQ settings, as two launches and as one (`fused_backward`; only where the two
+settings' warps and stages agree, as one launch needs). Every candidate's output and gradients are
+compared with the first candidate's, so a setting that computes something else is reported, never picked. The mask is
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
 markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths;
 before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
@@ -49,10 +51,12 @@ TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
 TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
 
 
-# KernelConfig's fields a candidate (block_m, block_n, num_warps, num_stages) sets, per kernel.
+# KernelConfig's fields a candidate (block_m, block_n, num_warps, num_stages) sets, per kernel; the
+# backward's launch candidates set one.
 FIELDS = {"forward": ("block_m", "block_n", "num_warps", "num_stages"),
           "dkdv": ("bwd_block_m", "bwd_block_n", "bwd_num_warps", "bwd_num_stages"),
-          "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages")}
+          "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages"),
+          "backward": ("fused_backward",)}
 
 
 def config(phase: str, c) -> "KernelConfig":
@@ -64,6 +68,9 @@ def config(phase: str, c) -> "KernelConfig":
 
 # backward phase -> which of q, k, v need gradients
 BACKWARD_PHASES = {"dkdv": (False, True, True), "dq": (True, False, False)}
+# The whole backward with the fastest dK/dV and dQ settings: two launches (the default, first: the
+# reference) or one (`fused_backward`).
+LAUNCHES = [(False,), (True,)]
 
 
 def _max_err(got, want) -> float:
@@ -76,14 +83,47 @@ def _progress(s: int, phase: str, c, result) -> None:
     print(f"measured {s} tokens {phase} {c}: {what}", flush=True)
 
 
-def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict:
-    from mimo.attention import bitfield_attention
-
+def _inputs(s: int, args, dtype, device):
     torch.manual_seed(s)
     q, k, v = (torch.randn(1, s, h, args.head_dim, device=device, dtype=dtype, requires_grad=True)
                for h in (args.heads, args.kv_heads, args.kv_heads))
     mask, docs = mixed_layout(1, s, device)
-    go = torch.randn_like(q)
+    return q, k, v, mask, docs, torch.randn_like(q)
+
+
+def _time_backward(phase, candidates, configs, inputs, mask, docs, go, s, time_fn, device) -> dict:
+    """{candidate: (seconds, max difference from the first candidate's gradients / their scale)} of
+    repeated `autograd.grad` over one retained forward per candidate (`configs[c]` its KernelConfig);
+    (None, why) for one that fails."""
+    from mimo.attention import bitfield_attention
+
+    wrt = [t for t in inputs if t.requires_grad]
+    out, want_grads = {}, None
+    for c in candidates:
+        try:
+            o = bitfield_attention(*inputs, mask, docs, kernel_config=configs[c])
+            got = torch.autograd.grad(o, wrt, go, retain_graph=True)
+            want_grads = got if want_grads is None else want_grads
+            err = _max_err(got, want_grads)
+            scale = max(1.0, max(float(g.float().abs().max()) for g in want_grads))
+
+            def bwd(o=o):
+                torch.autograd.grad(o, wrt, go, retain_graph=True)
+
+            out[c] = (time_fn(bwd), err / scale)
+            del o
+        except Exception as exc:  # a setting the GPU cannot launch (shared memory) is reported, not fatal
+            out[c] = (None, _short(exc))
+        _progress(s, phase, c, out[c])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict:
+    from mimo.attention import bitfield_attention
+
+    q, k, v, mask, docs, go = _inputs(s, args, dtype, device)
     out = {"forward": {}, "dkdv": {}, "dq": {}}
     want_out = None
     for c in forward:
@@ -103,26 +143,25 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
     for phase, needs in BACKWARD_PHASES.items():
         # Only the inputs this kernel differentiates need gradients: the other kernel never runs.
         inputs = [t if need else t.detach() for t, need in zip((q, k, v), needs)]
-        wrt = [t for t in inputs if t.requires_grad]
-        want_grads = None
-        for c in backward:
-            try:
-                o = bitfield_attention(*inputs, mask, docs, kernel_config=config(phase, c))
-                got = torch.autograd.grad(o, wrt, go, retain_graph=True)
-                want_grads = got if want_grads is None else want_grads
-                err = _max_err(got, want_grads)
-                scale = max(1.0, max(float(g.float().abs().max()) for g in want_grads))
+        out[phase] = _time_backward(phase, backward, {c: config(phase, c) for c in backward}, inputs, mask, docs,
+                                    go, s, time_fn, device)
+    return out
 
-                def bwd(o=o):
-                    torch.autograd.grad(o, wrt, go, retain_graph=True)
 
-                out[phase][c] = (time_fn(bwd), err / scale)
-                del o
-            except Exception as exc:
-                out[phase][c] = (None, _short(exc))
-            _progress(s, phase, c, out[phase][c])
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+def tune_launch(s: int, args, dtype, device, fields: dict, time_fn) -> dict:
+    """The whole backward (dQ, dK, dV) with the tuned `fields`, for each of LAUNCHES; a one-launch
+    candidate whose dK/dV and dQ warps or stages differ is reported as not applicable."""
+    from mimo.attention import KernelConfig
+
+    q, k, v, mask, docs, go = _inputs(s, args, dtype, device)
+    same = (fields["bwd_num_warps"], fields["bwd_num_stages"]) == (fields["dq_num_warps"], fields["dq_num_stages"])
+    runnable = [c for c in LAUNCHES if same or not c[0]]
+    configs = {c: KernelConfig(**dict(fields, fused_backward=c[0])) for c in runnable}
+    out = _time_backward("backward", runnable, configs, (q, k, v), mask, docs, go, s, time_fn, device)
+    for c in LAUNCHES:
+        if c not in out:
+            out[c] = (None, "one launch needs the dK/dV and dQ settings' warps and stages to agree")
+            _progress(s, "backward", c, out[c])
     return out
 
 
@@ -152,39 +191,20 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     print(f"device: {name}; dtype {str(dtype).replace('torch.', '')}; heads {args.heads}/{args.kv_heads}; "
           f"head_dim {args.head_dim}; iters {args.iters}", flush=True)
-    results = {s: tune_length(s, args, dtype, device, forward, backward,
-                              lambda fn: _time(fn, args.iters, device)) for s in seqlens}
+    time_fn = lambda fn: _time(fn, args.iters, device)  # noqa: E731
+    results = {s: tune_length(s, args, dtype, device, forward, backward, time_fn) for s in seqlens}
     best = {}
     for phase, cands in (("forward", forward), ("dkdv", backward), ("dq", backward)):
-        fields = ", ".join(FIELDS[phase])
-        print(f"\n{phase} ({fields}); ms, and max difference from the first row (the reference)")
-        print("| config | " + " | ".join(f"{s} tokens" for s in seqlens) + " | total ms |")
-        print("|---|" + "---|" * (len(seqlens) + 1))
-        totals = {}
-        for c in cands:
-            cells, total = [], 0.0
-            for s in seqlens:
-                t, err = results[s][phase][c]
-                if t is None:
-                    cells.append(f"fails ({err})")
-                    total = None
-                    continue
-                ok = err <= TOLERANCE
-                cells.append(f"{t * 1e3:.2f} (diff {err:.1e}{'' if ok else ', WRONG'})")
-                if total is not None:
-                    total = total + t if ok else None
-            if total is not None:
-                totals[c] = total
-            print(f"| {c} | " + " | ".join(cells) + f" | {'-' if total is None else f'{total * 1e3:.2f}'} |")
-        if totals:
-            best[phase] = min(totals, key=totals.get)
-            gain = totals[cands[0]] / totals[best[phase]] if cands[0] in totals else float("nan")
-            print(f"fastest {phase}: {best[phase]} ({gain:.2f}x the first row)")
+        _table(phase, cands, seqlens, results, best)
     if len(best) == 3:
+        for s in seqlens:
+            results[s]["backward"] = tune_launch(s, args, dtype, device, best_fields(best), time_fn)
+        _table("backward", LAUNCHES, seqlens, results, best)
+    if len(best) == 4:
         fields = best_fields(best)
         print("\nKernelConfig(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")")
         print("# in a model's YAML (model.language, or an encoder with attention: bitfield):\n"
-              "attention_kernel: {" + ", ".join(f"{k}: {v}" for k, v in fields.items()) + "}")
+              "attention_kernel: {" + ", ".join(f"{k}: {_yaml(v)}" for k, v in fields.items()) + "}")
         if args.json_out:
             ms = {phase: {str(s): round(results[s][phase][c][0] * 1e3, 4) for s in seqlens}
                   for phase, c in best.items()}
@@ -193,15 +213,50 @@ def main(argv=None) -> int:
                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kernel_config": fields,
                            "ms": ms}, f, indent=1)
     elif args.json_out:
-        missing = ", ".join(p for p in FIELDS if p not in best)
+        # The backward's launch is tuned only once the three kernels have a setting each.
+        missing = ", ".join(p for p in FIELDS if p not in best and (p != "backward" or len(best) == 3))
         print(f"tune_attention: no candidate of {missing} was within the tolerance; {args.json_out} not written",
               file=sys.stderr)
     return 0
 
 
+def _yaml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _table(phase: str, cands, seqlens, results, best: dict) -> None:
+    """Print `phase`'s markdown table (ms per length, and each candidate's difference from the first)
+    and put its fastest candidate within the tolerance, summed over the lengths, in `best`."""
+    fields = ", ".join(FIELDS[phase])
+    print(f"\n{phase} ({fields}); ms, and max difference from the first row (the reference)")
+    print("| config | " + " | ".join(f"{s} tokens" for s in seqlens) + " | total ms |")
+    print("|---|" + "---|" * (len(seqlens) + 1))
+    totals = {}
+    for c in cands:
+        cells, total = [], 0.0
+        for s in seqlens:
+            t, err = results[s][phase][c]
+            if t is None:
+                cells.append(f"fails ({err})")
+                total = None
+                continue
+            ok = err <= TOLERANCE
+            cells.append(f"{t * 1e3:.2f} (diff {err:.1e}{'' if ok else ', WRONG'})")
+            if total is not None:
+                total = total + t if ok else None
+        if total is not None:
+            totals[c] = total
+        print(f"| {c} | " + " | ".join(cells) + f" | {'-' if total is None else f'{total * 1e3:.2f}'} |")
+    if totals:
+        best[phase] = min(totals, key=totals.get)
+        gain = totals[cands[0]] / totals[best[phase]] if cands[0] in totals else float("nan")
+        print(f"fastest {phase}: {best[phase]} ({gain:.2f}x the first row)")
+
+
 def best_fields(best: dict) -> dict:
-    """KernelConfig's fields of the fastest forward, dK/dV and dQ settings."""
-    return {k: v for phase, keys in FIELDS.items() for k, v in zip(keys, best[phase])}
+    """KernelConfig's fields of the fastest forward, dK/dV and dQ settings (and of the backward's
+    launch, once tuned)."""
+    return {k: v for phase, keys in FIELDS.items() if phase in best for k, v in zip(keys, best[phase])}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ blocks (forward and dQ), per key block the list of non-empty query blocks
 ascending order, so the kernels run them as two loops specialised at compile
 time — and the forward work items: rows longer than ``split_tiles`` are cut
 into several items whose partial results are merged (intra-GPU balancing).
+Work is launched longest first: the forward's items, and the backward's rows
+and columns with any non-empty tile.
 
 Plans are cached, keyed on the identity of the caller's mask tensors (storage,
 offset, shape, strides, dtype, device) plus sizes and tile settings; the
@@ -45,7 +47,7 @@ class TileLists:
     full: torch.Tensor     # int8  [b*n_rows, n_cols]; 1 where that tile is FULL
     cnt: torch.Tensor      # int32 [b*n_rows]
     npart: torch.Tensor    # int32 [b*n_rows]; how many of the listed tiles are PARTIAL
-    nonempty: torch.Tensor  # int32 [k]; rows with cnt > 0 (the only ones launched)
+    nonempty: torch.Tensor  # int32 [k]; rows with cnt > 0 (the only ones launched), longest first
 
 
 @dataclass
@@ -200,7 +202,11 @@ def _compact(status_rows: torch.Tensor) -> Tuple[tuple, torch.Tensor]:
 
 def _lists(parts: tuple, n_nonempty: int) -> TileLists:
     cnt = parts[2]
-    return TileLists(*parts, torch.nonzero_static(cnt > 0, size=n_nonempty).flatten().to(torch.int32))
+    nonempty = torch.nonzero_static(cnt > 0, size=n_nonempty).flatten()
+    # Launched longest first (LPT), as the forward's items: a causal mask's longest dQ rows would
+    # otherwise start last and run on alone at the end of the launch.
+    order = torch.sort(cnt[nonempty], descending=True, stable=True).indices
+    return TileLists(*parts, nonempty[order].to(torch.int32).contiguous())
 
 
 def _item_chunks(cnt: torch.Tensor, split_tiles: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,20 @@ def _shape_constants(bm: int, bn: int, d: int, s_q: int, s_k: int) -> dict:
                 N_EVEN=s_k % bn == 0)
 
 
+def _fused_constants(kv_tiles, dq_tiles, d: int, s_q: int, s_k: int) -> dict:
+    """The one-launch backward's compile-time shape arguments: the dK/dV plan's tiles as the dK/dV
+    kernel takes them, the dQ plan's with a DQ_ prefix."""
+    dq = _shape_constants(*dq_tiles, d, s_q, s_k)
+    return dict(_shape_constants(*kv_tiles, d, s_q, s_k),
+                **{"DQ_" + name: dq[name] for name in ("BLOCK_M", "BLOCK_N", "M_EVEN", "N_EVEN")})
+
+
+def _delta_constants(d: int, s_q: int) -> dict:
+    bd = _pow2(d)
+    bm = max(16, min(128, 8192 // bd))  # 64 rows at head_dim 128: a tile of each input per program
+    return dict(BLOCK_M=bm, BLOCK_D=bd, HEAD_DIM=d, D_EVEN=d == bd, M_EVEN=s_q % bm == 0)
+
+
 def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cfg: KernelConfig):
     b, s_q, hq, d = q.shape
     s_k, hkv = k.shape[1], k.shape[2]
@@ -82,38 +96,70 @@ def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cf
     return out, lse
 
 
+def _delta(kern, interpret, out, dout, dlse):
+    """delta [b, hq, s_q] fp32: sum_d dO * O per row, less dlse where lse has a gradient (a gradient on
+    lse adds p_ij * dlse_i to dS, i.e. subtracts it from delta)."""
+    b, s_q, hq, d = out.shape
+    delta = torch.empty((b, hq, s_q), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0:
+        return delta
+    shape = _delta_constants(d, s_q)
+    has_dlse = dlse is not None
+    dlse = dlse.float().contiguous() if has_dlse else delta
+    kern.bwd_delta_kernel[(-(-s_q // shape["BLOCK_M"]), hq, b)](
+        out, dout, dlse, delta, s_q, hq, *out.stride()[:3], *dout.stride()[:3], HAS_DLSE=has_dlse, **shape,
+        **({} if interpret else {"num_warps": 4}),
+    )
+    return delta
+
+
 def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, need):
-    """dQ, dK, dV; `plans` = (the dK/dV kernel's plan, the dQ kernel's plan), each with its own tiles."""
+    """dQ, dK, dV; `plans` = (the dK/dV kernel's plan, the dQ kernel's plan), each with its own tiles.
+    Two launches, or one (`cfg.fused_backward`) when both kernels run."""
     b, s_q, hq, d = q.shape
     s_k, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
     masks, has_doc = _mask_args(inp)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    kv_plan = plans[0] if need[1] or need[2] else None
+    q_plan = plans[1] if need[0] else None
     dq = dk = dv = None
-    for kernel, plan in zip(("dkdv", "dq"), plans):
-        if plan is None:
-            continue
-        common = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret,
-                      **_shape_constants(plan.block_m, plan.block_n, d, s_q, s_k), **_launch_opts(cfg, interpret, kernel))
-        scalars = (inp.softmax_scale, inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv)
-        if kernel == "dkdv" and (need[1] or need[2]):
-            dk = _lastdim_contiguous(torch.zeros_like(k, memory_format=torch.preserve_format))
-            dv = _lastdim_contiguous(torch.zeros_like(v, memory_format=torch.preserve_format))
-            cols = plan.cols
-            if cols.nonempty.numel():
-                kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
-                    q, k, v, dout, dk, dv, lse, delta, *masks,
-                    cols.nonempty, cols.idx, cols.npart, cols.cnt, *scalars, *strides,
-                    *dk.stride()[:3], *dv.stride()[:3], **common,
-                )
-        if kernel == "dq" and need[0]:
-            dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
-            rows = plan.rows
-            if rows.nonempty.numel():
-                kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
-                    q, k, v, dout, dq, lse, delta, *masks,
-                    rows.nonempty, rows.idx, rows.npart, rows.cnt, *scalars, *strides,
-                    *dq.stride()[:3], **common,
-                )
+    if kv_plan is not None:
+        dk = _lastdim_contiguous(torch.zeros_like(k, memory_format=torch.preserve_format))
+        dv = _lastdim_contiguous(torch.zeros_like(v, memory_format=torch.preserve_format))
+    if q_plan is not None:
+        dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    flags = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret)
+    scale = (inp.softmax_scale, inp.softmax_scale * LOG2E)
+    if cfg.fused_backward and kv_plan is not None and q_plan is not None:
+        n_cols, n_rows = kv_plan.cols.nonempty.numel(), q_plan.rows.nonempty.numel()
+        if n_cols + n_rows:
+            cols, rows = kv_plan.cols, q_plan.rows
+            kern.bwd_kernel[(n_cols + group * n_rows, hkv)](
+                q, k, v, dout, dq, dk, dv, lse, delta, *masks,
+                cols.nonempty, cols.idx, cols.npart, cols.cnt, rows.nonempty, rows.idx, rows.npart, rows.cnt,
+                n_cols, *scale, s_q, s_k, kv_plan.n_qb, kv_plan.n_kb, q_plan.n_qb, q_plan.n_kb, hq, group,
+                *strides, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], **flags,
+                **_fused_constants((kv_plan.block_m, kv_plan.block_n), (q_plan.block_m, q_plan.block_n), d, s_q, s_k),
+                **_launch_opts(cfg, interpret, "dkdv"),
+            )
+        return dq, dk, dv
+    if kv_plan is not None and kv_plan.cols.nonempty.numel():
+        cols = kv_plan.cols
+        kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
+            q, k, v, dout, dk, dv, lse, delta, *masks,
+            cols.nonempty, cols.idx, cols.npart, cols.cnt, *scale, s_q, s_k, kv_plan.n_qb, kv_plan.n_kb, hq, group,
+            *strides, *dk.stride()[:3], *dv.stride()[:3], **flags,
+            **_shape_constants(kv_plan.block_m, kv_plan.block_n, d, s_q, s_k), **_launch_opts(cfg, interpret, "dkdv"),
+        )
+    if q_plan is not None and q_plan.rows.nonempty.numel():
+        rows = q_plan.rows
+        kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
+            q, k, v, dout, dq, lse, delta, *masks,
+            rows.nonempty, rows.idx, rows.npart, rows.cnt, *scale, s_q, s_k, q_plan.n_qb, q_plan.n_kb, hq, group,
+            *strides, *dq.stride()[:3], **flags,
+            **_shape_constants(q_plan.block_m, q_plan.block_n, d, s_q, s_k), **_launch_opts(cfg, interpret, "dq"),
+        )
     return dq, dk, dv
 
 
@@ -135,11 +181,7 @@ class _BitfieldAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dout = _lastdim_contiguous(dout)
-        # delta_i = sum_d dO*O; a gradient on lse adds p_ij * dlse_i to dS, i.e. subtracts from delta.
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = delta.contiguous()
+        delta = _delta(ctx.kern, ctx.interpret, out, dout, dlse)
         dq, dk, dv = _backward(ctx.kern, ctx.interpret, q, k, v, out, lse, dout, delta, ctx.inp,
                                ctx.bwd_plans, ctx.cfg, ctx.needs_input_grad[:3])
         return (dq, dk, dv) + none

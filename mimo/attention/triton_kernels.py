@@ -26,6 +26,9 @@ The dK/dV kernel works in the transposed orientation (S^T = K Q^T), so P^T and
 dS^T come out of the MMAs in the shape the next MMA consumes: no transposes of
 computed tiles inside its loop (only of loaded tiles, which the compiler folds
 into how it stages them).
+The backward's programs are `_dkdv_program` and `_dq_program`, launched either
+by their own kernels (two launches) or together by `bwd_kernel` (one launch);
+`bwd_delta_kernel` computes the delta both read.
 """
 
 import triton
@@ -340,21 +343,16 @@ def _dkdv_tiles(dk, dv, k, v, km, kp, kd, n_in, Q, DO, LSE, DELTA, QM, QP, QD, Q
 
 
 @triton.jit
-def bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA,
-    QM, QP, QD, KM, KP, KD,
-    COLS, Q_IDX, Q_NPART, Q_CNT,
+def _dkdv_program(
+    col, hk, Q, K, V, DO, DK, DV, LSE, DELTA, QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT,
     scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
-    sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
 ):
-    """dK, dV of one key block and one kv head, summed over its query heads and
-    non-empty query blocks inside the program: no atomics, so deterministic."""
-    col = tl.load(COLS + tl.program_id(0))
-    hk = tl.program_id(1)
+    """dK, dV of key block `col` (flattened batch, key block) and kv head hk, summed over its query
+    heads and non-empty query blocks inside the program: no atomics, so deterministic."""
     bi = (col // n_kb).to(tl.int64)
     kb = col % n_kb
     n_tiles = tl.load(Q_CNT + col)
@@ -388,6 +386,25 @@ def bwd_dkdv_kernel(
 
 
 @triton.jit
+def bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    COLS, Q_IDX, Q_NPART, Q_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
+    sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+):
+    """dK, dV: one program per listed key block (COLS) and kv head."""
+    _dkdv_program(tl.load(COLS + tl.program_id(0)), tl.program_id(1), Q, K, V, DO, DK, DV, LSE, DELTA,
+                  QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
+                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                  HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
+
+
+@triton.jit
 def _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX, list_base, t0, t1,
               bi, hk, s_k, skb, sks, skh, svb, svs, svh, scale_log2, offs_d, d_in,
               MASKED: tl.constexpr, HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -405,19 +422,16 @@ def _dq_tiles(dq, q, do, lse, delta, qm, qp, qd, m_in, K, V, KM, KP, KD, KV_IDX,
 
 
 @triton.jit
-def bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
-    QM, QP, QD, KM, KP, KD,
-    ROWS, KV_IDX, KV_NPART, KV_CNT,
+def _dq_program(
+    row, h, Q, K, V, DO, DQ, LSE, DELTA, QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT,
     scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
 ):
-    """dQ of one query block and one query head over its non-empty key blocks."""
-    row = tl.load(ROWS + tl.program_id(0))
-    h = tl.program_id(1)
+    """dQ of query block `row` (flattened batch, query block) and query head h over its non-empty
+    key blocks."""
     hk = h // group
     bi = (row // n_qb).to(tl.int64)
     qb = row % n_qb
@@ -449,3 +463,83 @@ def bwd_dq_kernel(
     dq = dq * scale
     _store(DQ + bi * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqs + offs_d[None, :],
            dq.to(DQ.dtype.element_ty), m_in, d_in, M_EVEN, D_EVEN)
+
+
+@triton.jit
+def bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    ROWS, KV_IDX, KV_NPART, KV_CNT,
+    scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+):
+    """dQ: one program per listed query block (ROWS) and query head."""
+    _dq_program(tl.load(ROWS + tl.program_id(0)), tl.program_id(1), Q, K, V, DO, DQ, LSE, DELTA,
+                QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
+                sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+                HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
+
+
+@triton.jit
+def bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA,
+    QM, QP, QD, KM, KP, KD,
+    COLS, Q_IDX, Q_NPART, Q_CNT, ROWS, KV_IDX, KV_NPART, KV_CNT,
+    n_cols, scale, scale_log2, s_q, s_k, n_qb, n_kb, dq_n_qb, dq_n_kb, hq, group,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
+    sdqb, sdqs, sdqh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+    HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+    DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, DQ_M_EVEN: tl.constexpr, DQ_N_EVEN: tl.constexpr,
+):
+    """The whole backward in one launch (KernelConfig.fused_backward): per kv head (axis 1), the
+    first n_cols programs are the dK/dV kernel's (its plan's tiles BLOCK_M x BLOCK_N), the rest the
+    dQ kernel's for each of the group's query heads, side by side (its plan's DQ_BLOCK_M x DQ_BLOCK_N).
+    The dQ programs fill the GPU while the last dK/dV programs finish, instead of starting after a
+    second launch's drain; each program computes exactly what the two-kernel backward's does."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    if pid < n_cols:
+        _dkdv_program(tl.load(COLS + pid), hk, Q, K, V, DO, DK, DV, LSE, DELTA,
+                      QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq,
+                      group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
+                      sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                      HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
+    else:
+        j = pid - n_cols
+        _dq_program(tl.load(ROWS + j // group), hk * group + j % group, Q, K, V, DO, DQ, LSE, DELTA,
+                    QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT, scale, scale_log2, s_q, s_k, dq_n_qb, dq_n_kb,
+                    hq, group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+                    HAS_DOC, IEEE, UPCAST, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, DQ_M_EVEN, DQ_N_EVEN)
+
+
+@triton.jit
+def bwd_delta_kernel(
+    O, DO, DLSE, DELTA, s_q, hq, sob, sos, soh, sdob, sdos, sdoh,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO * O (fp32) of BLOCK_M rows of one head, less dlse[b, h, i] when the
+    lse output has a gradient: one read of O and dO, no fp32 copies of them."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1)
+    bi = tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_in = offs_m < s_q
+    d_in = offs_d < HEAD_DIM
+    o = _load(O + bi * sob + h * soh + offs_m.to(tl.int64)[:, None] * sos + offs_d[None, :], m_in, d_in,
+              M_EVEN, D_EVEN)
+    do = _load(DO + bi * sdob + h * sdoh + offs_m.to(tl.int64)[:, None] * sdos + offs_d[None, :], m_in, d_in,
+               M_EVEN, D_EVEN)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    at = (bi * hq + h) * s_q + offs_m
+    if HAS_DLSE:
+        delta = delta - _load_vec(DLSE + at, m_in, M_EVEN, 0.0)
+    if M_EVEN:
+        tl.store(DELTA + at, delta)
+    else:
+        tl.store(DELTA + at, delta, mask=m_in)

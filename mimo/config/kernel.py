@@ -29,6 +29,10 @@ class KernelConfig:
     bwd_*: the dK/dV kernel's tiles and launch settings; dq_*: the dQ kernel's
     (default: the dK/dV kernel's). Each backward kernel has its own plan when
     their tiles differ.
+    fused_backward: run the dK/dV and dQ programs in one launch (their tiles may
+    differ; their warps and stages must agree), so that dQ programs fill the GPU
+    while the last dK/dV programs finish. None (the default) is False: two launches,
+    the setting measured so far (tools/tune_attention.py times both).
     The launch settings for head_dim 65-128 were tuned on an H200 (tools/tune_attention.py);
     the tile sizes, and the settings for other head dims, are untuned choices.
     """
@@ -46,6 +50,7 @@ class KernelConfig:
     dq_block_n: Optional[int] = None
     dq_num_warps: Optional[int] = None
     dq_num_stages: Optional[int] = None
+    fused_backward: Optional[bool] = None
 
     def resolve(self, head_dim: int) -> "KernelConfig":
         big = head_dim > 128
@@ -73,6 +78,7 @@ class KernelConfig:
             dq_block_n=self.dq_block_n or bwd_block_n,
             dq_num_warps=self.dq_num_warps or bwd_num_warps,
             dq_num_stages=self.dq_num_stages or bwd_num_stages,
+            fused_backward=bool(self.fused_backward),
         )
         for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             value = getattr(out, name)
@@ -85,6 +91,11 @@ class KernelConfig:
         for name in ("num_stages", "bwd_num_stages", "dq_num_stages"):
             if getattr(out, name) < 1:
                 raise ValueError(f"KernelConfig.{name} must be >= 1, got {getattr(out, name)}")
+        if out.fused_backward and (out.bwd_num_warps, out.bwd_num_stages) != (out.dq_num_warps, out.dq_num_stages):
+            raise ValueError(
+                "KernelConfig.fused_backward needs the dK/dV and dQ kernels' warps and stages to agree (one "
+                f"launch), got bwd_num_warps {out.bwd_num_warps}, bwd_num_stages {out.bwd_num_stages}, "
+                f"dq_num_warps {out.dq_num_warps}, dq_num_stages {out.dq_num_stages}")
         if out.split_tiles is not None and out.split_tiles < 0:
             raise ValueError(f"KernelConfig.split_tiles must be >= 0, got {out.split_tiles}")
         return out
@@ -101,9 +112,10 @@ class KernelConfig:
 
 def field_problems(fields) -> list:
     """(field, reason) for each entry of a mapping of KernelConfig fields that KernelConfig would
-    refuse or misread: not a mapping, an unknown name, a value that is not an integer, or one below 1
-    (below 0 for split_tiles), which KernelConfig would take as "the default". A mapping without such
-    problems can still fail `resolve` (a tile that is not a power of two, say)."""
+    refuse or misread: not a mapping, an unknown name, a value that is not an integer (not true or
+    false for fused_backward), or one below 1 (below 0 for split_tiles), which KernelConfig would take
+    as "the default". A mapping without such problems can still fail `resolve` (a tile that is not a
+    power of two, say)."""
     if not isinstance(fields, dict):
         return [("", f"must be a mapping of KernelConfig fields, got {fields!r}")]
     known = list(KernelConfig.__dataclass_fields__)
@@ -111,6 +123,9 @@ def field_problems(fields) -> list:
     for key, value in fields.items():
         if key not in known:
             problems.append((str(key), f"unknown field (KernelConfig has {', '.join(known)})"))
+        elif key == "fused_backward":
+            if not isinstance(value, bool):
+                problems.append((key, f"must be true or false, got {value!r}"))
         elif not isinstance(value, int) or isinstance(value, bool):
             problems.append((key, f"must be an integer, got {value!r}"))
         elif value < (0 if key == "split_tiles" else 1):

@@ -86,6 +86,8 @@ def _convert(tp, value: Any, path: str, problems: List[Problem]):
                 value, ok = float(value), True
             except ValueError:
                 ok = False
+    elif tp is Any:
+        ok = True  # a field whose values its own check reads (attention_kernel: mimo.config.kernel)
     elif tp is str:
         # YAML 1.1 reads a bare `off` (also `no`, `false`) as False and `on` as True: a text field
         # written `replan: off` means the word.

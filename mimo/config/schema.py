@@ -67,7 +67,7 @@ class LanguageConfig:
     # attention: bitfield only: the kernels' tile sizes and launch settings, KernelConfig's fields
     # (mimo/config/kernel.py; `tools/tune_attention.py` prints them for a GPU); unset fields keep
     # their defaults.
-    attention_kernel: Optional[Dict[str, int]] = None
+    attention_kernel: Optional[Dict[str, Any]] = None
     # Architecture details (set from the HF config when `hf` is given; these defaults are mimo's own).
     normalization: str = "LayerNorm"
     norm_eps: float = 1.0e-5
@@ -141,7 +141,7 @@ class EncoderConfig:
     # A Hugging Face tower directory (CLIP / SigLIP vision, Whisper encoder for audio).
     hf: Optional[str] = None
     attention: str = "sdpa"
-    attention_kernel: Optional[Dict[str, int]] = None   # as model.language.attention_kernel
+    attention_kernel: Optional[Dict[str, Any]] = None   # as model.language.attention_kernel
     # Token id of this encoder's placeholders in input_ids (default: the top ids of the vocabulary;
     # LLaVA: image_token_id).
     placeholder_id: Optional[int] = None

@@ -41,6 +41,12 @@ def test_a_tuned_setting_is_accepted_for_the_llm_and_an_encoder():
     # The same from the command line (--set): one field at a time.
     cfg = load_config(_raw(dict(attention="bitfield")), overrides=["model.language.attention_kernel.block_m=32"])
     assert cfg.model.language.attention_kernel == {"block_m": 32}
+    # The one-launch backward: a true/false field among the integers.
+    cfg = load_config(_raw(dict(attention="bitfield")),
+                      overrides=["model.language.attention_kernel.fused_backward=true"])
+    assert cfg.model.language.attention_kernel == {"fused_backward": True}
+    assert KernelConfig(**cfg.model.language.attention_kernel).resolve(128).fused_backward is True
+    assert KernelConfig().resolve(128).fused_backward is False  # two launches unless asked
 
 
 @pytest.mark.parametrize("kernel, expected", [
@@ -52,6 +58,10 @@ def test_a_tuned_setting_is_accepted_for_the_llm_and_an_encoder():
      ["error: model.language.attention_kernel.dq_num_stages: must be a positive integer, got 0"]),
     ({"block_m": "64"}, ["error: model.language.attention_kernel.block_m: must be an integer, got '64'"]),
     ([64], ["error: model.language.attention_kernel: must be a mapping, got [64]"]),
+    ({"fused_backward": 1}, ["error: model.language.attention_kernel.fused_backward: must be true or false, got 1"]),
+    ({"fused_backward": True, "dq_num_warps": 8},
+     ["error: model.language.attention_kernel.fused_backward: needs the dK/dV and dQ kernels' warps and stages to "
+      "agree (one launch), got bwd_num_warps 4, bwd_num_stages 2, dq_num_warps 8, dq_num_stages 2"]),
 ])
 def test_a_bad_setting_is_one_line_naming_the_field(kernel, expected):
     got = _problems(_raw(dict(attention="bitfield", attention_kernel=kernel)))

@@ -21,3 +21,22 @@ def test_cpu_tiny_smoke(capsys):
 def test_cuda_request_without_gpu_exits_clearly(capsys):
     assert bench_attention.main([]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_kernels_checks_both_backward_launches_and_can_fail(monkeypatch):
+    """tools/gpu_check.py's kernel check (the first step of a GPU session) on CPU ranks through the
+    interpreter at tiny sizes: the forward and both backward launches against the fp32 reference."""
+    import gpu_check
+
+    import mimo.attention.function as function
+
+    report = gpu_check.check_kernels([64], 2, 32, 1, ("bitfield",), device="cpu")
+    row = report["rows"][0]
+    assert report["ok"] and row["ok"] and row["bitfield_fwd_bwd_ms"] > 0, report
+    for name in ("dq", "dk", "dv"):
+        assert row[f"{name}_max_err"] == row[f"fused_{name}_max_err"] < 5e-2  # the same programs, interpreted
+    # A backward that computes something else is caught (delta off by one: dQ and dK wrong).
+    real = function._delta
+    monkeypatch.setattr(function, "_delta", lambda *a: real(*a) + 1.0)
+    bad = gpu_check.check_kernels([64], 2, 32, 1, ("bitfield",), device="cpu")
+    assert not bad["ok"] and bad["rows"][0]["dq_max_err"] > 5e-2

@@ -48,6 +48,9 @@ def test_every_variant_compiles_for_sm90_with_the_runtime_settings_and_fits():
     for kernel in ("fwd_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"):
         assert {(kernel, doc, even) for doc in (False, True) for even in (False, True)} <= seen
     assert ("merge_kernel", False, True) in seen
+    delta = {(r["has_dlse"], r["even"]) for r in rows if r["kernel"] == "bwd_delta_kernel"}
+    assert delta == {(dlse, even) for dlse in (False, True) for even in (False, True)}
+    assert "bwd_kernel" not in {r["kernel"] for r in rows}  # two backward launches unless fused_backward
     classify_tiles = {(tuple(r["tiles"]), r["has_doc"]) for r in rows if r["kernel"] == "classify_kernel"}
     assert classify_tiles == {(t, doc) for t in (launch["fwd_kernel"][0], launch["bwd_dkdv_kernel"][0])
                               for doc in (False, True)}
@@ -58,6 +61,18 @@ def test_every_variant_compiles_for_sm90_with_the_runtime_settings_and_fits():
         if r["kernel"] in launch:
             tiles, warps, stages = launch[r["kernel"]]
             assert (tuple(r["tiles"]), r["num_warps"], r["num_stages"]) == (tiles, warps, stages), r
+
+
+def test_the_one_launch_backward_compiles_with_both_plans_tiles_and_fits():
+    rc, rows, err = _compile(["--kernels", "fused", "--config",
+                              '{"fused_backward": true, "dq_block_m": 128, "dq_block_n": 32}'])
+    summary = rows.pop()
+    assert rc == 0 and summary["ok"] and summary["compiled"] == len(rows) == 4, err[-2000:]
+    cfg = KernelConfig(fused_backward=True).resolve(128)
+    for r in rows:  # the dK/dV kernel's launch settings, then each plan's tiles
+        assert r["kernel"] == "bwd_kernel" and r["fits"] and "error" not in r, r
+        assert r["tiles"] == [cfg.bwd_block_m, cfg.bwd_block_n, 128, 32], r
+        assert (r["num_warps"], r["num_stages"]) == (cfg.bwd_num_warps, cfg.bwd_num_stages)
 
 
 def test_a_setting_that_needs_too_much_shared_memory_fails():

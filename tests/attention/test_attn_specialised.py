@@ -122,3 +122,75 @@ def test_rows_without_keys_still_zero_under_the_specialised_loops():
                        lambda q, k, v: reference_attention(q, k, v, mask), inputs)
     assert_match(results, **FP32)
     assert torch.all(results[0][0][0, 16:32] == 0)
+
+
+@pytest.mark.parametrize("tiles", [dict(bwd_block_m=16, bwd_block_n=16),
+                                   dict(bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16)])
+def test_one_launch_backward_matches_the_two_launches_bit_for_bit(tiles):
+    """`fused_backward`: the dK/dV and dQ programs in one launch, with the tiles of each plan and the
+    group's query heads side by side, compute exactly the two launches' gradients."""
+    clear_block_cache()
+    mask, docs = scenario("embedded_image_audio")  # s = 70: no tile divides it
+    b, s = mask.shape
+    inputs = qkv(b, s, 6, 2, 24)  # groups of 3 query heads: a wrong head route shows
+    runs = {}
+    for fused in (False, True):
+        cfg = KernelConfig(block_m=16, block_n=16, split_tiles=0, fused_backward=fused, **tiles)
+        runs[fused] = run_both(lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
+                               lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
+        assert_match(runs[fused], **FP32)
+    (_, two), (_, one) = runs[False][0], runs[True][0]
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    clear_block_cache()
+
+
+def test_one_launch_backward_with_only_some_gradients():
+    mask, docs = scenario("packed_documents")
+    b, s = mask.shape
+    q, k, v = qkv(b, s, 4, 2, 16)
+    cfg = KernelConfig(16, 16, 16, 16, split_tiles=0, fused_backward=True)
+    for wrt in ((q,), (k, v), (v,)):
+        inputs = [t.detach().requires_grad_(any(t is w for w in wrt)) for t in (q, k, v)]
+        ref_inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        g = torch.randn(b, s, 4, 16, generator=torch.Generator().manual_seed(3))
+        got = torch.autograd.grad(bitfield_attention(*inputs, mask, docs, kernel_config=cfg),
+                                  [t for t in inputs if t.requires_grad], g)
+        want = torch.autograd.grad(reference_attention(*ref_inputs, mask, docs),
+                                   [t for t in ref_inputs if t.requires_grad], g)
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a, w, **FP32)
+
+
+def test_backward_rows_and_columns_launch_longest_first():
+    """A causal mask's dQ rows grow with the row: listed for launch longest first (ties in row order),
+    so the longest programs do not start last; every non-empty row once."""
+    mask = torch.full((2, 80), CAUSAL | TEXT, dtype=torch.int64)
+    mask[1, 64:] = 0  # the second sample's last rows are padding: their tiles are empty
+    x = torch.zeros(*mask.shape, 1, 16)
+    plan = get_plan(check_inputs(x, x, x, mask, mask), (mask, mask, None, None, None, None), 16, 16, None,
+                    kernels(interpret=True))
+    for lists in (plan.rows, plan.cols):
+        order = lists.nonempty.tolist()
+        counts = [int(lists.cnt[r]) for r in order]
+        assert sorted(order) == torch.nonzero(lists.cnt > 0).flatten().tolist()
+        assert all(a > b or (a == b and r < t)
+                   for a, b, r, t in zip(counts, counts[1:], order, order[1:])), (order, counts)
+    # Sample 0's last row (5 tiles), then the 4-tile rows: sample 0's row 3 and sample 1's row 3 (its
+    # row 4 is padding only, never launched).
+    assert plan.rows.nonempty.tolist()[:3] == [4, 3, 8] and 9 not in plan.rows.nonempty.tolist()
+
+
+@pytest.mark.parametrize("s, d, with_dlse", [(40, 24, True), (64, 32, False), (17, 128, True)])
+def test_delta_kernel_is_the_rowwise_product_sum_less_dlse(s, d, with_dlse):
+    from mimo.attention.function import _delta
+
+    gen = torch.Generator().manual_seed(s)
+    out, dout = (torch.randn(2, s, 3, d, generator=gen) for _ in range(2))
+    dout = dout.transpose(0, 1).contiguous().transpose(0, 1)  # strides other than out's
+    dlse = torch.randn(2, 3, s, generator=gen) if with_dlse else None
+    want = (dout * out).sum(-1).transpose(1, 2)
+    if with_dlse:
+        want = want - dlse
+    got = _delta(kernels(interpret=True), True, out, dout, dlse)
+    assert got.shape == (2, 3, s) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

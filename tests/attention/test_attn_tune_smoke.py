@@ -20,17 +20,20 @@ def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| (")]
-    assert len(rows) == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)  # dK/dV and dQ apart
+    # dK/dV and dQ apart, then the whole backward as two launches and as one.
+    assert len(rows) == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD) + len(tool.LAUNCHES)
     for row in rows:
         cell = row.split("|")[2]
         assert "diff" in cell and "WRONG" not in cell and float(cell.split()[0]) > 0, row
-    assert out.count("fastest ") == 3 and "\nKernelConfig(block_m=" in out and "dq_num_stages=" in out
+    assert out.count("fastest ") == 4 and "\nKernelConfig(block_m=" in out and "dq_num_stages=" in out
+    assert "\nbackward (fused_backward)" in out and "fused_backward=" in out
     # Each candidate is also reported as soon as it is timed (a run stopped at a time limit keeps those).
     progress = [line for line in out.splitlines() if line.startswith("measured 48 tokens ")]
     assert [line.split()[3] for line in progress] == (["forward"] * len(tool.TINY_FORWARD) + ["dkdv"] *
-                                                      len(tool.TINY_BACKWARD) + ["dq"] * len(tool.TINY_BACKWARD))
+                                                      len(tool.TINY_BACKWARD) + ["dq"] * len(tool.TINY_BACKWARD) +
+                                                      ["backward"] * len(tool.LAUNCHES))
     assert all(line.endswith(")") and " ms (diff " in line for line in progress), progress
-    assert out.index(progress[-1]) < out.index("| (")
+    assert out.index(progress[-3]) < out.index("| (")  # the kernels' before the first table
 
 
 def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
@@ -38,7 +41,7 @@ def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
     monkeypatch.setattr(tool, "TOLERANCE", -1.0)  # every candidate, the reference included, now "differs"
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
-    assert out.count("WRONG") == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)
+    assert out.count("WRONG") == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)  # no launch phase then
     assert "fastest" not in out and "KernelConfig(" not in out
 
 
@@ -83,8 +86,9 @@ def test_json_out_holds_the_printed_fastest_settings(tmp_path, capsys):
     # The YAML line for a model's config says the same.
     assert yaml.safe_load(out.split("\n# in a model's YAML")[1].split("\n", 1)[1]) == {"attention_kernel": fields}
     assert set(fields) == set(KernelConfig.__dataclass_fields__) - {"split_tiles"}
+    assert isinstance(fields["fused_backward"], bool)
     KernelConfig(**fields).resolve(16)  # a config the kernels take as it is
-    assert set(saved["ms"]) == {"forward", "dkdv", "dq"} and all(v["48"] > 0 for v in saved["ms"].values())
+    assert set(saved["ms"]) == {"forward", "dkdv", "dq", "backward"} and all(v["48"] > 0 for v in saved["ms"].values())
     assert (saved["heads"], saved["kv_heads"], saved["head_dim"]) == (2, 1, 16)
 
 
@@ -94,6 +98,25 @@ def test_json_out_is_not_written_without_a_winner(tmp_path, capsys, monkeypatch)
     assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
     err = capsys.readouterr().err
     assert not out_file.exists() and "no candidate of forward, dkdv, dq was within the tolerance" in err
+
+
+def test_the_backward_launch_is_tuned_only_where_one_launch_can_run(capsys, monkeypatch):
+    tool = tune_attention
+    # The fastest dQ setting with other warps than the dK/dV one: one launch cannot run it.
+    monkeypatch.setattr(tool, "TINY_BACKWARD", [(16, 16, 4, 2), (16, 32, 2, 2)])
+    monkeypatch.setattr(tool, "_table", _pick_first_dkdv_second_dq(tool._table))
+    assert tool.main(["--device", "cpu", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "measured 48 tokens backward (True,): fails (one launch needs the dK/dV and dQ settings' warps" in out
+    assert "fastest backward: (False,)" in out and "fused_backward=False" in out
+
+
+def _pick_first_dkdv_second_dq(table):
+    def pick(phase, cands, seqlens, results, best):
+        table(phase, cands, seqlens, results, best)
+        if phase in ("dkdv", "dq"):
+            best[phase] = cands[0] if phase == "dkdv" else cands[1]
+    return pick
 
 
 def test_a_json_out_that_cannot_be_written_stops_before_tuning(tmp_path, capsys):
