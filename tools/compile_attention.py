@@ -115,14 +115,14 @@ def variants(kern, cfg, head_dim: int, dtype: str):
             for even in (True, False):
                 tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
                 # As function.py: fp32 inputs run the exact-product dots, compiled kernels never upcast.
-                constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False,
+                constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False, HEADS_FASTEST=cfg.heads_fastest,
                                  **_shape_constants(bm, bn, head_dim, tokens, tokens))
                 yield name, getattr(kern, name), (bm, bn), has_doc, even, constants, _launch_opts(cfg, False, kind)
     kv_tiles, dq_tiles = (cfg.bwd_block_m, cfg.bwd_block_n), (cfg.dq_block_m, cfg.dq_block_n)
     for has_doc in (False, True) if cfg.fused_backward else ():
         for even in (True, False):
             tokens = EVEN_TOKENS if even else UNEVEN_TOKENS
-            constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False,
+            constants = dict(HAS_DOC=has_doc, IEEE=dtype == "fp32", UPCAST=False, HEADS_FASTEST=cfg.heads_fastest,
                              **_fused_constants(kv_tiles, dq_tiles, head_dim, tokens, tokens))
             yield ("bwd_kernel", kern.bwd_kernel, kv_tiles + dq_tiles, has_doc, even, constants,
                    _launch_opts(cfg, False, "dkdv"))

@@ -8,10 +8,12 @@
 The forward and the two backward kernels are tuned apart (they take separate `KernelConfig` fields:
 forward, `bwd_*` for dK/dV, `dq_*` for dQ): each candidate forward is timed alone, each candidate
 dK/dV kernel alone (repeated `autograd.grad` over one retained forward whose queries need no
-gradient) and each dQ kernel alone (keys and values need none). Then the whole backward with the
-fastest dK/dV and dQ settings, as two launches and as one (`fused_backward`; only where the two
-settings' warps and stages agree, as one launch needs). Every candidate's output and gradients are
-compared with the first candidate's, so a setting that computes something else is reported, never picked. The mask is
+gradient) and each dQ kernel alone (keys and values need none). Then forward + backward with the
+fastest settings of the three, in each launch form: the backward as two launches or as one
+(`fused_backward`; only where the dK/dV and dQ settings' warps and stages agree, as one launch
+needs), each kernel's programs per head in turn or with the heads fastest (`heads_fastest`). Every
+candidate's output and gradients are compared with the first candidate's, so a setting that computes
+something else is reported, never picked. The mask is
 `bench_attention.py`'s multimodal sequence (text, images, audio, two packed documents). Prints one
 markdown table per phase and the `KernelConfig` of the fastest candidates summed over the lengths;
 before them, a `measured ...` line per candidate as soon as it is timed, so a run stopped at a time
@@ -51,12 +53,12 @@ TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
 TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
 
 
-# KernelConfig's fields a candidate (block_m, block_n, num_warps, num_stages) sets, per kernel; the
-# backward's launch candidates set one.
+# KernelConfig's fields a candidate (block_m, block_n, num_warps, num_stages) sets, per kernel; a
+# launch form's, two.
 FIELDS = {"forward": ("block_m", "block_n", "num_warps", "num_stages"),
           "dkdv": ("bwd_block_m", "bwd_block_n", "bwd_num_warps", "bwd_num_stages"),
           "dq": ("dq_block_m", "dq_block_n", "dq_num_warps", "dq_num_stages"),
-          "backward": ("fused_backward",)}
+          "launch": ("fused_backward", "heads_fastest")}
 
 
 def config(phase: str, c) -> "KernelConfig":
@@ -68,9 +70,9 @@ def config(phase: str, c) -> "KernelConfig":
 
 # backward phase -> which of q, k, v need gradients
 BACKWARD_PHASES = {"dkdv": (False, True, True), "dq": (True, False, False)}
-# The whole backward with the fastest dK/dV and dQ settings: two launches (the default, first: the
-# reference) or one (`fused_backward`).
-LAUNCHES = [(False,), (True,)]
+# Forward + backward with the fastest settings of the three kernels, in each launch form
+# (fused_backward, heads_fastest); the first, the default, is the reference.
+LAUNCHES = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _max_err(got, want) -> float:
@@ -149,19 +151,34 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
 
 
 def tune_launch(s: int, args, dtype, device, fields: dict, time_fn) -> dict:
-    """The whole backward (dQ, dK, dV) with the tuned `fields`, for each of LAUNCHES; a one-launch
-    candidate whose dK/dV and dQ warps or stages differ is reported as not applicable."""
-    from mimo.attention import KernelConfig
+    """Forward + backward (dQ, dK, dV) with the tuned kernel `fields`, for each launch form of LAUNCHES;
+    a one-launch form whose dK/dV and dQ warps or stages differ is reported as not applicable."""
+    from mimo.attention import KernelConfig, bitfield_attention
 
     q, k, v, mask, docs, go = _inputs(s, args, dtype, device)
     same = (fields["bwd_num_warps"], fields["bwd_num_stages"]) == (fields["dq_num_warps"], fields["dq_num_stages"])
-    runnable = [c for c in LAUNCHES if same or not c[0]]
-    configs = {c: KernelConfig(**dict(fields, fused_backward=c[0])) for c in runnable}
-    out = _time_backward("backward", runnable, configs, (q, k, v), mask, docs, go, s, time_fn, device)
+    out, want = {}, None
     for c in LAUNCHES:
-        if c not in out:
+        if c[0] and not same:
             out[c] = (None, "one launch needs the dK/dV and dQ settings' warps and stages to agree")
-            _progress(s, "backward", c, out[c])
+            _progress(s, "launch", c, out[c])
+            continue
+        cfg = KernelConfig(**dict(fields, **dict(zip(FIELDS["launch"], c))))
+
+        def step(cfg=cfg):
+            o = bitfield_attention(q, k, v, mask, docs, kernel_config=cfg)
+            return (o.detach(),) + torch.autograd.grad(o, (q, k, v), go)
+
+        try:
+            got = step()
+            want = got if want is None else want
+            scale = max(1.0, max(float(g.float().abs().max()) for g in want))
+            out[c] = (time_fn(step), _max_err(got, want) / scale)
+        except Exception as exc:  # a setting the GPU cannot launch is reported, not fatal
+            out[c] = (None, _short(exc))
+        _progress(s, "launch", c, out[c])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -198,8 +215,8 @@ def main(argv=None) -> int:
         _table(phase, cands, seqlens, results, best)
     if len(best) == 3:
         for s in seqlens:
-            results[s]["backward"] = tune_launch(s, args, dtype, device, best_fields(best), time_fn)
-        _table("backward", LAUNCHES, seqlens, results, best)
+            results[s]["launch"] = tune_launch(s, args, dtype, device, best_fields(best), time_fn)
+        _table("launch", LAUNCHES, seqlens, results, best)
     if len(best) == 4:
         fields = best_fields(best)
         print("\nKernelConfig(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")")
@@ -213,8 +230,8 @@ def main(argv=None) -> int:
                            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "kernel_config": fields,
                            "ms": ms}, f, indent=1)
     elif args.json_out:
-        # The backward's launch is tuned only once the three kernels have a setting each.
-        missing = ", ".join(p for p in FIELDS if p not in best and (p != "backward" or len(best) == 3))
+        # The launch forms are timed only once the three kernels have a setting each.
+        missing = ", ".join(p for p in FIELDS if p not in best and (p != "launch" or len(best) == 3))
         print(f"tune_attention: no candidate of {missing} was within the tolerance; {args.json_out} not written",
               file=sys.stderr)
     return 0
@@ -254,8 +271,8 @@ def _table(phase: str, cands, seqlens, results, best: dict) -> None:
 
 
 def best_fields(best: dict) -> dict:
-    """KernelConfig's fields of the fastest forward, dK/dV and dQ settings (and of the backward's
-    launch, once tuned)."""
+    """KernelConfig's fields of the fastest forward, dK/dV and dQ settings (and of the launch form,
+    once tuned)."""
     return {k: v for phase, keys in FIELDS.items() if phase in best for k, v in zip(keys, best[phase])}
 
 

@@ -50,6 +50,12 @@ def _shape_constants(bm: int, bn: int, d: int, s_q: int, s_k: int) -> dict:
                 N_EVEN=s_k % bn == 0)
 
 
+def _grid(n_work: int, n_heads: int, cfg: KernelConfig) -> tuple:
+    """A launch of n_work work entries (items, rows, columns; longest first) x n_heads heads: a 1-D grid
+    with the heads fastest (`cfg.heads_fastest`), else (work, head). The kernels' HEADS_FASTEST says which."""
+    return (n_work * n_heads,) if cfg.heads_fastest else (n_work, n_heads)
+
+
 def _fused_constants(kv_tiles, dq_tiles, d: int, s_q: int, s_k: int) -> dict:
     """The one-launch backward's compile-time shape arguments: the dK/dV plan's tiles as the dK/dV
     kernel takes them, the dQ plan's with a DQ_ prefix."""
@@ -79,12 +85,12 @@ def _forward(kern, interpret, q, k, v, inp: AttentionInputs, plan: BlockPlan, cf
     part_lse = torch.empty((max(items.n_slots, 1), hq, bm), dtype=torch.float32, device=q.device)
     masks, has_doc = _mask_args(inp)
     opts = _launch_opts(cfg, interpret)
-    kern.fwd_kernel[(n_items, hq)](
+    kern.fwd_kernel[_grid(n_items, hq, cfg)](
         q, k, v, out, lse, part_o, part_lse, *masks,
         items.row, items.start, items.length, items.slot, plan.rows.idx, plan.rows.npart,
         inp.softmax_scale * LOG2E, s_q, s_k, plan.n_qb, plan.n_kb, hq, hq // hkv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret,
+        HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, HEADS_FASTEST=cfg.heads_fastest,
         **_shape_constants(bm, plan.block_n, d, s_q, s_k), **opts,
     )
     n_agg = items.agg_row.numel()
@@ -129,13 +135,14 @@ def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, 
     if q_plan is not None:
         dq = _lastdim_contiguous(torch.zeros_like(q, memory_format=torch.preserve_format))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    flags = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret)
+    flags = dict(HAS_DOC=has_doc, IEEE=q.dtype == torch.float32, UPCAST=interpret, HEADS_FASTEST=cfg.heads_fastest)
     scale = (inp.softmax_scale, inp.softmax_scale * LOG2E)
     if cfg.fused_backward and kv_plan is not None and q_plan is not None:
         n_cols, n_rows = kv_plan.cols.nonempty.numel(), q_plan.rows.nonempty.numel()
         if n_cols + n_rows:
             cols, rows = kv_plan.cols, q_plan.rows
-            kern.bwd_kernel[(n_cols + group * n_rows, hkv)](
+            grid = (n_cols * hkv + n_rows * hq,) if cfg.heads_fastest else (n_cols + group * n_rows, hkv)
+            kern.bwd_kernel[grid](
                 q, k, v, dout, dq, dk, dv, lse, delta, *masks,
                 cols.nonempty, cols.idx, cols.npart, cols.cnt, rows.nonempty, rows.idx, rows.npart, rows.cnt,
                 n_cols, *scale, s_q, s_k, kv_plan.n_qb, kv_plan.n_kb, q_plan.n_qb, q_plan.n_kb, hq, group,
@@ -146,7 +153,7 @@ def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, 
         return dq, dk, dv
     if kv_plan is not None and kv_plan.cols.nonempty.numel():
         cols = kv_plan.cols
-        kern.bwd_dkdv_kernel[(cols.nonempty.numel(), hkv)](
+        kern.bwd_dkdv_kernel[_grid(cols.nonempty.numel(), hkv, cfg)](
             q, k, v, dout, dk, dv, lse, delta, *masks,
             cols.nonempty, cols.idx, cols.npart, cols.cnt, *scale, s_q, s_k, kv_plan.n_qb, kv_plan.n_kb, hq, group,
             *strides, *dk.stride()[:3], *dv.stride()[:3], **flags,
@@ -154,7 +161,7 @@ def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, 
         )
     if q_plan is not None and q_plan.rows.nonempty.numel():
         rows = q_plan.rows
-        kern.bwd_dq_kernel[(rows.nonempty.numel(), hq)](
+        kern.bwd_dq_kernel[_grid(rows.nonempty.numel(), hq, cfg)](
             q, k, v, dout, dq, lse, delta, *masks,
             rows.nonempty, rows.idx, rows.npart, rows.cnt, *scale, s_q, s_k, q_plan.n_qb, q_plan.n_kb, hq, group,
             *strides, *dq.stride()[:3], **flags,

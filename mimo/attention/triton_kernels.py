@@ -134,6 +134,21 @@ def _mask_vecs(M, P, D, base, offs, rows_in, ROWS_EVEN: tl.constexpr, HAS_DOC: t
 
 
 @triton.jit
+def _work_and_head(n_heads, HEADS_FASTEST: tl.constexpr):
+    """This program's work index (into the launch's list of items, columns or rows, longest first)
+    and head. HEADS_FASTEST: a 1-D grid in which the heads of one work index are neighbours, so the
+    launch order is longest first over every head at once; else a 2-D grid (work, head), so each
+    head's work runs longest first in turn."""
+    if HEADS_FASTEST:
+        w = tl.program_id(0) // n_heads
+        h = tl.program_id(0) % n_heads
+    else:
+        w = tl.program_id(0)
+        h = tl.program_id(1)
+    return w, h
+
+
+@triton.jit
 def classify_kernel(
     QM, QP, QD, KM, KP, KD, STATUS, s_q, s_k, n_qb, n_kb,
     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -211,7 +226,7 @@ def fwd_kernel(
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """One work item = one query block x a run of its non-empty key blocks (list positions
     ITEM_START .. + ITEM_LEN; the row's first KV_NPART are partial).
@@ -219,8 +234,7 @@ def fwd_kernel(
     Items covering a whole row write O and LSE directly; split rows write a
     normalised partial output and its lse into slot ITEM_SLOT for merge_kernel.
     """
-    item = tl.program_id(0)
-    h = tl.program_id(1)
+    item, h = _work_and_head(hq, HEADS_FASTEST)
     row = tl.load(ITEM_ROW + item)
     start = tl.load(ITEM_START + item)
     end = start + tl.load(ITEM_LEN + item)
@@ -395,10 +409,11 @@ def bwd_dkdv_kernel(
     sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """dK, dV: one program per listed key block (COLS) and kv head."""
-    _dkdv_program(tl.load(COLS + tl.program_id(0)), tl.program_id(1), Q, K, V, DO, DK, DV, LSE, DELTA,
+    c, hk = _work_and_head(hq // group, HEADS_FASTEST)
+    _dkdv_program(tl.load(COLS + c), hk, Q, K, V, DO, DK, DV, LSE, DELTA,
                   QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
                   sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                   HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
@@ -474,10 +489,11 @@ def bwd_dq_kernel(
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
     HAS_DOC: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
+    D_EVEN: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
     """dQ: one program per listed query block (ROWS) and query head."""
-    _dq_program(tl.load(ROWS + tl.program_id(0)), tl.program_id(1), Q, K, V, DO, DQ, LSE, DELTA,
+    r, h = _work_and_head(hq, HEADS_FASTEST)
+    _dq_program(tl.load(ROWS + r), h, Q, K, V, DO, DQ, LSE, DELTA,
                 QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq, group,
                 sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                 HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
@@ -495,23 +511,35 @@ def bwd_kernel(
     HEAD_DIM: tl.constexpr, D_EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_EVEN: tl.constexpr, N_EVEN: tl.constexpr,
     DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr, DQ_M_EVEN: tl.constexpr, DQ_N_EVEN: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    """The whole backward in one launch (KernelConfig.fused_backward): per kv head (axis 1), the
-    first n_cols programs are the dK/dV kernel's (its plan's tiles BLOCK_M x BLOCK_N), the rest the
-    dQ kernel's for each of the group's query heads, side by side (its plan's DQ_BLOCK_M x DQ_BLOCK_N).
-    The dQ programs fill the GPU while the last dK/dV programs finish, instead of starting after a
-    second launch's drain; each program computes exactly what the two-kernel backward's does."""
+    """The whole backward in one launch (KernelConfig.fused_backward): the dK/dV kernel's programs
+    (its plan's tiles BLOCK_M x BLOCK_N), then the dQ kernel's (DQ_BLOCK_M x DQ_BLOCK_N). On a 2-D
+    grid, per kv head (axis 1): its n_cols dK/dV programs, then the dQ programs of its group's query
+    heads, side by side. On a 1-D grid (HEADS_FASTEST): the n_cols x kv heads dK/dV programs, then
+    the query blocks x query heads dQ programs, heads fastest in each. The dQ programs fill the GPU
+    while the last dK/dV programs finish, instead of starting after a second launch's drain; each
+    program computes exactly what the two-kernel backward's does."""
     pid = tl.program_id(0)
-    hk = tl.program_id(1)
-    if pid < n_cols:
-        _dkdv_program(tl.load(COLS + pid), hk, Q, K, V, DO, DK, DV, LSE, DELTA,
+    if HEADS_FASTEST:
+        hkv = hq // group
+        n_dkdv = n_cols * hkv
+        j = tl.maximum(pid - n_dkdv, 0)  # the dQ programs' own index
+        col, hk = pid // hkv, pid % hkv
+        row, h = j // hq, j % hq
+    else:
+        n_dkdv = n_cols
+        j = tl.maximum(pid - n_cols, 0)
+        col, hk = pid, tl.program_id(1)
+        row, h = j // group, hk * group + j % group
+    if pid < n_dkdv:
+        _dkdv_program(tl.load(COLS + col), hk, Q, K, V, DO, DK, DV, LSE, DELTA,
                       QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq,
                       group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
                       sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                       HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
     else:
-        j = pid - n_cols
-        _dq_program(tl.load(ROWS + j // group), hk * group + j % group, Q, K, V, DO, DQ, LSE, DELTA,
+        _dq_program(tl.load(ROWS + row), h, Q, K, V, DO, DQ, LSE, DELTA,
                     QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT, scale, scale_log2, s_q, s_k, dq_n_qb, dq_n_kb,
                     hq, group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
                     HAS_DOC, IEEE, UPCAST, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, DQ_M_EVEN, DQ_N_EVEN)

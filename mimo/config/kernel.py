@@ -14,6 +14,8 @@ AUTO_SPLIT_TILES = 16
 FILL_WAVES = 2
 # A program is at most 1024 threads: 32 warps.
 MAX_WARPS = 32
+# The fields that are true or false; the others are integers.
+BOOL_FIELDS = ("fused_backward", "heads_fastest")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class KernelConfig:
     differ; their warps and stages must agree), so that dQ programs fill the GPU
     while the last dK/dV programs finish. None (the default) is False: two launches,
     the setting measured so far (tools/tune_attention.py times both).
+    heads_fastest: launch the programs of every head of one row (forward, dQ) or
+    column (dK/dV) next to each other, rows longest first over all heads at once;
+    else (None, the default, measured so far) each head's rows run longest first in
+    turn, and the last head's longest rows start late.
     The launch settings for head_dim 65-128 were tuned on an H200 (tools/tune_attention.py);
     the tile sizes, and the settings for other head dims, are untuned choices.
     """
@@ -51,6 +57,7 @@ class KernelConfig:
     dq_num_warps: Optional[int] = None
     dq_num_stages: Optional[int] = None
     fused_backward: Optional[bool] = None
+    heads_fastest: Optional[bool] = None
 
     def resolve(self, head_dim: int) -> "KernelConfig":
         big = head_dim > 128
@@ -79,6 +86,7 @@ class KernelConfig:
             dq_num_warps=self.dq_num_warps or bwd_num_warps,
             dq_num_stages=self.dq_num_stages or bwd_num_stages,
             fused_backward=bool(self.fused_backward),
+            heads_fastest=bool(self.heads_fastest),
         )
         for name in ("block_m", "block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             value = getattr(out, name)
@@ -113,7 +121,7 @@ class KernelConfig:
 def field_problems(fields) -> list:
     """(field, reason) for each entry of a mapping of KernelConfig fields that KernelConfig would
     refuse or misread: not a mapping, an unknown name, a value that is not an integer (not true or
-    false for fused_backward), or one below 1 (below 0 for split_tiles), which KernelConfig would take
+    false for the BOOL_FIELDS), or one below 1 (below 0 for split_tiles), which KernelConfig would take
     as "the default". A mapping without such problems can still fail `resolve` (a tile that is not a
     power of two, say)."""
     if not isinstance(fields, dict):
@@ -123,7 +131,7 @@ def field_problems(fields) -> list:
     for key, value in fields.items():
         if key not in known:
             problems.append((str(key), f"unknown field (KernelConfig has {', '.join(known)})"))
-        elif key == "fused_backward":
+        elif key in BOOL_FIELDS:
             if not isinstance(value, bool):
                 problems.append((key, f"must be true or false, got {value!r}"))
         elif not isinstance(value, int) or isinstance(value, bool):

@@ -47,6 +47,9 @@ def test_a_tuned_setting_is_accepted_for_the_llm_and_an_encoder():
     assert cfg.model.language.attention_kernel == {"fused_backward": True}
     assert KernelConfig(**cfg.model.language.attention_kernel).resolve(128).fused_backward is True
     assert KernelConfig().resolve(128).fused_backward is False  # two launches unless asked
+    assert KernelConfig().resolve(128).heads_fastest is False    # each head's rows in turn unless asked
+    cfg = load_config(_raw(dict(attention="bitfield", attention_kernel={"heads_fastest": True})))
+    assert KernelConfig(**cfg.model.language.attention_kernel).resolve(64).heads_fastest is True
 
 
 @pytest.mark.parametrize("kernel, expected", [
@@ -59,6 +62,8 @@ def test_a_tuned_setting_is_accepted_for_the_llm_and_an_encoder():
     ({"block_m": "64"}, ["error: model.language.attention_kernel.block_m: must be an integer, got '64'"]),
     ([64], ["error: model.language.attention_kernel: must be a mapping, got [64]"]),
     ({"fused_backward": 1}, ["error: model.language.attention_kernel.fused_backward: must be true or false, got 1"]),
+    ({"heads_fastest": "yes"},
+     ["error: model.language.attention_kernel.heads_fastest: must be true or false, got 'yes'"]),
     ({"fused_backward": True, "dq_num_warps": 8},
      ["error: model.language.attention_kernel.fused_backward: needs the dK/dV and dQ kernels' warps and stages to "
       "agree (one launch), got bwd_num_warps 4, bwd_num_stages 2, dq_num_warps 8, dq_num_stages 2"]),

@@ -126,21 +126,29 @@ def test_rows_without_keys_still_zero_under_the_specialised_loops():
 
 @pytest.mark.parametrize("tiles", [dict(bwd_block_m=16, bwd_block_n=16),
                                    dict(bwd_block_m=16, bwd_block_n=32, dq_block_m=32, dq_block_n=16)])
-def test_one_launch_backward_matches_the_two_launches_bit_for_bit(tiles):
-    """`fused_backward`: the dK/dV and dQ programs in one launch, with the tiles of each plan and the
-    group's query heads side by side, compute exactly the two launches' gradients."""
+def test_launch_forms_compute_the_same_bits(tiles):
+    """The backward as one launch (`fused_backward`: the dK/dV and dQ programs together, each plan's
+    tiles, the group's query heads side by side) and every kernel on a 1-D grid with the heads fastest
+    (`heads_fastest`, split forward rows included) compute exactly the default launches' output and
+    gradients, which match the reference."""
     clear_block_cache()
     mask, docs = scenario("embedded_image_audio")  # s = 70: no tile divides it
     b, s = mask.shape
     inputs = qkv(b, s, 6, 2, 24)  # groups of 3 query heads: a wrong head route shows
     runs = {}
-    for fused in (False, True):
-        cfg = KernelConfig(block_m=16, block_n=16, split_tiles=0, fused_backward=fused, **tiles)
-        runs[fused] = run_both(lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
-                               lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
-        assert_match(runs[fused], **FP32)
-    (_, two), (_, one) = runs[False][0], runs[True][0]
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    # Every combination with the first tiles; with the dQ kernel's own tiles, the one-launch forms.
+    forms = [(False, False), (True, False), (False, True), (True, True)] if len(tiles) == 2 else \
+        [(False, False), (True, False), (True, True)]
+    for fused, heads_fastest in forms:
+        cfg = KernelConfig(block_m=16, block_n=16, split_tiles=2, fused_backward=fused,
+                           heads_fastest=heads_fastest, **tiles)
+        runs[fused, heads_fastest] = run_both(
+            lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
+            lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
+        assert_match(runs[fused, heads_fastest], **FP32)
+    out, grads = runs[False, False][0]
+    for key, ((o, g), _) in runs.items():
+        assert torch.equal(o, out) and all(torch.equal(a, b) for a, b in zip(g, grads)), key
     clear_block_cache()
 
 

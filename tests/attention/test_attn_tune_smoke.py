@@ -1,5 +1,7 @@
 """tools/tune_attention.py in its CPU smoke mode, and the launch settings it tunes (KernelConfig)."""
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -15,34 +17,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tune_attention  # noqa: E402
 
 
-def test_cpu_tiny_smoke_times_and_checks_every_candidate(capsys):
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One --tiny run with --json-out (its directory not made yet): (stdout, the JSON file)."""
+    out_file = tmp_path_factory.mktemp("tune") / "not" / "made" / "tuned.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
+    return printed.getvalue(), out_file
+
+
+def test_cpu_tiny_smoke_times_and_checks_every_candidate(tiny_run):
     tool = tune_attention
-    assert tool.main(["--device", "cpu", "--tiny"]) == 0
-    out = capsys.readouterr().out
+    out = tiny_run[0]
     rows = [line for line in out.splitlines() if line.startswith("| (")]
-    # dK/dV and dQ apart, then the whole backward as two launches and as one.
+    # dK/dV and dQ apart, then forward + backward in each launch form.
     assert len(rows) == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD) + len(tool.LAUNCHES)
     for row in rows:
         cell = row.split("|")[2]
         assert "diff" in cell and "WRONG" not in cell and float(cell.split()[0]) > 0, row
     assert out.count("fastest ") == 4 and "\nKernelConfig(block_m=" in out and "dq_num_stages=" in out
-    assert "\nbackward (fused_backward)" in out and "fused_backward=" in out
+    assert "\nlaunch (fused_backward, heads_fastest)" in out and "fused_backward=" in out and "heads_fastest=" in out
     # Each candidate is also reported as soon as it is timed (a run stopped at a time limit keeps those).
     progress = [line for line in out.splitlines() if line.startswith("measured 48 tokens ")]
     assert [line.split()[3] for line in progress] == (["forward"] * len(tool.TINY_FORWARD) + ["dkdv"] *
                                                       len(tool.TINY_BACKWARD) + ["dq"] * len(tool.TINY_BACKWARD) +
-                                                      ["backward"] * len(tool.LAUNCHES))
+                                                      ["launch"] * len(tool.LAUNCHES))
     assert all(line.endswith(")") and " ms (diff " in line for line in progress), progress
-    assert out.index(progress[-3]) < out.index("| (")  # the kernels' before the first table
-
-
-def test_a_candidate_outside_the_tolerance_is_never_picked(capsys, monkeypatch):
-    tool = tune_attention
-    monkeypatch.setattr(tool, "TOLERANCE", -1.0)  # every candidate, the reference included, now "differs"
-    assert tool.main(["--device", "cpu", "--tiny"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("WRONG") == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)  # no launch phase then
-    assert "fastest" not in out and "KernelConfig(" not in out
+    assert out.index(progress[-len(tool.LAUNCHES) - 1]) < out.index("| (")  # the kernels' before the first table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA run is the tuning itself, not a unit test")
@@ -75,10 +77,8 @@ def test_the_reference_rows_are_the_defaults_for_head_dim_128():
     assert tool.BACKWARD[0] == (d.bwd_block_m, d.bwd_block_n, d.bwd_num_warps, d.bwd_num_stages)
 
 
-def test_json_out_holds_the_printed_fastest_settings(tmp_path, capsys):
-    out_file = tmp_path / "not" / "made" / "tuned.json"  # its directory is made
-    assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
-    out = capsys.readouterr().out
+def test_json_out_holds_the_printed_fastest_settings(tiny_run):
+    out, out_file = tiny_run  # the file's directory was made
     printed = out.split("\nKernelConfig(")[1].split(")")[0]
     saved = json.loads(out_file.read_text())
     fields = saved["kernel_config"]
@@ -86,29 +86,34 @@ def test_json_out_holds_the_printed_fastest_settings(tmp_path, capsys):
     # The YAML line for a model's config says the same.
     assert yaml.safe_load(out.split("\n# in a model's YAML")[1].split("\n", 1)[1]) == {"attention_kernel": fields}
     assert set(fields) == set(KernelConfig.__dataclass_fields__) - {"split_tiles"}
-    assert isinstance(fields["fused_backward"], bool)
+    assert isinstance(fields["fused_backward"], bool) and isinstance(fields["heads_fastest"], bool)
     KernelConfig(**fields).resolve(16)  # a config the kernels take as it is
-    assert set(saved["ms"]) == {"forward", "dkdv", "dq", "backward"} and all(v["48"] > 0 for v in saved["ms"].values())
+    assert set(saved["ms"]) == {"forward", "dkdv", "dq", "launch"} and all(v["48"] > 0 for v in saved["ms"].values())
     assert (saved["heads"], saved["kv_heads"], saved["head_dim"]) == (2, 1, 16)
 
 
-def test_json_out_is_not_written_without_a_winner(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tune_attention, "TOLERANCE", -1.0)
+def test_a_candidate_outside_the_tolerance_is_never_picked_nor_written(tmp_path, capsys, monkeypatch):
+    tool = tune_attention
+    monkeypatch.setattr(tool, "TOLERANCE", -1.0)  # every candidate, the reference included, now "differs"
     out_file = tmp_path / "tuned.json"
-    assert tune_attention.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
-    err = capsys.readouterr().err
+    assert tool.main(["--device", "cpu", "--tiny", "--json-out", str(out_file)]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("WRONG") == len(tool.TINY_FORWARD) + 2 * len(tool.TINY_BACKWARD)  # no launch forms then
+    assert "fastest" not in out and "KernelConfig(" not in out
     assert not out_file.exists() and "no candidate of forward, dkdv, dq was within the tolerance" in err
 
 
-def test_the_backward_launch_is_tuned_only_where_one_launch_can_run(capsys, monkeypatch):
+def test_one_launch_forms_are_timed_only_where_one_launch_can_run(capsys, monkeypatch):
     tool = tune_attention
     # The fastest dQ setting with other warps than the dK/dV one: one launch cannot run it.
     monkeypatch.setattr(tool, "TINY_BACKWARD", [(16, 16, 4, 2), (16, 32, 2, 2)])
     monkeypatch.setattr(tool, "_table", _pick_first_dkdv_second_dq(tool._table))
     assert tool.main(["--device", "cpu", "--tiny"]) == 0
     out = capsys.readouterr().out
-    assert "measured 48 tokens backward (True,): fails (one launch needs the dK/dV and dQ settings' warps" in out
-    assert "fastest backward: (False,)" in out and "fused_backward=False" in out
+    for form in ("(True, False)", "(True, True)"):
+        assert (f"measured 48 tokens launch {form}: fails (one launch needs the dK/dV and dQ settings' warps"
+                in out)
+    assert "fastest launch: (False, " in out and "fused_backward=False" in out
 
 
 def _pick_first_dkdv_second_dq(table):
