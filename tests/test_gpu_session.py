@@ -111,6 +111,26 @@ def test_the_attention_focus_runs_the_table_tuning_and_the_tuned_table(tmp_path)
     _flags_exist(lines, tools)
 
 
+@pytest.mark.parametrize("budget", ["120", "250", "400"])
+def test_the_attention_focus_fits_a_small_budget(tmp_path, budget):
+    """Steps take no time with the stand-in, so every share is its largest: the table always runs,
+    within the budget and with a positive --budget-s; the check only where 200 s remain after it."""
+    fake, calls = _fake_python(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tuned.json").write_text("{}")  # a file an earlier session left
+    proc = _run(tmp_path / "out", fake, budget=budget, focus=["attention"])
+    assert proc.returncode == 0, proc.stderr
+    lines = calls.read_text().splitlines()
+    assert ("step gpu_check: skipped" in proc.stdout) == (budget == "120")
+    benches = [x for x in lines if "tools/gpu_bench.py" in x]
+    assert benches and all(10 <= int(re.search(r"--budget-s (\d+)", x).group(1)) < int(budget) for x in benches)
+    limits = [int(x) for x in re.findall(r"== step \w+ \(limit (-?\d+)s\)", (tmp_path / "out" / "session.log")
+                                         .read_text())]
+    assert limits and all(10 <= x <= int(budget) for x in limits), limits
+    # The earlier session's tuned.json was removed: only this session's tuning writes one.
+    assert any("tune_attention.py" in x for x in lines) == (tmp_path / "out" / "tuned.json").exists()
+
+
 def test_an_unknown_focus_is_refused(tmp_path):
     fake, calls = _fake_python(tmp_path)
     proc = _run(tmp_path / "out", fake, focus=["kernels"])

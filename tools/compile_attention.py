@@ -64,7 +64,7 @@ def _scalar_values(fn, head_dim: int, tokens: int, block_m: int, block_n: int, d
     dq_m, dq_n = dq_tiles or (block_m, block_n)
     values = dict(s_q=tokens, s_k=tokens, n_qb=-(-tokens // block_m), n_kb=-(-tokens // block_n), hq=HEADS,
                   group=HEADS // KV_HEADS, dq_n_qb=-(-tokens // dq_m), dq_n_kb=-(-tokens // dq_n),
-                  n_cols=KV_HEADS * -(-tokens // block_n))
+                  n_cols=-(-tokens // block_n))
     for prefix, s in (("sq", q), ("sk", kv), ("sv", kv), ("so", q), ("sdo", q), ("sdq", q), ("sdk", kv),
                       ("sdv", kv)):
         values.update({prefix + "b": s[0], prefix + "s": s[1], prefix + "h": s[2]})
@@ -105,7 +105,7 @@ def signature(fn, constants: dict, dtype: str, scalars: dict):
 def variants(kern, cfg, head_dim: int, dtype: str):
     """(kernel name, fn, tiles, has_doc, even, constants, launch options) the runtime can launch."""
     from mimo.attention.function import (  # what function.py passes
-        _delta_constants, _fused_constants, _launch_opts, _shape_constants,
+        DELTA_LAUNCH, _delta_constants, _fused_constants, _launch_opts, _shape_constants,
     )
 
     launches = (("fwd_kernel", "fwd", cfg.block_m, cfg.block_n), ("bwd_dkdv_kernel", "dkdv", cfg.bwd_block_m,
@@ -131,8 +131,7 @@ def variants(kern, cfg, head_dim: int, dtype: str):
         for has_dlse in (False, True):
             constants = dict(HAS_DLSE=has_dlse, **_delta_constants(head_dim, tokens))
             yield ("bwd_delta_kernel", kern.bwd_delta_kernel, (constants["BLOCK_M"], constants["BLOCK_D"]), False, even,
-                   constants,
-                   {"num_warps": 4})
+                   constants, DELTA_LAUNCH)
     shape = _shape_constants(cfg.block_m, cfg.block_n, head_dim, EVEN_TOKENS, EVEN_TOKENS)
     yield ("merge_kernel", kern.merge_kernel, (cfg.block_m, cfg.block_n), False, True,
            dict(BLOCK_M=cfg.block_m, BLOCK_D=shape["BLOCK_D"], HEAD_DIM=head_dim), _launch_opts(cfg, False, "fwd"))

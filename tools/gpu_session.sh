@@ -56,7 +56,7 @@ step() {
     local name=$1 limit=$2 t0 rc
     shift 2
     if [ "$limit" -lt 10 ]; then
-        echo "step $name: skipped, ${limit}s of the budget left" | tee -a "$LOG"
+        echo "step $name: skipped, its share of the budget (${limit}s) is under 10 s" | tee -a "$LOG"
         return
     fi
     echo "== step $name (limit ${limit}s): $*" >> "$LOG"
@@ -87,22 +87,32 @@ if ! "$PY" -c "import megatron.core" >> "$LOG" 2>&1; then
 fi
 "$PY" -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" | tee -a "$LOG"
 
-step gpu_check "$(min 90 $(($(left) - 240)))" sh -c "\"$PY\" tools/gpu_check.py --quick > \"$OUT/gpu_check.json\""
+# Files a step writes only when it finishes: none may be left from an earlier session in OUT_DIR.
+rm -f "$OUT/tuned.json" "$OUT/tune.log"
+# What the steps after the check need at least: the whole session's, or the attention table's.
+RESERVE=240
+[ "$FOCUS" = attention ] && RESERVE=200
+step gpu_check "$(min 90 $(($(left) - RESERVE)))" sh -c "\"$PY\" tools/gpu_check.py --quick > \"$OUT/gpu_check.json\""
 cat "$OUT/gpu_check.json" >> "$LOG" 2>/dev/null
 if [ "$FOCUS" = attention ]; then
     # The acceptance lengths, longest first; flex_attention and SDPA in the same table. Then tuning with
-    # half of what is left (one length when that is little), then the table with the tuned settings.
+    # half of what is left (one length when that is little; none under 120 s: it could not finish),
+    # then the table with the tuned settings.
     ATTN="--skip step,profile --seqlens 65536,32768,16384"
     # A row started before the bench's --budget-s may run on for up to ~50 s (a cold flex compile at 64k).
     bench_budget() { echo $(($1 > 60 ? $1 - 50 : 10)); }
-    LIMIT=$(min 200 $(($(left) - 150)))
+    LIMIT=$(min 200 $(($(left) - 60)))
     step attention "$LIMIT" "$PY" tools/gpu_bench.py $ATTN --out "$OUT/attention.jsonl" \
         --profile-out "$OUT/attention.profile.json" --budget-s "$(bench_budget "$LIMIT")"
     SEQLENS=16384,65536
     [ "$(left)" -lt 400 ] && SEQLENS=16384
-    step tune_attention $(($(left) / 2)) \
-        sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS --kv-heads 8 --json-out \"$OUT/tuned.json\" \
+    if [ "$(left)" -ge 120 ]; then
+        step tune_attention $(($(left) / 2)) \
+            sh -c "\"$PY\" tools/tune_attention.py --seqlens $SEQLENS --kv-heads 8 --json-out \"$OUT/tuned.json\" \
 > \"$OUT/tune.log\" 2>&1"
+    else
+        echo "step tune_attention: skipped, $(left)s of the budget left (it needs 120 s)" | tee -a "$LOG"
+    fi
     if [ -f "$OUT/tuned.json" ]; then
         LIMIT=$(($(left) - 10))
         step attention_tuned "$LIMIT" "$PY" tools/gpu_bench.py $ATTN --kernel-config "$OUT/tuned.json" \

@@ -73,15 +73,20 @@ BACKWARD_PHASES = {"dkdv": (False, True, True), "dq": (True, False, False)}
 # Forward + backward with the fastest settings of the three kernels, in each launch form
 # (fused_backward, heads_fastest); the first, the default, is the reference.
 LAUNCHES = [(False, False), (True, False), (False, True), (True, True)]
+NOT_APPLICABLE = "n/a: one launch needs the dK/dV and dQ settings' warps and stages to agree"
 
 
 def _max_err(got, want) -> float:
     return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
 
 
+def _failed(err: str) -> str:
+    return err if err == NOT_APPLICABLE else f"fails ({err})"
+
+
 def _progress(s: int, phase: str, c, result) -> None:
     t, err = result
-    what = f"fails ({err})" if t is None else f"{t * 1e3:.3f} ms (diff {err:.1e})"
+    what = _failed(err) if t is None else f"{t * 1e3:.3f} ms (diff {err:.1e})"
     print(f"measured {s} tokens {phase} {c}: {what}", flush=True)
 
 
@@ -160,7 +165,7 @@ def tune_launch(s: int, args, dtype, device, fields: dict, time_fn) -> dict:
     out, want = {}, None
     for c in LAUNCHES:
         if c[0] and not same:
-            out[c] = (None, "one launch needs the dK/dV and dQ settings' warps and stages to agree")
+            out[c] = (None, NOT_APPLICABLE)
             _progress(s, "launch", c, out[c])
             continue
         cfg = KernelConfig(**dict(fields, **dict(zip(FIELDS["launch"], c))))
@@ -254,7 +259,7 @@ def _table(phase: str, cands, seqlens, results, best: dict) -> None:
         for s in seqlens:
             t, err = results[s][phase][c]
             if t is None:
-                cells.append(f"fails ({err})")
+                cells.append(_failed(err))
                 total = None
                 continue
             ok = err <= TOLERANCE

@@ -64,6 +64,9 @@ def _fused_constants(kv_tiles, dq_tiles, d: int, s_q: int, s_k: int) -> dict:
                 **{"DQ_" + name: dq[name] for name in ("BLOCK_M", "BLOCK_N", "M_EVEN", "N_EVEN")})
 
 
+DELTA_LAUNCH = {"num_warps": 4}  # a memory-bound row sum: one tile of O and of dO per program
+
+
 def _delta_constants(d: int, s_q: int) -> dict:
     bd = _pow2(d)
     bm = max(16, min(128, 8192 // bd))  # 64 rows at head_dim 128: a tile of each input per program
@@ -112,14 +115,14 @@ def _delta(kern, interpret, out, dout, dlse):
     shape = _delta_constants(d, s_q)
     has_dlse = dlse is not None
     dlse = dlse.float().contiguous() if has_dlse else delta
-    kern.bwd_delta_kernel[(-(-s_q // shape["BLOCK_M"]), hq, b)](
+    kern.bwd_delta_kernel[(-(-s_q // shape["BLOCK_M"]) * hq * b,)](
         out, dout, dlse, delta, s_q, hq, *out.stride()[:3], *dout.stride()[:3], HAS_DLSE=has_dlse, **shape,
-        **({} if interpret else {"num_warps": 4}),
+        **({} if interpret else DELTA_LAUNCH),
     )
     return delta
 
 
-def _backward(kern, interpret, q, k, v, out, lse, dout, delta, inp, plans, cfg, need):
+def _backward(kern, interpret, q, k, v, lse, dout, delta, inp, plans, cfg, need):
     """dQ, dK, dV; `plans` = (the dK/dV kernel's plan, the dQ kernel's plan), each with its own tiles.
     Two launches, or one (`cfg.fused_backward`) when both kernels run."""
     b, s_q, hq, d = q.shape
@@ -189,7 +192,7 @@ class _BitfieldAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout = _lastdim_contiguous(dout)
         delta = _delta(ctx.kern, ctx.interpret, out, dout, dlse)
-        dq, dk, dv = _backward(ctx.kern, ctx.interpret, q, k, v, out, lse, dout, delta, ctx.inp,
+        dq, dk, dv = _backward(ctx.kern, ctx.interpret, q, k, v, lse, dout, delta, ctx.inp,
                                ctx.bwd_plans, ctx.cfg, ctx.needs_input_grad[:3])
         return (dq, dk, dv) + none
 

@@ -522,23 +522,25 @@ def bwd_kernel(
     program computes exactly what the two-kernel backward's does."""
     pid = tl.program_id(0)
     if HEADS_FASTEST:
-        hkv = hq // group
-        n_dkdv = n_cols * hkv
-        j = tl.maximum(pid - n_dkdv, 0)  # the dQ programs' own index
-        col, hk = pid // hkv, pid % hkv
-        row, h = j // hq, j % hq
+        n_dkdv = n_cols * (hq // group)
     else:
         n_dkdv = n_cols
-        j = tl.maximum(pid - n_cols, 0)
-        col, hk = pid, tl.program_id(1)
-        row, h = j // group, hk * group + j % group
     if pid < n_dkdv:
+        if HEADS_FASTEST:
+            col, hk = pid // (hq // group), pid % (hq // group)
+        else:
+            col, hk = pid, tl.program_id(1)
         _dkdv_program(tl.load(COLS + col), hk, Q, K, V, DO, DK, DV, LSE, DELTA,
                       QM, QP, QD, KM, KP, KD, Q_IDX, Q_NPART, Q_CNT, scale, scale_log2, s_q, s_k, n_qb, n_kb, hq,
                       group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
                       sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
                       HAS_DOC, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, D_EVEN, M_EVEN, N_EVEN)
     else:
+        j = pid - n_dkdv  # the dQ programs' own index
+        if HEADS_FASTEST:
+            row, h = j // hq, j % hq
+        else:
+            row, h = j // group, tl.program_id(1) * group + j % group
         _dq_program(tl.load(ROWS + row), h, Q, K, V, DO, DQ, LSE, DELTA,
                     QM, QP, QD, KM, KP, KD, KV_IDX, KV_NPART, KV_CNT, scale, scale_log2, s_q, s_k, dq_n_qb, dq_n_kb,
                     hq, group, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
@@ -552,10 +554,13 @@ def bwd_delta_kernel(
     D_EVEN: tl.constexpr, M_EVEN: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO * O (fp32) of BLOCK_M rows of one head, less dlse[b, h, i] when the
-    lse output has a gradient: one read of O and dO, no fp32 copies of them."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h = tl.program_id(1)
-    bi = tl.program_id(2).to(tl.int64)
+    lse output has a gradient: one read of O and dO, no fp32 copies of them. A 1-D grid over (batch,
+    head, row block), row blocks fastest: no grid axis limits the batch."""
+    n_mb = tl.cdiv(s_q, BLOCK_M)
+    pid = tl.program_id(0)
+    offs_m = (pid % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = (pid // n_mb) % hq
+    bi = (pid // n_mb // hq).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     m_in = offs_m < s_q
     d_in = offs_d < HEAD_DIM

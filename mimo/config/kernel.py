@@ -99,6 +99,9 @@ class KernelConfig:
         for name in ("num_stages", "bwd_num_stages", "dq_num_stages"):
             if getattr(out, name) < 1:
                 raise ValueError(f"KernelConfig.{name} must be >= 1, got {getattr(out, name)}")
+        for name in BOOL_FIELDS:
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise ValueError(f"KernelConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if out.fused_backward and (out.bwd_num_warps, out.bwd_num_stages) != (out.dq_num_warps, out.dq_num_stages):
             raise ValueError(
                 "KernelConfig.fused_backward needs the dK/dV and dQ kernels' warps and stages to agree (one "

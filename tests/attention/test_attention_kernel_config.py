@@ -48,6 +48,8 @@ def test_a_tuned_setting_is_accepted_for_the_llm_and_an_encoder():
     assert KernelConfig(**cfg.model.language.attention_kernel).resolve(128).fused_backward is True
     assert KernelConfig().resolve(128).fused_backward is False  # two launches unless asked
     assert KernelConfig().resolve(128).heads_fastest is False    # each head's rows in turn unless asked
+    with pytest.raises(ValueError, match="KernelConfig.fused_backward must be true or false, got 'false'"):
+        KernelConfig(fused_backward="false").resolve(128)  # from Python, a string is not read as a flag
     cfg = load_config(_raw(dict(attention="bitfield", attention_kernel={"heads_fastest": True})))
     assert KernelConfig(**cfg.model.language.attention_kernel).resolve(64).heads_fastest is True
 

@@ -9,6 +9,8 @@
 * The forward splits rows only where it launches too few programs to fill the GPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 from attn_scenarios import qkv, scenario
@@ -142,14 +144,44 @@ def test_launch_forms_compute_the_same_bits(tiles):
     for fused, heads_fastest in forms:
         cfg = KernelConfig(block_m=16, block_n=16, split_tiles=2, fused_backward=fused,
                            heads_fastest=heads_fastest, **tiles)
-        runs[fused, heads_fastest] = run_both(
-            lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
-            lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
+        with _launches() as launched:
+            runs[fused, heads_fastest] = run_both(
+                lambda q, k, v: bitfield_attention(q, k, v, mask, docs, kernel_config=cfg),
+                lambda q, k, v: reference_attention(q, k, v, mask, docs), inputs)
         assert_match(runs[fused, heads_fastest], **FP32)
+        # The form asked for is the one that ran: which kernels, on which grids.
+        backward = ["bwd_kernel"] if fused else ["bwd_dkdv_kernel", "bwd_dq_kernel"]
+        assert [name for name, _ in launched] == ["fwd_kernel", "merge_kernel", "bwd_delta_kernel"] + backward
+        dims = {name: len(grid) for name, grid in launched}
+        assert all(dims[name] == (1 if heads_fastest else 2) for name in ["fwd_kernel"] + backward), launched
     out, grads = runs[False, False][0]
     for key, ((o, g), _) in runs.items():
         assert torch.equal(o, out) and all(torch.equal(a, b) for a, b in zip(g, grads)), key
     clear_block_cache()
+
+
+@contextlib.contextmanager
+def _launches():
+    """The attention kernels launched inside the block, as (name, grid), in launch order."""
+    kern, launched = kernels(interpret=True), []
+
+    class Recorder:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            launched.append((self.name, grid))
+            return self.fn[grid]
+
+    names = ("fwd_kernel", "merge_kernel", "bwd_delta_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "bwd_kernel")
+    originals = {name: getattr(kern, name) for name in names}
+    try:
+        for name, fn in originals.items():
+            setattr(kern, name, Recorder(name, fn))
+        yield launched
+    finally:
+        for name, fn in originals.items():
+            setattr(kern, name, fn)
 
 
 def test_one_launch_backward_with_only_some_gradients():
@@ -188,17 +220,23 @@ def test_backward_rows_and_columns_launch_longest_first():
     assert plan.rows.nonempty.tolist()[:3] == [4, 3, 8] and 9 not in plan.rows.nonempty.tolist()
 
 
-@pytest.mark.parametrize("s, d, with_dlse", [(40, 24, True), (64, 32, False), (17, 128, True)])
-def test_delta_kernel_is_the_rowwise_product_sum_less_dlse(s, d, with_dlse):
+@pytest.mark.parametrize("s, d, dlse_kind", [(40, 24, "fp32"), (64, 32, None), (17, 128, "fp32"),
+                                             (128, 32, "expanded"), (64, 128, "bf16")])
+def test_delta_kernel_is_the_rowwise_product_sum_less_dlse(s, d, dlse_kind):
+    """Row blocks that divide the length (128 x 32, 64 x 128) and ones that do not; lse's gradient
+    absent, fp32, expanded (stride 0) or bf16."""
     from mimo.attention.function import _delta
 
     gen = torch.Generator().manual_seed(s)
     out, dout = (torch.randn(2, s, 3, d, generator=gen) for _ in range(2))
     dout = dout.transpose(0, 1).contiguous().transpose(0, 1)  # strides other than out's
-    dlse = torch.randn(2, 3, s, generator=gen) if with_dlse else None
+    with_dlse = dlse_kind is not None
+    dlse = {None: None, "fp32": torch.randn(2, 3, s, generator=gen),
+            "expanded": torch.randn(2, 3, 1, generator=gen).expand(2, 3, s),
+            "bf16": torch.randn(2, 3, s, generator=gen).to(torch.bfloat16)}[dlse_kind]
     want = (dout * out).sum(-1).transpose(1, 2)
     if with_dlse:
-        want = want - dlse
+        want = want - dlse.float()
     got = _delta(kernels(interpret=True), True, out, dout, dlse)
     assert got.shape == (2, 3, s) and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
