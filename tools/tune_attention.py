@@ -43,11 +43,15 @@ from bench_attention import _short, _time, add_shape_args, device_refused, mixed
 # was the default before the H200 tuning of 2026-11-29). The lists hold the settings that came close
 # on an H200 (docs/benchmarks.md) and those torch's flex_attention uses on sm_90
 # (forward 128x64 with 8 warps and 3 stages; dK/dV 64 queries x 128 keys and dQ 128 queries x 64 keys,
-# 8 warps, 3 stages); BACKWARD serves both backward kernels (block_m: queries, block_n: keys).
+# 8 warps, 3 stages); BACKWARD serves both backward kernels (block_m: queries, block_n: keys). Its
+# 64x64 8-warp rows were last timed on the first H200 (2026-11-26) with both backward kernels in one
+# timing and the dK/dV kernel before its transposed orientation (4 warps 1.67x faster then); the
+# current dK/dV kernel spills far less at 8 warps (docs/benchmarks.md).
 FORWARD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 4),
            (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3)]
 BACKWARD = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 8, 3), (128, 64, 8, 3), (64, 128, 8, 2),
-            (128, 64, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3)]
+            (128, 64, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+            (64, 64, 8, 2), (64, 64, 8, 3)]
 TINY_FORWARD = [(16, 16, 4, 2), (32, 16, 4, 2)]
 TINY_BACKWARD = [(16, 16, 4, 2), (16, 32, 4, 2)]
 TOLERANCE = 2e-2  # bf16 outputs and gradients; fp32 (--tiny) agree far closer
