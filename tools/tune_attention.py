@@ -102,17 +102,17 @@ def _inputs(s: int, args, dtype, device):
     return q, k, v, mask, docs, torch.randn_like(q)
 
 
-def _time_backward(phase, candidates, configs, inputs, mask, docs, go, s, time_fn, device) -> dict:
+def _time_backward(phase, candidates, inputs, mask, docs, go, s, time_fn, device) -> dict:
     """{candidate: (seconds, max difference from the first candidate's gradients / their scale)} of
-    repeated `autograd.grad` over one retained forward per candidate (`configs[c]` its KernelConfig);
-    (None, why) for one that fails."""
+    `phase`'s kernel: repeated `autograd.grad` over one retained forward per candidate; (None, why) for
+    one that fails."""
     from mimo.attention import bitfield_attention
 
     wrt = [t for t in inputs if t.requires_grad]
     out, want_grads = {}, None
     for c in candidates:
         try:
-            o = bitfield_attention(*inputs, mask, docs, kernel_config=configs[c])
+            o = bitfield_attention(*inputs, mask, docs, kernel_config=config(phase, c))
             got = torch.autograd.grad(o, wrt, go, retain_graph=True)
             want_grads = got if want_grads is None else want_grads
             err = _max_err(got, want_grads)
@@ -135,7 +135,7 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
     from mimo.attention import bitfield_attention
 
     q, k, v, mask, docs, go = _inputs(s, args, dtype, device)
-    out = {"forward": {}, "dkdv": {}, "dq": {}}
+    out = {"forward": {}}
     want_out = None
     for c in forward:
         try:
@@ -154,8 +154,7 @@ def tune_length(s: int, args, dtype, device, forward, backward, time_fn) -> dict
     for phase, needs in BACKWARD_PHASES.items():
         # Only the inputs this kernel differentiates need gradients: the other kernel never runs.
         inputs = [t if need else t.detach() for t, need in zip((q, k, v), needs)]
-        out[phase] = _time_backward(phase, backward, {c: config(phase, c) for c in backward}, inputs, mask, docs,
-                                    go, s, time_fn, device)
+        out[phase] = _time_backward(phase, backward, inputs, mask, docs, go, s, time_fn, device)
     return out
 
 
