@@ -173,7 +173,7 @@ def classify(inp: AttentionInputs, block_m: int, block_n: int, kernels) -> torch
     has_doc = inp.q_document_ids is not None
     qd = inp.q_document_ids.contiguous() if has_doc else inp.q_mask
     kd = inp.k_document_ids.contiguous() if has_doc else inp.k_mask
-    kernels.classify_kernel[(n_qb, n_kb, b)](
+    kernels.classify_kernel[(n_qb * n_kb, b)](
         inp.q_mask.contiguous(), inp.q_positions.contiguous(), qd,
         inp.k_mask.contiguous(), inp.k_positions.contiguous(), kd,
         status, s_q, s_k, n_qb, n_kb,

@@ -153,10 +153,11 @@ def classify_kernel(
     QM, QP, QD, KM, KP, KD, STATUS, s_q, s_k, n_qb, n_kb,
     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """STATUS[b, qb, kb] = 0 empty, 1 partial, 2 full (every pair in range and allowed)."""
-    qb = tl.program_id(0)
-    kb = tl.program_id(1)
-    bi = tl.program_id(2).to(tl.int64)
+    """STATUS[b, qb, kb] = 0 empty, 1 partial, 2 full (every pair in range and allowed). Grid (n_qb * n_kb, b):
+    the tile pairs on axis 0, whose limit is 2**31 - 1 (axes 1 and 2 allow 65535 programs)."""
+    qb = tl.program_id(0) // n_kb
+    kb = tl.program_id(0) % n_kb
+    bi = tl.program_id(1).to(tl.int64)
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     m_in = offs_m < s_q

@@ -8,7 +8,7 @@ from attn_scenarios import qkv, scenario
 from host_reads import on_host_reads
 
 from mimo.attention import KernelConfig, bitfield_attention, cache_stats, clear_block_cache, reference_attention
-from mimo.attention.block_plan import EMPTY, FULL, PARTIAL, build_plan
+from mimo.attention.block_plan import EMPTY, FULL, PARTIAL, build_plan, classify
 from mimo.attention.inputs import allowed_matrix, check_inputs
 from mimo.attention.kernel_loader import kernels
 
@@ -67,6 +67,28 @@ def test_general_positions_classification():
     plan = build_plan(inp, 16, 16, None, kernels(interpret=True))
     assert torch.equal(plan.status, brute_force_status(inp, 16, 16))
     assert plan.items is None
+
+
+def test_classification_grid_fits_any_key_count():
+    """More key tiles than a grid's y or z axis allows (65535): the tile pairs go on axis x."""
+    launches = []
+
+    class Recorder:  # stands in for the kernel set: records the launch, runs nothing
+        class classify_kernel:
+            def __class_getitem__(cls, grid):
+                launches.append(grid)
+                return lambda *args, **kwargs: None
+
+    s_k = 70_000
+    mask = torch.ones(1, s_k, dtype=torch.int64)
+    x = torch.zeros(1, 3, 1, 1)
+    k = torch.zeros(1, s_k, 1, 1)
+    inp = check_inputs(x, k, k, mask[:, :3], mask, q_positions=torch.arange(3))
+    status = classify(inp, 1, 1, Recorder)
+    assert status.shape == (1, 3, s_k)
+    (grid,) = launches
+    assert grid == (3 * s_k, 1)
+    assert all(n <= 65535 for n in grid[1:]) and grid[0] < 2**31
 
 
 def _run(mask, inputs, cfg):
