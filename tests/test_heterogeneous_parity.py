@@ -288,3 +288,18 @@ def test_bf16_mixed_placement_matches_the_single_rank_bf16_run(reference):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-3, atol=0)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]), rtol=1e-2, atol=0)
     assert max_rel_diff(got["grads"], ref["grads"]) < 2e-2
+
+
+def frozen_llm(**modules):
+    """A frozen LLM under trainable image modules, one sample per microbatch: some microbatches hold no
+    image, so nothing before the LLM's first stage needs a gradient there (its backward does nothing)."""
+    raw = layout(**modules)
+    raw["model"]["language"]["frozen"] = True
+    raw["training"]["micro_batch_size"] = 1
+    return raw
+
+
+def test_a_frozen_llm_with_microbatches_without_trainable_items():
+    ref = run_on_ranks(_train, 1, frozen_llm(), STEPS)[0]
+    assert not any(k.startswith("language.") for k in ref["grads"]) and any(k.startswith("images.") for k in ref["grads"])
+    _check(ref, frozen_llm(language=dict(pp=2), images=dict(rank_offset=2), audio=dict(rank_offset=3)), 4)

@@ -189,6 +189,20 @@ def test_clip_llama_logits_noncolocated_llm_pp2(clip_llama):
     assert rel_diff(mimo_logits(raw, inputs), hf_reference(clip_llama, inputs)) < TOL
 
 
+def test_clip_llama_logits_llm_dp2_under_a_balancer(clip_llama):
+    """Rows of unequal work (two images, none) on 2 LLM DP ranks, with `data.balance: mmscale` in the
+    config: the logits come back in row order (a balancer would move rows between microbatches, so the
+    logits run turns it off)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, IMAGE - 1, (4, 40), generator=g)
+    ids[0, 2:34] = IMAGE
+    ids[2, 5:37] = IMAGE  # rows 0 and 2: DP rank 0's microbatches, unless balanced
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(4, 3, 16, 16, generator=g)}
+    raw = llava_config(clip_llama, language={"dp": 2}, images={"dp": 2})
+    raw["data"] = {"balance": "mmscale"}
+    assert rel_diff(mimo_logits(raw, inputs), hf_reference(clip_llama, inputs)) < TOL
+
+
 @pytest.mark.slow
 def test_clip_llama_logits_noncolocated_llm_pp2_tp2(clip_llama):
     inputs = llava_inputs()

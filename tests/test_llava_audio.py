@@ -120,6 +120,61 @@ def test_audio_expansion_labels_and_features_token_by_token(sample_dir, tmp_path
     assert torch.equal(loader(narrow), loader(write_wav(tmp_path / "z.wav", np.zeros(800))))
 
 
+def riff(fmt: bytes, data: bytes, data_size=None, extra=b"") -> bytes:
+    """A WAV file's bytes from its format chunk's body and its samples (`data_size`: the size field)."""
+    size = len(data) if data_size is None else data_size
+    body = (b"WAVE" + b"fmt " + len(fmt).to_bytes(4, "little") + fmt + extra
+            + b"data" + size.to_bytes(4, "little") + data)
+    return b"RIFF" + len(body).to_bytes(4, "little") + body
+
+
+def test_wav_headers_the_standard_library_refuses(sample_dir, tmp_path):
+    """The extensible header (24-bit PCM, as converters write it) and a streaming writer's unknown data
+    size decode to the same features as the plain file; a header whose sizes run past the file or that
+    is not PCM is a bad record with its reason (Python 3.11's `wave` raised an empty RuntimeError)."""
+    import struct
+
+    from mimo.data.audio import AudioError
+
+    loader = dataset(audio_raw(sample_dir)).audio_loader
+    a = tone(1500) * 256  # 24-bit
+    plain = write_wav(tmp_path / "plain.wav", a, width=3)
+    pcm = open(plain, "rb").read()[44:]
+    fmt = struct.pack("<HHIIHH", 1, 1, 16000, 48000, 3, 24)
+    pcm_guid = bytes.fromhex("0100000000001000800000aa00389b71")
+    extensible = struct.pack("<HHIIHH", 0xFFFE, 1, 16000, 48000, 3, 24) + struct.pack("<HHI", 22, 24, 4) + pcm_guid
+    odd_chunk = b"LIST" + (3).to_bytes(4, "little") + b"abc\0"  # an odd-sized chunk and its pad byte
+    good = {"extensible": riff(extensible, pcm), "streamed": riff(fmt, pcm, data_size=0xFFFFFFFF),
+            "odd_chunk": riff(fmt, pcm, extra=odd_chunk)}
+    for name, content in good.items():
+        (tmp_path / f"{name}.wav").write_bytes(content)
+        loader.check(str(tmp_path / f"{name}.wav"))
+        assert torch.equal(loader(str(tmp_path / f"{name}.wav")), loader(plain)), name
+    float_guid = bytes.fromhex("0300000000001000800000aa00389b71")
+    bad = {"past_the_end": (riff(fmt, pcm, data_size=len(pcm) + 30), "truncated (header says 1510 samples)"),
+           "float": (riff(extensible[:24] + float_guid, pcm), "an extensible format that is not integer PCM"),
+           "a_law": (riff(struct.pack("<HHIIHH", 6, 1, 16000, 16000, 1, 8), pcm), "unknown format: 6"),
+           "fmt_too_big": (riff(fmt, pcm)[:16] + (0xFFFFFFF0).to_bytes(4, "little") + riff(fmt, pcm)[20:],
+                           "a format chunk of 4294967280 bytes"),
+           "no_fmt": (b"RIFF\x04\x00\x00\x00WAVE" + b"data" + len(pcm).to_bytes(4, "little") + pcm,
+                      "the samples come before the format chunk"),
+           "odd_block": (riff(struct.pack("<HHIIHH", 1, 2, 16000, 96000, 4, 24), pcm),
+                         "frames of 4 bytes for 2 channel(s) of 24-bit samples")}
+    for name, (content, reason) in bad.items():
+        (tmp_path / f"{name}.wav").write_bytes(content)
+        with pytest.raises(AudioError) as exc:
+            loader.check(str(tmp_path / f"{name}.wav"))
+        assert reason in str(exc.value) and f"{name}.wav" in str(exc.value), (name, str(exc.value))
+    # Every cut and every changed header byte of a good file: a verdict (or a good clip), never another error.
+    for k in range(len(good["extensible"][:90])):
+        for content in (good["extensible"][:k], good["extensible"][:k] + b"\xff" + good["extensible"][k + 1:]):
+            (tmp_path / "fuzz.wav").write_bytes(content)
+            try:
+                loader.check(str(tmp_path / "fuzz.wav"))
+            except AudioError:
+                pass
+
+
 def test_hf_audio_encoder_uses_its_saved_feature_extractor(tmp_path):
     from types import SimpleNamespace
 

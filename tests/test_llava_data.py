@@ -215,6 +215,84 @@ def test_a_read_failure_stops_the_run_instead_of_skipping_the_record(sample_dir,
         check_image(str(tmp_path))
 
 
+def test_a_read_failure_while_decoding_or_looking_stops_the_run(sample_dir, tmp_path, monkeypatch):
+    """EIO reading pixels whose header was read (at the step, in the rank or in a decode worker) and EIO
+    looking the file up (os.stat) are this rank's failures: MediaReadError, never zeros or a bad record.
+    Control: a truncated file's errno-less error is still a bad item."""
+    import errno
+    import pickle
+
+    from mimo.data import images
+    from mimo.data.images import ImageError, MediaReadError, check_image
+    from mimo.data.llava_dataset import decode_or_reason
+
+    img = os.path.join(sample_dir, "images", "img0000.png")
+    raw = llava_raw(sample_dir, write_records(tmp_path, [dict(RED, id="good1", image=img)]), shuffle=False,
+                    packing=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    pixels = ds.sample(0).items["images"]  # planned and decoded while the filesystem works
+    later = dataset(raw)
+    later.plan(0)  # its header is read while the filesystem works; its pixels are read below
+    real_open, real_stat = images._open, os.stat
+
+    def eio(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(images, "_open", eio)
+    got = decode_or_reason(ds.image_loader, img)  # as a decode worker returns it to the rank
+    assert isinstance(got, MediaReadError) and got.errno == errno.EIO
+    again = pickle.loads(pickle.dumps(got))
+    assert type(again) is MediaReadError and str(again) == str(got)
+    with pytest.raises(MediaReadError, match=f"reading {img} failed: Input/output error"):
+        later.sample(0).items["images"]
+    assert pixels.abs().sum() > 0 and not any(later.bad_media.values())  # not zeros in its place, nor counted as bad
+    monkeypatch.setattr(images, "_open", real_open)
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: eio() if p == img else real_stat(p, *a, **k))
+    with pytest.raises(MediaReadError, match=f"reading {img} failed"):
+        check_image(img)
+    monkeypatch.setattr(os, "stat", real_stat)
+
+    def truncated(src):
+        raise OSError("image file is truncated")
+
+    monkeypatch.setattr(images, "_open", truncated)
+    assert decode_or_reason(ds.image_loader, img) == f"unreadable image {img}: image file is truncated"
+    with pytest.raises(ImageError, match="is not a valid file name"):
+        check_image(img + "\0")
+
+
+def test_text_no_tokenizer_or_template_takes_is_a_bad_record(sample_dir, tmp_path, capfd):
+    """Half an emoji (a lone surrogate, valid JSON) and a chat template that raises (roles that must
+    alternate) make bad records, named; they do not stop the run."""
+    records = [dict(HELLO, id="good"),
+               {"id": "cut_emoji", "conversations": [{"from": "human", "value": "hi \ud83d"},
+                                                     {"from": "gpt", "value": "yes ."}]}]
+    raw = llava_raw(sample_dir, write_records(tmp_path, records), shuffle=False, packing=False)
+    raw["training"].update(global_batch_size=1, micro_batch_size=1)
+    ds = dataset(raw)
+    assert ds.plan(1).record_ids == [["good"]] and ds.plan(1).skipped_samples == 1
+    assert "record 'cut_emoji': conversations[0].value is not valid Unicode text (a lone surrogate at character 3)" \
+        in capfd.readouterr().err
+
+    from mimo.data import llava
+
+    enc = ds.encoder
+    tok = enc.tok
+
+    def refuse(*args, **kwargs):  # a template's raise_exception, as jinja raises it
+        raise Exception("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    original = tok.apply_chat_template
+    try:
+        tok.apply_chat_template = refuse
+        with pytest.raises(llava.BadRecord, match="^the chat template refuses the conversation: Exception: "
+                                                  "Conversation roles must alternate"):
+            enc._template_segments([("user", "a"), ("user", "b"), ("assistant", "c")])
+    finally:
+        tok.apply_chat_template = original
+
+
 def test_error_mode_names_the_record(sample_dir, tmp_path):
     from mimo.data.llava import DataError
 

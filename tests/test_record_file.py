@@ -83,3 +83,28 @@ def test_a_file_that_is_one_json_object_is_not_records(tmp_path):
     one = tmp_path / "one.jsonl"  # a file of one record is records
     one.write_text(json.dumps(record))
     assert list(read_records(str(one))[0]) == [record]
+
+
+def test_a_long_first_line_or_bad_first_lines_never_read_the_file_whole(tmp_path, monkeypatch):
+    """Only a file that may be one JSON object (one line, or first lines none of which is JSON alone) is
+    parsed whole to say so; a JSONL file whose first line is long (over the 4 KiB first read) or bad is not.
+    Lines nested deeper than Python's parser goes are bad records, not a crash."""
+    from mimo.data import record_file
+    from mimo.data.llava import BadRecord
+
+    def whole(path):
+        raise AssertionError(f"{path} parsed whole")
+
+    monkeypatch.setattr(record_file, "_refuse_one_object", whole)
+    long_first = dict(HELLO, id="long", text="x" * 6000)
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [long_first, HELLO, HELLO]))
+    assert record_file.read_records(str(path))[0][0] == long_first
+    path.write_text("\n".join(['{"cut": ', "[" * 100_000 + "]" * 100_000, json.dumps(HELLO)]))
+    records = record_file.read_records(str(path))[0]
+    with pytest.raises(BadRecord, match="line 2 of .*: JSON nested too deep to read"):
+        records[1]
+    assert records[2] == HELLO
+    path.write_text("{\n" + '  "records": []\n' + "}\n")  # pretty-printed: parsed whole to say what it is
+    with pytest.raises(AssertionError, match="parsed whole"):
+        record_file.read_records(str(path))

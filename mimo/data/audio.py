@@ -1,8 +1,8 @@
 """Audio clips: checked from their WAV header on every rank, turned into log-mel features only
 where an audio encoder consumes them.
 
-Files are PCM WAV (8, 16, 24 or 32-bit integer samples), read with the
-standard library's `wave` module; several channels are averaged to mono. The
+Files are PCM WAV (8, 16, 24 or 32-bit integer samples, in the plain or the
+extensible header; `mimo.data.wav` reads it); several channels are averaged to mono. The
 sample rate must be the feature extractor's (16 kHz by default): audio is not
 resampled, a file at another rate is a bad record (convert it first, e.g.
 `ffmpeg -i in.mp3 -ac 1 -ar 16000 out.wav`).
@@ -22,14 +22,15 @@ longer than the window or shorter than one token's frames is a bad record
 
 from __future__ import annotations
 
+import errno
 import os
-import wave
+
 import numpy as np
 import torch
 
-
 from .images import read_failure
 from .llava import DataError
+from .wav import WavError, read_header
 
 
 class AudioError(ValueError):
@@ -65,27 +66,22 @@ class AudioLoader:
     def check(self, path: str) -> None:
         """Raise AudioError unless `path` is a PCM WAV at the right rate and of a usable length.
 
-        Reads the header and the last frame only, so every rank can afford it and all ranks
+        Reads the header and the file's size only, so every rank can afford it and all ranks
         reach the same verdict on a record from the record alone.
         """
-        if not os.path.isfile(path):
-            raise AudioError(f"audio not found: {path}")
         try:
-            with wave.open(path, "rb") as w:
-                rate, n, width = w.getframerate(), w.getnframes(), w.getsampwidth()
-                if width not in (1, 2, 3, 4):
-                    raise AudioError(f"unreadable audio {path}: {8 * width}-bit samples (8 to 32-bit PCM expected)")
-                if n > 0:
-                    w.setpos(n - 1)
-                    if not w.readframes(1):  # the header promises more samples than the file holds
-                        raise AudioError(f"unreadable audio {path}: truncated (header says {n} samples)")
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = read_header(f, size)
         except OSError as exc:
-            failure = read_failure(path, exc)
-            if failure is not None:
-                raise failure from None
+            raise _failure(path, exc) from None
+        except WavError as exc:
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
-        except (wave.Error, EOFError) as exc:  # EOFError has no message: the file ends inside its header
-            raise AudioError(f"unreadable audio {path}: {str(exc) or 'ends inside its header'} (PCM WAV expected)") from None
+        except ValueError:  # a NUL character, or half an emoji (a lone surrogate), in the path
+            raise AudioError(f"audio path {path!r} is not a valid file name") from None
+        if head.data_offset + head.data_bytes > size:  # the header promises more samples than the file holds
+            raise AudioError(f"unreadable audio {path}: truncated (header says {head.frames} samples)")
+        rate, n = head.rate, head.frames
         if rate != self.rate:
             raise AudioError(f"audio {path}: sample rate {rate} Hz, expected {self.rate} Hz (resample it first)")
         if n > self.max_samples:
@@ -97,18 +93,33 @@ class AudioLoader:
 
     def __call__(self, path: str) -> torch.Tensor:
         try:
-            with wave.open(path, "rb") as w:
-                channels, width, n = w.getnchannels(), w.getsampwidth(), w.getnframes()
-                raw = w.readframes(n)
-            if len(raw) < n * channels * width:  # the data ends before the header's count
-                raise AudioError(f"unreadable audio {path}: truncated ({len(raw)} bytes of samples, the header "
-                                 f"says {n * channels * width})")
-        except (wave.Error, EOFError, OSError) as exc:  # the header was fine but the data is not
-            raise AudioError(f"unreadable audio {path}: {exc}") from None
+            with open(path, "rb") as f:
+                head = read_header(f, os.fstat(f.fileno()).st_size)
+                f.seek(head.data_offset)
+                raw = f.read(head.data_bytes)
+        except OSError as exc:
+            raise _failure(path, exc) from None
+        except WavError as exc:  # the file changed since its header was checked
+            raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
+        if len(raw) < head.data_bytes:  # the data ends before the header's count
+            raise AudioError(f"unreadable audio {path}: truncated ({len(raw)} bytes of samples, the header "
+                             f"says {head.data_bytes})")
+        channels, width = head.channels, head.width
         samples = _pcm_to_float(raw, width).reshape(-1, channels).mean(axis=1)
         feats = self.fe(samples, sampling_rate=self.rate, max_length=self.max_samples, padding="max_length",
                         truncation=True, return_tensors="pt")["input_features"][0]
         return feats.transpose(0, 1).contiguous().float()  # [mels, frames] -> [frames, mels]
+
+
+def _failure(path: str, exc: OSError) -> Exception:
+    """What an OSError reading `path` means: this rank's read failed (MediaReadError: the run stops), or
+    the path is at fault, as on every rank (AudioError: a bad record)."""
+    failure = read_failure(path, exc)
+    if failure is not None:
+        return failure
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return AudioError(f"audio not found: {path}")
+    return AudioError(f"unreadable audio {path}: {exc.strerror or exc}")
 
 
 def _pcm_to_float(raw: bytes, width: int) -> np.ndarray:

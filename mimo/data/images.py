@@ -13,6 +13,7 @@ import errno
 import io
 import os
 import re
+import stat
 from typing import Optional, Tuple, Union
 
 import torch
@@ -75,8 +76,8 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     """
     from PIL import Image
 
-    if isinstance(path, str) and not os.path.isfile(path):
-        raise ImageError(f"image is a directory: {path}" if os.path.isdir(path) else f"image not found: {path}")
+    if isinstance(path, str):
+        _check_file(path)
     try:
         with _open(path) as img:
             w, h = img.size
@@ -90,6 +91,32 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     if w < 1 or h < 1:
         raise ImageError(f"empty image {media_name(path)}")
     return w, h
+
+
+def _check_file(path: str) -> None:
+    """ImageError unless `path` is a regular file; MediaReadError where this rank could not look (EIO...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except ValueError:  # a NUL character, or half an emoji (a lone surrogate), in the path
+        raise ImageError(f"image path {path!r} is not a valid file name") from None
+    except OSError as exc:
+        failure = read_failure(path, exc)
+        if failure is not None:
+            raise failure from None
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise ImageError(f"image not found: {path}") from None
+        raise ImageError(f"unreadable image {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise ImageError(f"image is a directory: {path}")
+    if not stat.S_ISREG(mode):
+        raise ImageError(f"image is not a regular file: {path}")
+
+
+def _decode_failure(path: Union[str, bytes], exc: Exception) -> Exception:
+    """What an error decoding an image whose header passed means: this rank's read failed (an OSError
+    with an errno such as EIO: MediaReadError, the run stops), else the pixels are bad (ImageError)."""
+    failure = read_failure(path, exc) if isinstance(exc, OSError) else None
+    return failure if failure is not None else ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}")
 
 
 class ImageLoader:
@@ -110,7 +137,7 @@ class ImageLoader:
             with _open(path) as img:
                 rgb = img.convert("RGB")
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not (truncated)
-            raise ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}") from None
+            raise _decode_failure(path, exc) from None
         if self.processor is not None:
             return self.processor(images=rgb, return_tensors="pt")["pixel_values"][0].float()
         rgb = rgb.resize((self.image_size, self.image_size), Image.BICUBIC)
@@ -143,5 +170,5 @@ class NativeImageLoader:
                 img.load()
                 patches, _ = image_patches(img, self.enc, self.mean, self.std)
         except (OSError, ValueError, SyntaxError) as exc:  # the header was fine, the pixels are not
-            raise ImageError(f"unreadable image {media_name(path)}: {_reason(exc)}") from None
+            raise _decode_failure(path, exc) from None
         return torch.from_numpy(patches)

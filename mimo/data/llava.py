@@ -199,6 +199,11 @@ class ConversationEncoder:
             role = ROLES.get(t.get("from"))
             if role is None:
                 raise BadRecord(f"conversations[{i}]: unknown speaker {t.get('from')!r}")
+            try:  # JSON allows escapes of half an emoji (a lone surrogate); no tokenizer takes them
+                t["value"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise BadRecord(f"conversations[{i}].value is not valid Unicode text (a lone surrogate at "
+                                f"character {exc.start})") from None
             turns.append((role, t["value"]))
         if not any(r == "assistant" for r, _ in turns):
             raise BadRecord("no gpt turn")
@@ -244,8 +249,11 @@ class ConversationEncoder:
     def _template_segments(self, turns) -> List[Tuple[str, bool]]:
         """Cut the rendered conversation at turn boundaries: the assistant header the template
         adds (add_generation_prompt) is prompt, the rest of an assistant turn is target."""
-        render = lambda msgs, gen=False: self.tok.apply_chat_template(  # noqa: E731
-            msgs, tokenize=False, add_generation_prompt=gen)
+        def render(msgs, gen=False):
+            try:
+                return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            except Exception as exc:  # noqa: BLE001 (a template's raise_exception, e.g. roles that must alternate)
+                raise BadRecord(f"the chat template refuses the conversation: {type(exc).__name__}: {exc}") from None
         msgs = [{"role": r, "content": v if self.image_text is None else _parts(v)} for r, v in turns]
         out, done = [], ""
         for k, (role, _) in enumerate(turns):

@@ -30,7 +30,7 @@ from mimo.config import MimoConfig
 from mimo.config.hf_files import processor_dir, tokenizer_dir
 
 from .audio import AudioError, AudioLoader
-from .images import ImageError, ImageLoader, NativeImageLoader, media_name
+from .images import ImageError, ImageLoader, MediaReadError, NativeImageLoader, media_name
 from .items import LazyItems, grid_patches, is_native, patch_width
 from .llava import BadRecord, ConversationEncoder, DataError, Encoded, MediaError, record_id
 from .mock import PAD_ID, Sample
@@ -503,6 +503,8 @@ class LlavaDataset:
         got = self._decoded.get((name, path))
         if got is None:
             got = decode_or_reason(self.loaders[name], path)
+        if isinstance(got, MediaReadError):
+            raise got
         # A native-resolution item's zeros take its size from the header (its grid).
         shape = (grid_patches(grid),) + self.empty[name] if grid is not None else self.empty[name]
         if isinstance(got, str):
@@ -702,11 +704,15 @@ class _Steps:
 
 
 def decode_or_reason(loader: Callable, path) -> object:
-    """The decoded item, or why it failed to decode (str) after its header passed the check."""
+    """The decoded item; or why it failed to decode (str) after its header passed the check; or the
+    MediaReadError of a read that failed on this rank, raised where the item is taken (in the rank's own
+    process, so its message is one line, not a worker's traceback)."""
     try:
         return loader(path)
     except (ImageError, AudioError) as exc:
         return str(exc)
+    except MediaReadError as exc:
+        return exc
 
 
 class _DecodePaths(torch.utils.data.Dataset):

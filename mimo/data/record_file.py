@@ -38,7 +38,7 @@ def read_records(path: str):
         records = JsonLines(path)
         if not len(records):
             raise DataError(f"error: data.path: {path}: holds no record")
-        if head.startswith(b"{") and (len(records) == 1 or not _parses(head.split(b"\n", 1)[0])):
+        if head.startswith(b"{") and _maybe_one_object(records):
             _refuse_one_object(path)  # e.g. {"records": [...]}, on one line or pretty-printed
         return records, records.digest
     with open(path, "rb") as f:
@@ -47,16 +47,23 @@ def read_records(path: str):
         records = json.loads(raw.removeprefix(BOM).decode("utf-8"))
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise DataError(f"error: data.path: {path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise DataError(f"error: data.path: {path}: JSON nested too deep to read") from None
     if not records:
         raise DataError(f"error: data.path: {path}: holds no record")
     return records, hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def _parses(line: bytes) -> bool:
-    try:
-        json.loads(line)
-    except ValueError:
-        return False
+def _maybe_one_object(records: "JsonLines", lines: int = 8) -> bool:
+    """Whether a file read as JSONL may be one JSON object: it is one line, or none of its first `lines`
+    lines is JSON on its own (pretty-printed). Reads those lines only: a JSONL file with a valid line
+    among them is never read whole."""
+    for i in range(min(len(records), lines)):
+        try:
+            records[i]
+        except BadRecord:
+            continue
+        return len(records) == 1
     return True
 
 
@@ -66,7 +73,7 @@ def _refuse_one_object(path: str) -> None:
     with open(path, "rb") as f:
         try:
             whole = json.loads(f.read().removeprefix(BOM).decode("utf-8"))
-        except ValueError:
+        except (ValueError, RecursionError):
             return  # JSONL with bad lines: those are bad records, found where they are read
     if isinstance(whole, dict) and "conversations" not in whole:
         keys = ", ".join(map(repr, list(whole)[:3])) + (", ..." if len(whole) > 3 else "")
@@ -121,3 +128,5 @@ class JsonLines(Sequence):
             return json.loads(text)
         except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
             raise BadRecord(f"line {line} of {self.path} is not valid JSON ({exc})") from None
+        except RecursionError:  # valid JSON nested deeper than Python's parser goes
+            raise BadRecord(f"line {line} of {self.path}: JSON nested too deep to read") from None

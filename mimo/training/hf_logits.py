@@ -132,7 +132,9 @@ def split_native(cfg: MimoConfig, name: str, ids: torch.Tensor, inputs: Dict[str
 
 def logits_config(raw: Dict, batch: int, seq: int) -> Dict:
     raw = copy.deepcopy(raw)
-    raw.setdefault("data", {})["seq_length"] = seq
+    # Sample i must be DP rank i % dp's microbatch i // dp (trainer_logits reads them back so): no
+    # balancer may move samples between microbatches.
+    raw.setdefault("data", {}).update(seq_length=seq, balance="none")
     tr = raw.setdefault("training", {})
     tr.update(precision="fp32", global_batch_size=batch, micro_batch_size=1, train_iters=1)
     return raw

@@ -266,7 +266,9 @@ class RankStep:
             y, x, g = self.y.pop(key), self.x.pop(key, None), self.gy.pop(key, None)
             if a.module == LANGUAGE:
                 self._set_aux_loss_scale(mb)
-                if g is None:  # the last stage: y is the loss
+                if not y.requires_grad:
+                    pass  # a frozen LLM's first stage, its microbatch without a trainable module's tokens
+                elif g is None:  # the last stage: y is the loss
                     y.backward()
                 else:
                     torch.autograd.backward(y, grad_tensors=g)
