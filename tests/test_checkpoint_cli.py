@@ -178,7 +178,7 @@ def test_a_save_that_cannot_write_stops_with_one_line_and_keeps_the_last_checkpo
                  "training.save_interval=2", f"training.async_save={str(async_save).lower()}",
                  preexec_fn=_files_up_to(100_000))
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "step 4/4" in r.stdout  # trained on, then the save failed
+    assert "step 4 |" in r.stdout  # trained on, then the save failed
     line = _one_error_line(r)  # the writer's reason depends on which write met the limit first
     assert line.startswith(f"error: training.save: step 4 was not saved ({d}/iter_0000004.partial): rank 0: "
                            "RuntimeError: Worker failure: "), line
@@ -341,3 +341,45 @@ def test_tools_name_an_output_under_a_file(tmp_path, capsys):
     demo = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
     assert timeline.main(["--simulate", demo, "--gpu", "cpu", "--out", str(afile / "t.png")]) == 2
     assert capsys.readouterr().err == f"error: --out: {afile / 't.png'} cannot be made: {afile} is a file\n"
+
+
+def test_a_damaged_latest_manifest_or_common_record_is_one_error_line(saved, tmp_path, capsys):
+    """`latest` that is a directory or not text, `manifest.json` that is a directory, and a common state
+    whose mimo record lacks its fields (resealed in the manifest, so only its content is wrong): one line
+    naming the file (before: IsADirectoryError, UnicodeDecodeError or KeyError tracebacks), from `inspect`
+    and, for the first, from the run's pre-flight as well."""
+    from mimo.checkpoint.__main__ import main as checkpoint_cli
+    from mimo.checkpoint.manifest import write_manifest
+
+    def inspect_says(d, expected):
+        capsys.readouterr()
+        assert checkpoint_cli(["inspect", d]) == 2
+        assert capsys.readouterr().err == f"error: {expected}\n"
+
+    d = _copy(saved, tmp_path / "dir")
+    latest = os.path.join(d, "latest")
+    os.remove(latest)
+    os.mkdir(latest)
+    expected = f"{latest}: unreadable (Is a directory); it should hold the step number of the last complete checkpoint"
+    inspect_says(d, expected)
+    assert _one_error_line(_run_cli(saved["config"], f"training.load={d}", "training.save=null")) == f"error: {expected}"
+    os.rmdir(latest)
+    with open(latest, "wb") as f:
+        f.write(b"\xff\xfe2\n")
+    inspect_says(d, f"{latest}: unreadable (not text); it should hold the step number of the last complete checkpoint")
+
+    d = _copy(saved, tmp_path / "manifest")
+    manifest = os.path.join(paths.iter_dir(d, 2), "manifest.json")
+    os.remove(manifest)
+    os.mkdir(manifest)
+    inspect_says(d, f"{manifest}: unreadable (Is a directory)")
+
+    d = _copy(saved, tmp_path / "record")
+    ckpt = paths.iter_dir(d, 2)
+    common = os.path.join(ckpt, "common.pt")
+    state = torch.load(common, weights_only=True)
+    del state["mimo"]["step"], state["mimo"]["config"]
+    torch.save(state, common)
+    os.remove(os.path.join(ckpt, "manifest.json"))
+    write_manifest(ckpt)
+    inspect_says(d, f"{common}: its 'mimo' record lacks step, config (damaged, or not written by mimo)")

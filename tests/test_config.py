@@ -131,9 +131,28 @@ def test_bf16_gradient_reduction_needs_bf16():
 
 
 def test_distributed_optimizer_refuses_encoder_offload():
-    raw = with_(with_(tiny(), "training.offload_encoders", True), "training.use_distributed_optimizer", True)
+    raw = with_(with_(tiny(tp=2), "training.offload_encoders", True), "training.use_distributed_optimizer", True)
+    raw = with_(with_(raw, "parallelism.images.tp", 1), "parallelism.images.dp", 2)  # three-phase: it offloads
     assert [p for p, _ in errors(raw)] == ["training.use_distributed_optimizer"]
     assert errors(with_(raw, "training.offload_encoders", False)) == []  # control
+
+
+def test_encoder_offload_needs_a_phase_where_colocated_encoders_are_idle():
+    """Before: `config check` said ok and the step plan had no offload (the flag did nothing)."""
+    raw = with_(tiny(tp=2), "training.offload_encoders", True)
+    assert [p for p, _ in errors(raw)] == ["training.offload_encoders"]  # every module on the LLM's layout
+    three_phase = with_(with_(raw, "parallelism.images.tp", 1), "parallelism.images.dp", 2)  # images: tp1 x dp2
+    assert errors(three_phase) == []
+    apart = with_(with_(raw, "parallelism.images.rank_offset", 2), "parallelism.audio.rank_offset", 4)
+    assert errors(apart) == [("training.offload_encoders",
+                              "needs an encoder colocated with the LLM (on the LLM's ranks); here none is")]
+
+
+def test_ranks_no_module_uses_are_an_error_without_a_world_size():
+    """A gap in the layout's ranks is found from the layout alone (before: only with --world-size)."""
+    raw = with_(tiny(), "parallelism.images.rank_offset", 2)
+    assert errors(raw) == [("parallelism", "ranks 1 of world size 3 belong to no module")]
+    assert errors(with_(raw, "parallelism.images.rank_offset", 1)) == []
 
 
 @pytest.mark.parametrize("layout,world,field,needle", [
@@ -399,3 +418,44 @@ def test_a_bad_train_iters_or_lr_is_one_error_not_two():
         with pytest.raises(ConfigError) as exc:
             load_config(raw)
         assert [p for p, _ in exc.value.problems] == [f"training.{key}"], exc.value.problems
+
+
+def test_placeholder_ids_are_tokens_of_the_llm_and_each_encoders_own():
+    """Before: `config check` said ok, then the run stopped mid-step (an IndexError in the embedding, or
+    `8 placeholder tokens (id 5) but 4 modality tokens`)."""
+    assert errors(with_(tiny(), "model.encoders.images.placeholder_id", 10**5)) == [
+        ("model.encoders.images.placeholder_id", "100000 is not a token of the LLM (model.language.vocab_size 128)")]
+    same = with_(with_(tiny(), "model.encoders.images.placeholder_id", 5), "model.encoders.audio.placeholder_id", 5)
+    assert errors(same) == [("model.encoders.audio.placeholder_id",
+                             "5 is model.encoders.images.placeholder_id too; each encoder needs its own")]
+    # An explicit id that is also another encoder's default (the top of the vocabulary).
+    top = with_(tiny(), "model.encoders.audio.placeholder_id", 127)
+    assert [p for p, _ in errors(top)] == ["model.encoders.audio.placeholder_id"]
+    assert errors(with_(tiny(), "model.language.vocab_size", 2)) == [
+        ("model.language.vocab_size", "2 has no room at its top for 2 placeholder id(s)")]
+    assert errors(with_(tiny(), "model.language.vocab_size", 4)) == [
+        ("model.language.vocab_size", "4 leaves mock data fewer than 2 text token ids (1 .. 1, below every "
+                                      "placeholder id)")]
+    assert errors(with_(tiny(), "model.language.vocab_size", 5)) == []  # text ids 1 and 2: the mock data runs
+
+
+@pytest.mark.parametrize("path", ["training.lr", "training.clip_grad", "training.weight_decay", "training.min_lr",
+                                  "model.language.norm_eps", "training.peak_tflops"])
+def test_nan_and_infinity_are_one_error_each(path):
+    """YAML's .nan and .inf passed every range check (`clip_grad < 0` is false for NaN)."""
+    for value in (float("nan"), float("inf"), float("-inf")):
+        assert errors(with_(tiny(), path, value)) == [(path, f"must be a finite number, got {value}")]
+
+
+def test_an_empty_section_means_its_defaults(tmp_path):
+    """`images:` or `encoders:` with everything under it commented out is YAML's null: the section's
+    defaults (before: `must be a mapping, got None`). A required field still has to be given."""
+    assert errors(with_(tiny(), "parallelism.images", None)) == []
+    text = yaml.safe_dump({k: v for k, v in tiny().items() if k != "parallelism"})
+    text = text.replace("  encoders:\n", "  encoders:\n#    images: {}\n", 1)
+    text = text[:text.index("#    images")] + text[text.index("  language:"):]  # encoders: (nothing under it)
+    path = tmp_path / "text_only.yaml"
+    path.write_text(text + "parallelism:\n  language:\n#    tp: 2\n")
+    cfg = load_config(str(path))
+    assert cfg.model.encoders == {} and cfg.parallelism["language"].tp == 1
+    assert [p for p, _ in errors(with_(tiny(), "training", None))] == ["training.global_batch_size"]

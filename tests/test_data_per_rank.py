@@ -149,7 +149,7 @@ def test_truncated_image_stops_every_rank_under_error(data_dir, tmp_path):
                          "data.on_bad_record: error (the ranks that decoded them name the records)"], errors
     assert errors[3 - named[0]] == [], errors
     # Every rank trained steps 1 and 2 (rank 0 prints them) and stopped in step 3, before it was logged.
-    assert [line.split()[1] for line in text[0].splitlines() if line.startswith("step ")] == ["1/5", "2/5"], text[0]
+    assert [line.split()[1] for line in text[0].splitlines() if line.startswith("step ")] == ["1", "2"], text[0]
     assert not any(f'File "{ROOT}/mimo' in t for t in text)  # no traceback
 
 

@@ -176,15 +176,15 @@ class _Tty(io.StringIO):
 def test_progress_bar_only_on_a_terminal():
     plain = io.StringIO()
     p = Progress(3, plain)
-    p.step(1.5, "step 1/3 | loss 1.5000")
+    p.step(1.5, "step 1 | loss 1.5000")
     p.close()
-    assert plain.getvalue() == "step 1/3 | loss 1.5000\n"
+    assert plain.getvalue() == "step 1 | loss 1.5000\n"
     tty = _Tty()
     p = Progress(3, tty)
-    p.step(1.5, "step 1/3 | loss 1.5000")
+    p.step(1.5, "step 1 | loss 1.5000")
     p.close()
     out = tty.getvalue()
-    assert "step 1/3 | loss 1.5000" in out and "1/3" in out and "loss 1.5000" in out and "\r" in out
+    assert "step 1 | loss 1.5000" in out and "1/3" in out and "loss 1.5000" in out and "\r" in out
 
 
 # -- end to end on CPU ranks -----------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_run_writes_jsonl_trace_tensorboard_and_pictures(tmp_path):
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     # plain lines (stdout is a pipe): the old shape plus TFLOPS/GPU, MFU, memory; no progress bar
-    lines = re.findall(r"^step (\d)/2 \| loss [\d.]+ \| tokens/s \d+ \| step_time [\d.]+ ms \| tokens/s/rank \d+ \| "
+    lines = re.findall(r"^step (\d) \| loss [\d.]+ \| tokens/s \d+ \| step_time [\d.]+ ms \| tokens/s/rank \d+ \| "
                        r"grad_norm [\d.]+ \| TFLOPS/GPU \S+ \| MFU n/a \| mem [\d.]+ GB$", r.stdout, re.M)
     assert lines == ["1", "2"], r.stdout
     assert "\r" not in r.stdout and "it/s" not in r.stdout

@@ -14,7 +14,7 @@ from mimo.config import LANGUAGE, load_config
 from mimo.schedule.__main__ import main
 from mimo.schedule.check import check_plan
 from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
-from mimo.schedule.plan_build import is_homogeneous
+from mimo.config import is_homogeneous
 from mimo.schedule.plan_nodes import Node, stage_nodes
 from tiny import TINY, tiny
 

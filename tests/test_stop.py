@@ -41,7 +41,7 @@ def _start(cfg_path, world, tmp_path, *sets):
 
 
 def _steps(text):
-    return [int(line.split()[1].split("/")[0]) for line in text.splitlines() if line.startswith("step ")]
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
 
 
 def _wait_for_steps(proc, out, n, timeout_s=180):

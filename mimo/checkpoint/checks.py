@@ -23,6 +23,7 @@ from .safe_load import DCP_METADATA, check_dcp_metadata, load_torch_file
 
 COMMON = "common.pt"
 META = "mimo"  # the common-state entry holding step, config, layout, data position
+META_FIELDS = ("step", "config", "world_size", "layout")  # what every reader of the record takes from it
 
 
 def read_meta(ckpt: str) -> dict:
@@ -31,7 +32,11 @@ def read_meta(ckpt: str) -> dict:
     common = load_torch_file(path)  # plain data only: never runs code from the file
     if not isinstance(common, dict) or not isinstance(common.get(META), dict):
         raise CheckpointError(f"{path}: not a mimo checkpoint's common state (no {META!r} record)")
-    return common[META]
+    meta = common[META]
+    missing = [k for k in META_FIELDS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: its {META!r} record lacks {', '.join(missing)} (damaged, or not written by mimo)")
+    return meta
 
 
 def read_checked(ckpt: str) -> dict:

@@ -109,8 +109,10 @@ def read_manifest(ckpt: str) -> Dict[str, Dict[str, int]]:
     try:
         with open(path) as f:
             files = json.load(f)["files"]
-    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without a "files" mapping
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON (or not UTF-8), or JSON without a "files" mapping
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    except OSError as exc:  # a directory, or a file this job may not read
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
     if not isinstance(files, dict) or not all(
             isinstance(rel, str) and isinstance(want, dict)
             and all(isinstance(want.get(k), int) and not isinstance(want.get(k), bool) for k in ("bytes", "crc32"))

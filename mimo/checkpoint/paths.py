@@ -50,8 +50,12 @@ def read_latest(root: str) -> Optional[int]:
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    try:
+        with open(path, "rb") as f:
+            text = f.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, unreadable, or not a step number's digits
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror if isinstance(exc, OSError) else 'not text'}); "
+                              "it should hold the step number of the last complete checkpoint") from None
     if not text.isdigit():
         raise CheckpointError(f"{path}: expected a step number, found {text[:40]!r}")
     return int(text)

@@ -13,7 +13,7 @@ from .schema import (
     ProjectorConfig,
     TrainingConfig,
 )
-from .validate import placement, validate
+from .validate import is_homogeneous, placement, validate
 
 
 def load_config(source, overrides=(), world_size=None) -> MimoConfig:
@@ -38,5 +38,5 @@ def load_config(source, overrides=(), world_size=None) -> MimoConfig:
 __all__ = [
     "ConfigError", "DataConfig", "EncoderConfig", "LANGUAGE", "LanguageConfig", "MimoConfig",
     "ModelConfig", "ParallelConfig", "ProjectorConfig", "TrainingConfig", "load_config",
-    "placement", "validate", "without_data",
+    "is_homogeneous", "placement", "validate", "without_data",
 ]

@@ -50,6 +50,8 @@ def _convert(tp, value: Any, path: str, problems: List[Problem]):
         if value is None:
             return None
         return _convert(args[0], value, path, problems)
+    if value is None and (dataclasses.is_dataclass(tp) or origin in (dict, Dict)):
+        value = {}  # a section left empty in YAML (`encoders:` with its entries commented out): its defaults
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
     if origin in (dict, Dict):

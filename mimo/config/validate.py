@@ -6,8 +6,9 @@ Each rule appends `(dotted.path, reason)`; nothing stops at the first problem.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .hf_files import processor_dir, tokenizer_dir
 from .kernel import field_problems, resolve_problem
@@ -54,9 +55,21 @@ def placement(a: ParallelConfig, b: ParallelConfig) -> str:
     return "overlap"
 
 
+def is_homogeneous(cfg: MimoConfig) -> bool:
+    """Whether the step plan is of the homogeneous family (every module on the language's layout, one
+    forward and backward through all modules per microbatch: `mimo.schedule.plan_build`)."""
+    lang = cfg.parallelism[LANGUAGE]
+    # The LLM's ep / etp re-divide its own ranks (docs/moe.md): not part of the dense layout compared here.
+    shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.rank_offset)  # noqa: E731
+    same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
+    return same and (not cfg.model.encoders or (lang.pp == 1 and lang.cp == 1))
+
+
 def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]:
-    problems: List[Problem] = []
-    add = lambda path, reason: problems.append((path, reason))  # noqa: E731
+    # A NaN or infinite number is reported once, as such: the range checks below would only repeat it.
+    nonfinite = _nonfinite_floats(cfg)
+    problems: List[Problem] = [(path, f"must be a finite number, got {v}") for path, v in nonfinite.items()]
+    add = lambda path, reason: path in nonfinite or problems.append((path, reason))  # noqa: E731
 
     _positive_ints(cfg, add)
     lang = cfg.model.language
@@ -107,6 +120,7 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         if _native(enc) and _native_sizes_ok(enc):
             _check_native_fits(enc, path, cfg.data.seq_length, add)
 
+    _check_placeholders(cfg, add)
     trainable = not lang.frozen or any(not e.frozen or not e.projector.frozen for e in cfg.model.encoders.values())
     if not trainable:
         add("model", "every module is frozen: nothing would be trained")
@@ -344,10 +358,7 @@ def _positive_ints(cfg: MimoConfig, add) -> None:
     would overflow where it is used (one line naming the field, not an OverflowError from the model)."""
     non_negative = {"rank_offset", "seed", "num_workers", "lr_warmup_iters", "window_size",
                     "moe_shared_expert_intermediate_size"}
-    sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
-    sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
-    sections += [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
-    for path, obj in sections:
+    for path, obj in _sections(cfg):
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -360,6 +371,53 @@ def _positive_ints(cfg: MimoConfig, add) -> None:
             top = _SEED_MAX if f.name == "seed" else _INT_MAX
             if v > top:
                 add(f"{path}.{f.name}", f"must be at most {top}, got {v}")
+
+
+def _sections(cfg: MimoConfig) -> List[Tuple[str, object]]:
+    """The config's dataclass sections with their dotted paths."""
+    sections = [("model.language", cfg.model.language), ("data", cfg.data), ("training", cfg.training)]
+    sections += [(f"model.encoders.{n}", e) for n, e in cfg.model.encoders.items()]
+    return sections + [(f"parallelism.{n}", p) for n, p in cfg.parallelism.items()]
+
+
+def _nonfinite_floats(cfg: MimoConfig) -> Dict[str, float]:
+    """Fields holding NaN or an infinity (YAML's .nan, .inf), which every range check lets through."""
+    found = {}
+    for path, obj in _sections(cfg):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                found[f"{path}.{f.name}"] = v
+            elif isinstance(v, dict):  # rope_scaling
+                found.update({f"{path}.{f.name}.{k}": x for k, x in v.items()
+                              if isinstance(x, float) and not math.isfinite(x)})
+    return found
+
+
+def _check_placeholders(cfg: MimoConfig, add) -> None:
+    """Each encoder's placeholder is a token of the LLM's vocabulary and its own; mock data's text tokens
+    need ids below every placeholder."""
+    v = cfg.model.language.vocab_size
+    if not isinstance(v, int) or v < 1:
+        return  # reported by the integer check
+    owner: Dict[int, str] = {}
+    for name, tok in cfg.placeholder_ids.items():
+        path = f"model.encoders.{name}.placeholder_id"
+        if cfg.model.encoders[name].placeholder_id is None:
+            if tok < 1:
+                add("model.language.vocab_size", f"{v} has no room at its top for {len(cfg.placeholder_ids)} "
+                    "placeholder id(s)")
+                return
+        elif tok >= v:
+            add(path, f"{tok} is not a token of the LLM (model.language.vocab_size {v})")
+            continue
+        if tok in owner:
+            add(path, f"{tok} is model.encoders.{owner[tok]}.placeholder_id too; each encoder needs its own")
+        owner[tok] = name
+    text_high = min([v - len(cfg.placeholder_ids)] + list(owner))
+    if cfg.data.kind == "mock" and text_high - 1 < 2:
+        add("model.language.vocab_size", f"{v} leaves mock data fewer than 2 text token ids (1 .. {text_high - 1}, "
+            "below every placeholder id)")
 
 
 def _check_schedule(tr, add) -> None:
@@ -601,21 +659,36 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
                 pa, pb = cfg.parallelism[a], cfg.parallelism[b]
                 add(f"parallelism.{b}", f"ranks [{pb.ranks.start}, {pb.ranks.stop}) partially overlap "
                     f"parallelism.{a} ranks [{pa.ranks.start}, {pa.ranks.stop}); they must be identical or disjoint")
-    if world_size is not None:
-        used = set()
-        for name in modules:
-            used.update(cfg.parallelism[name].ranks)
-        # One line for a world size the layout does not fit: the first module past it.
-        beyond = [n for n in modules if cfg.parallelism[n].ranks.stop > world_size]
-        if beyond:
-            p = cfg.parallelism[beyond[0]]
-            add(f"parallelism.{beyond[0]}", f"needs ranks [{p.ranks.start}, {p.ranks.stop}) but the world size is "
-                f"{world_size}")
-        idle = sorted(set(range(world_size)) - used)
-        if idle and not beyond:
-            add("parallelism", f"ranks {_ranges(idle)} of world size {world_size} belong to no module")
+    used = set()
+    for name in modules:
+        used.update(cfg.parallelism[name].ranks)
+    # One line for a world size the layout does not fit: the first module past it.
+    beyond = [n for n in modules if world_size is not None and cfg.parallelism[n].ranks.stop > world_size]
+    if beyond:
+        p = cfg.parallelism[beyond[0]]
+        add(f"parallelism.{beyond[0]}", f"needs ranks [{p.ranks.start}, {p.ranks.stop}) but the world size is "
+            f"{world_size}")
+    # Without a world size, the ranks the layout spans: a gap in them is ranks that would run nothing.
+    world = world_size if world_size is not None else max(p.ranks.stop for p in cfg.parallelism.values())
+    idle = sorted(set(range(world)) - used)
+    if idle and not beyond:
+        add("parallelism", f"ranks {_ranges(idle)} of world size {world} belong to no module")
+    _check_offload(cfg, add)
 
     _check_batch(cfg, add)
+
+
+def _check_offload(cfg: MimoConfig, add) -> None:
+    """`offload_encoders` moves colocated encoders' weights off the device while the LLM runs alone (phase 2
+    of the three-phase plan): a layout without that phase would ignore it."""
+    if not cfg.training.offload_encoders:
+        return
+    lang = cfg.parallelism[LANGUAGE]
+    if not any(placement(cfg.parallelism[n], lang) == "colocated" for n in cfg.model.encoders):
+        add("training.offload_encoders", "needs an encoder colocated with the LLM (on the LLM's ranks); here none is")
+    elif is_homogeneous(cfg):
+        add("training.offload_encoders", "has no effect when every module has the LLM's layout (the encoders run in "
+            "every microbatch, never idle): give the colocated encoders their own tp / dp, or leave it out")
 
 
 def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None:

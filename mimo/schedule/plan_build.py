@@ -20,7 +20,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from mimo.config import LANGUAGE, MimoConfig, placement
+from mimo.config import LANGUAGE, MimoConfig, is_homogeneous, placement
 from mimo.topology.layout import Layout
 
 from .plan_nodes import (Edge, Join, Link, Member, Node, Source, fused_node, island_actions, node_actions,
@@ -29,15 +29,6 @@ from .plan_types import (BACKWARD, FORWARD, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOK
                          PlanError, RankActions, SharedRanks, StepPlan)
 
 HOMOGENEOUS, HETEROGENEOUS = "homogeneous", "heterogeneous"
-
-
-def is_homogeneous(cfg: MimoConfig) -> bool:
-    """Whether the plan is of the homogeneous family (every module on the language's layout)."""
-    lang = cfg.parallelism[LANGUAGE]
-    # The LLM's ep / etp re-divide its own ranks (docs/moe.md): not part of the dense layout compared here.
-    shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.rank_offset)  # noqa: E731
-    same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
-    return same and (not cfg.model.encoders or (lang.pp == 1 and lang.cp == 1))
 
 
 def trainable_edge(cfg: MimoConfig, name: str) -> bool:

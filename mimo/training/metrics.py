@@ -165,11 +165,12 @@ def step_record(cfg: MimoConfig, step: int, loss: float, grad_norm: float, lr: f
     }
 
 
-def human_line(rec: dict, train_iters: int, positions: int, world_size: int) -> str:
-    """The step line: its original fields (tokens/s over every sequence position), then TFLOPS, MFU, memory."""
+def human_line(rec: dict, positions: int, world_size: int) -> str:
+    """The step line, `step N | loss X | tokens/s Y | step_time Z ms` (tokens/s over every sequence position),
+    then tokens/s/rank, the gradient norm, TFLOPS, MFU and memory."""
     tps = positions / rec["step_time_s"]
     mfu = "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.1f}%"
-    return (f"step {rec['step']}/{train_iters} | loss {rec['loss']:.4f} | tokens/s {tps:.0f} | "
+    return (f"step {rec['step']} | loss {rec['loss']:.4f} | tokens/s {tps:.0f} | "
             f"step_time {rec['step_time_s'] * 1e3:.1f} ms | tokens/s/rank {tps / world_size:.0f} | "
             f"grad_norm {rec['grad_norm']:.3f} | TFLOPS/GPU {rec['tflops_per_gpu']:.3g} | MFU {mfu} | "
             f"mem {rec['max_memory_gb']:.2f} GB" + _moe_fields(rec))
@@ -345,7 +346,7 @@ class StepReporter:
             rec.update(res.moe)
         self.writers.write(rec)
         show = step % tr.log_interval == 0 or step == tr.train_iters - 1
-        line = human_line(rec, tr.train_iters, res.tokens, self.world) if show else None
+        line = human_line(rec, res.tokens, self.world) if show else None
         self.progress.step(res.loss, line)
         return rec
 
