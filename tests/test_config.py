@@ -459,3 +459,19 @@ def test_an_empty_section_means_its_defaults(tmp_path):
     cfg = load_config(str(path))
     assert cfg.model.encoders == {} and cfg.parallelism["language"].tp == 1
     assert [p for p, _ in errors(with_(tiny(), "training", None))] == ["training.global_batch_size"]
+
+
+def test_config_check_of_another_world_size_under_replan_auto(tmp_path, capsys):
+    """Under training.replan: auto a job of another size re-plans the layout at start, so `config check
+    --world-size N` does not refuse the configured layout's size (pretrain_mimo.py --check did not
+    either); without replan it does."""
+    from mimo.config.__main__ import main
+
+    path = os.path.join(ROOT, "examples", "configs", "cpu_noncolocated.yaml")
+    replan = ["--set", "training.replan=auto", "--set", f"training.save={tmp_path / 'ckpt'}"]
+    assert main(["check", path, "--world-size", "4"] + replan) == 0
+    assert capsys.readouterr().out.startswith("ok (the layout is for 6 ranks; under training.replan: auto a job on 4 "
+                                              "re-plans it at start")
+    assert main(["check", path, "--world-size", "6"] + replan) == 0 and capsys.readouterr().out == "ok\n"
+    assert main(["check", path, "--world-size", "4"]) == 2
+    assert "error: parallelism.images: needs ranks [4, 6) but the world size is 4" in capsys.readouterr().err

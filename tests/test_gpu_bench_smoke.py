@@ -31,15 +31,17 @@ def _env():
     return env
 
 
-def test_without_cuda_says_so_and_exits_0():
-    proc = subprocess.run([sys.executable, TOOL], capture_output=True, text=True, env=_env(), cwd=ROOT,
-                          timeout=120)
+def test_without_cuda_says_so_and_exits_0(tmp_path):
+    out = tmp_path / "results" / "bench.jsonl"  # the line goes to --out as well: the file says nothing was measured
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(out)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()]
-    assert len(lines) == 1
+    assert len(lines) == 1 and out.read_text() == lines[0] + "\n"
     row = json.loads(lines[0])
     assert row["cuda"] is False and row["device"] == "cpu"
     assert "nothing measured" in row["message"]
+    assert os.listdir(out.parent) == ["bench.jsonl"]  # nothing measured: no planner profile next to it
 
 
 @pytest.fixture(scope="module")

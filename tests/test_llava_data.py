@@ -763,3 +763,58 @@ def test_an_energon_record_with_a_bad_image_is_named_once_by_its_sample(energon_
     assert lines == ["warning: data: skipping record 'cap0009': unreadable image (12 bytes inline): cannot identify "
                      "image file"], lines
     assert ds.skipped > 2  # still counted at every pass
+
+
+def test_resuming_from_a_records_file_that_changed_is_refused_before_the_load(sample_dir, tmp_path):
+    """The data position counts records of one file: a file with a record appended, or one line
+    rewritten (the same count), is refused before the checkpoint's tensors load, naming data.path
+    (before: appending went unnoticed until after the load, `ValueError: ... num_records=8`; a rewrite
+    resumed into other records). Loading the weights only (load_optimizer: false) still works."""
+    from checkpoint_harness import resume_errors, train, with_ckpt
+
+    from mimo.checkpoint import paths
+
+    img = os.path.join(sample_dir, "images", "img0000.png")
+    records = [dict(RED, id=f"red{i}", image=img) if i % 2 else dict(HELLO, id=f"hello{i}") for i in range(8)]
+    path = write_records(tmp_path, records)
+    raw = llava_raw(sample_dir, path, packing=False)
+    raw["training"].update(global_batch_size=2, micro_batch_size=1, train_iters=1)
+    saved = str(tmp_path / "ckpt")
+    train(with_ckpt(raw, save=saved))
+    resume = with_ckpt(raw, load=paths.iter_dir(saved, 1))
+    assert resume_errors(resume) == [None]  # control: the same file resumes
+    with open(path, "a") as f:
+        f.write("\n" + json.dumps(dict(HELLO, id="appended")))
+    (err,) = resume_errors(resume)
+    assert err == (f"data.path: {path}: it holds 9 records, the checkpoint's data position 8; resuming the data "
+                   "position needs the same records (training.load_optimizer: false loads the weights only and "
+                   "starts the data afresh)")
+    write_records(tmp_path, records[:7] + [dict(HELLO, id="rewritten")])
+    (err,) = resume_errors(resume)
+    assert err.startswith(f"data.path: {path}: its contents changed since the checkpoint was saved; resuming")
+    assert resume_errors(with_ckpt(resume, load_optimizer=False)) == [None]
+
+
+def test_the_global_order_is_each_epochs_seeded_permutation():
+    """Epoch e's order is torch.randperm seeded by (seed, e) (kept as an int64 array, 8 bytes a record),
+    or the file order without shuffle; a position restores exactly."""
+    import torch
+
+    from mimo.data.sampler import GlobalSampler
+
+    s = GlobalSampler(5, seed=3)
+    drawn = []
+    for _ in range(10):
+        drawn.append(s.peek())
+        s.advance()
+    expected = [torch.randperm(5, generator=torch.Generator().manual_seed(3 * 1_000_003 + e)).tolist() for e in (0, 1)]
+    assert drawn == expected[0] + expected[1] and expected[0] != expected[1]
+    assert all(type(i) is int for i in drawn)
+    again = GlobalSampler(5, seed=3)
+    again.load_state_dict(s.state_dict())
+    assert (again.epoch, again.index, again.peek()) == (2, 0, s.peek())
+    plain, order = GlobalSampler(3, seed=3, shuffle=False), []
+    for _ in range(4):
+        order.append(plain.peek())
+        plain.advance()
+    assert order == [0, 1, 2, 0]

@@ -832,17 +832,17 @@ def main(argv=None) -> int:
             return 2
 
     cuda = torch.cuda.is_available()
-    if not cuda and not args.cpu_smoke:
-        print(json.dumps({"device": "cpu", "cuda": False,
-                          "message": "gpu_bench: no CUDA device on this machine; nothing measured (attention "
-                                     "kernels, training step, MFU, kernel profile and planner profile need a GPU). "
-                                     "`--cpu-smoke` runs the code paths at tiny sizes."}), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if not cuda and not args.cpu_smoke:  # the line goes to --out too: a results file says what was not measured
+        Emitter("cpu", args.out)({"cuda": False, "message": (
+            "gpu_bench: no CUDA device on this machine; nothing measured (attention kernels, training step, MFU, "
+            "kernel profile and planner profile need a GPU). `--cpu-smoke` runs the code paths at tiny sizes.")})
         return 0
+    if prof_path:
+        os.makedirs(os.path.dirname(os.path.abspath(prof_path)), exist_ok=True)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before mimo.attention is imported
-    for path in (args.out, prof_path):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kernel_cfg = None
     if args.kernel_config:
         try:

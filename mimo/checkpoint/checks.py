@@ -77,6 +77,8 @@ def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
     fields = ["training.optimizer", "data.kind"]
     if cfg.data.kind != "mock":  # a real-data position is only valid for the same records in the same order
         fields += ["data.path", "data.seed", "data.shuffle"]
+    if cfg.data.kind == "energon":  # energon's order depends on its number of loader workers
+        fields.append("data.num_workers")
     out = []
     for f in fields:
         before, after = _get(saved_cfg, f), _get(now, f)

@@ -72,6 +72,11 @@ class Checkpointer:
         meta = _agreed(ckpt, check_resumable, self.cfg, ckpt)
         saved = dist_checkpointing.load_tensors_metadata(ckpt)  # `check_resumable` refused an unsafe index
         problems = shape_problems(self.shards, saved, self.cfg.modules)
+        position_problem = getattr(self.trainer.dataset, "position_problem", None)
+        if tr.load_optimizer and meta.get("data") is not None and position_problem is not None:
+            found = position_problem(meta["data"])
+            if found is not None:
+                problems.insert(0, (FILE_PROBLEM, found))
         rng = None
         try:
             # Checkpoints written before `etp` existed lack it (it was 1).

@@ -160,6 +160,9 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         if problem:
             add(f"training.{key}", problem)
 
+    if world_size is not None and cfg.training.replan == "auto" and _layout_sizes_ok(cfg) \
+            and world_size != cfg.world_size:
+        world_size = None  # a job of another size re-plans the layout at start (mimo.checkpoint.replan)
     _check_parallelism(cfg, world_size, add)
     return problems
 
@@ -344,8 +347,7 @@ def _check_replan(cfg: MimoConfig, add) -> None:
     if tr.replan_min_ranks is not None:
         if tr.replan != "auto":
             add("training.replan_min_ranks", "only takes effect with training.replan: auto")
-        elif cfg.parallelism and all(isinstance(p.size, int) and p.size > 0 for p in cfg.parallelism.values()) \
-                and tr.replan_min_ranks > cfg.world_size:
+        elif _layout_sizes_ok(cfg) and tr.replan_min_ranks > cfg.world_size:
             add("training.replan_min_ranks", f"must be <= the ranks the layout uses ({cfg.world_size})")
 
 
@@ -676,6 +678,11 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
     _check_offload(cfg, add)
 
     _check_batch(cfg, add)
+
+
+def _layout_sizes_ok(cfg: MimoConfig) -> bool:
+    """Whether every module's sizes are positive integers (else the layout is reported, not sized)."""
+    return all(isinstance(p.size, int) and p.size > 0 for p in cfg.parallelism.values()) and bool(cfg.parallelism)
 
 
 def _check_offload(cfg: MimoConfig, add) -> None:

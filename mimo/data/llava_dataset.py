@@ -450,7 +450,22 @@ class LlavaDataset:
             self._wanted, self._pin = wanted, pin_memory
 
     def _position(self) -> Dict:
-        return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped}
+        return {"step": self._next_step, "sampler": self.sampler.state_dict(), "skipped_samples": self.skipped,
+                "records": self.records_digest}
+
+    def position_problem(self, state: Dict) -> Optional[str]:
+        """Why this run's records cannot continue from the saved data position `state` (None if they
+        can): asked on every rank before a checkpoint's tensors load. A position counts records of one
+        file in one order; the same count in a rewritten file would resume into other records."""
+        saved_digest, saved_count = state.get("records"), state["sampler"].get("num_records")
+        if saved_count is not None and int(saved_count) != self.sampler.num_records:
+            changed = f"it holds {self.sampler.num_records} records, the checkpoint's data position {saved_count}"
+        elif saved_digest is not None and self.records_digest is not None and saved_digest != self.records_digest:
+            changed = "its contents changed since the checkpoint was saved"
+        else:
+            return None
+        return (f"data.path: {self.cfg.data.path}: {changed}; resuming the data position needs the same records "
+                "(training.load_optimizer: false loads the weights only and starts the data afresh)")
 
     def _seek(self, state: Dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
