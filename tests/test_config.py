@@ -146,6 +146,9 @@ def test_encoder_offload_needs_a_phase_where_colocated_encoders_are_idle():
     apart = with_(with_(raw, "parallelism.images.rank_offset", 2), "parallelism.audio.rank_offset", 4)
     assert errors(apart) == [("training.offload_encoders",
                               "needs an encoder colocated with the LLM (on the LLM's ranks); here none is")]
+    # Under replan: auto the planner's layouts (which may put the encoders apart) take the flag where they
+    # have a phase for it, so the flag does not refuse them.
+    assert errors(with_(with_(apart, "training.replan", "auto"), "training.save", "/tmp/ckpt")) == []
 
 
 def test_ranks_no_module_uses_are_an_error_without_a_world_size():
@@ -153,6 +156,11 @@ def test_ranks_no_module_uses_are_an_error_without_a_world_size():
     raw = with_(tiny(), "parallelism.images.rank_offset", 2)
     assert errors(raw) == [("parallelism", "ranks 1 of world size 3 belong to no module")]
     assert errors(with_(raw, "parallelism.images.rank_offset", 1)) == []
+    # Found from the ranges' ends, not rank by rank (a set of 30M ranks took seconds and gigabytes).
+    far = with_(with_(raw, "parallelism.images.rank_offset", 30_000_000), "parallelism.audio.rank_offset", 5)
+    assert errors(far) == [("parallelism", "ranks 1-4, 6-29999999 of world size 30000001 belong to no module")]
+    assert errors(far, world_size=30_000_003) == [
+        ("parallelism", "ranks 1-4, 6-29999999, 30000001-30000002 of world size 30000003 belong to no module")]
 
 
 @pytest.mark.parametrize("layout,world,field,needle", [
@@ -462,16 +470,18 @@ def test_an_empty_section_means_its_defaults(tmp_path):
 
 
 def test_config_check_of_another_world_size_under_replan_auto(tmp_path, capsys):
-    """Under training.replan: auto a job of another size re-plans the layout at start, so `config check
-    --world-size N` does not refuse the configured layout's size (pretrain_mimo.py --check did not
-    either); without replan it does."""
+    """Under training.replan: auto a job of another size re-plans the layout at start, which needs the
+    planner and the checkpoint: `config check --world-size N` says so and names the training script's
+    --check, with the same overrides; without replan the layout must fill N ranks."""
     from mimo.config.__main__ import main
 
     path = os.path.join(ROOT, "examples", "configs", "cpu_noncolocated.yaml")
     replan = ["--set", "training.replan=auto", "--set", f"training.save={tmp_path / 'ckpt'}"]
-    assert main(["check", path, "--world-size", "4"] + replan) == 0
-    assert capsys.readouterr().out.startswith("ok (the layout is for 6 ranks; under training.replan: auto a job on 4 "
-                                              "re-plans it at start")
+    assert main(["check", path, "--world-size", "4"] + replan) == 2
+    assert capsys.readouterr().err == (
+        "error: --world-size: the layout is for 6 ranks, not 4; under training.replan: auto a job on 4 ranks "
+        "re-plans it at start, which this check cannot do: `WORLD_SIZE=4 python examples/pretrain_mimo.py --config "
+        f"{path} --set training.replan=auto --set training.save={tmp_path / 'ckpt'} --check` checks that\n")
     assert main(["check", path, "--world-size", "6"] + replan) == 0 and capsys.readouterr().out == "ok\n"
     assert main(["check", path, "--world-size", "4"]) == 2
     assert "error: parallelism.images: needs ranks [4, 6) but the world size is 4" in capsys.readouterr().err

@@ -145,8 +145,9 @@ def test_truncated_image_stops_every_rank_under_error(data_dir, tmp_path):
     assert len(named) == 1, errors
     assert len(errors[named[0]]) == 1 and "record 'truncated-jpeg'" in errors[named[0]][0]
     assert "cut.jpg" in errors[named[0]][0], errors
-    assert errors[0] == ["error: data: step 3: 1 media item(s) failed to decode on other ranks under "
-                         "data.on_bad_record: error (the ranks that decoded them name the records)"], errors
+    assert errors[0] == ["error: data: step 3: 1 media item(s) failed to decode on other ranks (under "
+                         "data.on_bad_record: error, or a filesystem read error; the ranks that decoded them name "
+                         "the records)"], errors
     assert errors[3 - named[0]] == [], errors
     # Every rank trained steps 1 and 2 (rank 0 prints them) and stopped in step 3, before it was logged.
     assert [line.split()[1] for line in text[0].splitlines() if line.startswith("step ")] == ["1", "2"], text[0]

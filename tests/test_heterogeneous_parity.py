@@ -303,3 +303,35 @@ def test_a_frozen_llm_with_microbatches_without_trainable_items():
     ref = run_on_ranks(_train, 1, frozen_llm(), STEPS)[0]
     assert not any(k.startswith("language.") for k in ref["grads"]) and any(k.startswith("images.") for k in ref["grads"])
     _check(ref, frozen_llm(language=dict(pp=2), images=dict(rank_offset=2), audio=dict(rank_offset=3)), 4)
+
+
+def _train_watching_inputs(raw, steps):
+    """_train, recording whether each received encoder activation was marked to need a gradient."""
+    from mimo.schedule.plan import ACTIVATION
+    from mimo.training.step_work import RankStep
+
+    seen = set()
+    arrived = RankStep.arrived
+
+    def watched(self, a, t):
+        arrived(self, a, t)
+        if a.tensor == ACTIVATION and a.module != "language":
+            seen.add((a.module, a.stage, self.x[(a.module, a.mb)].requires_grad))
+
+    RankStep.arrived = watched  # this rank process only
+    return dict(_train(raw, steps), inputs_need_grad=sorted(seen))
+
+
+def test_a_frozen_pipelined_encoder_computes_no_input_gradient():
+    """images: a frozen 2-stage encoder under a trainable projector (on its last stage), on its own ranks
+    and colocated with the LLM. Its last stage takes no input gradient (nothing before it trains), and the
+    run matches the 1-rank run. Control: the trainable encoder's last stage does."""
+    ref = run_on_ranks(_train, 1, deeper_frozen_images(), STEPS)[0]
+    for raw, world in ((deeper_frozen_images(language=dict(pp=2), images=dict(pp=2, rank_offset=2),
+                                             audio=dict(pp=2, rank_offset=4)), 6),
+                       (deeper_frozen_images(language=dict(pp=2), images=dict(pp=2), audio=dict(pp=2)), 2)):
+        results = run_on_ranks(_train_watching_inputs, world, raw, STEPS, timeout_s=240)
+        seen = {x for r in results for x in r["inputs_need_grad"]}
+        assert seen == {("images", 1, False), ("audio", 1, True)}, seen
+        got = _merge(results)
+        assert_same_run(ref, got)

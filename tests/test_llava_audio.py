@@ -144,8 +144,10 @@ def test_wav_headers_the_standard_library_refuses(sample_dir, tmp_path):
     pcm_guid = bytes.fromhex("0100000000001000800000aa00389b71")
     extensible = struct.pack("<HHIIHH", 0xFFFE, 1, 16000, 48000, 3, 24) + struct.pack("<HHI", 22, 24, 4) + pcm_guid
     odd_chunk = b"LIST" + (3).to_bytes(4, "little") + b"abc\0"  # an odd-sized chunk and its pad byte
+    odd_fmt = riff(fmt + b"\0", pcm)  # a 17-byte format chunk, then its pad byte
+    odd_fmt = odd_fmt[:36] + b"\0" + odd_fmt[36:]
     good = {"extensible": riff(extensible, pcm), "streamed": riff(fmt, pcm, data_size=0xFFFFFFFF),
-            "odd_chunk": riff(fmt, pcm, extra=odd_chunk)}
+            "odd_chunk": riff(fmt, pcm, extra=odd_chunk), "odd_fmt": odd_fmt}
     for name, content in good.items():
         (tmp_path / f"{name}.wav").write_bytes(content)
         loader.check(str(tmp_path / f"{name}.wav"))
@@ -165,6 +167,9 @@ def test_wav_headers_the_standard_library_refuses(sample_dir, tmp_path):
         with pytest.raises(AudioError) as exc:
             loader.check(str(tmp_path / f"{name}.wav"))
         assert reason in str(exc.value) and f"{name}.wav" in str(exc.value), (name, str(exc.value))
+    os.mkfifo(tmp_path / "pipe.wav")  # opened, it would wait for a writer (on every rank)
+    with pytest.raises(AudioError, match="^audio is not a regular file: .*pipe.wav$"):
+        loader.check(str(tmp_path / "pipe.wav"))
     # Every cut and every changed header byte of a good file: a verdict (or a good clip), never another error.
     for k in range(len(good["extensible"][:90])):
         for content in (good["extensible"][:k], good["extensible"][:k] + b"\xff" + good["extensible"][k + 1:]):

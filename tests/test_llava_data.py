@@ -217,7 +217,8 @@ def test_a_read_failure_stops_the_run_instead_of_skipping_the_record(sample_dir,
 
 def test_a_read_failure_while_decoding_or_looking_stops_the_run(sample_dir, tmp_path, monkeypatch):
     """EIO reading pixels whose header was read (at the step, in the rank or in a decode worker) and EIO
-    looking the file up (os.stat) are this rank's failures: MediaReadError, never zeros or a bad record.
+    looking the file up (os.stat) are this rank's failures: MediaReadError, never a bad record; mid-step
+    in a trainer it is kept, like a decode failure under `error`, and every rank stops after the step.
     Control: a truncated file's errno-less error is still a bad item."""
     import errno
     import pickle
@@ -245,8 +246,14 @@ def test_a_read_failure_while_decoding_or_looking_stops_the_run(sample_dir, tmp_
     again = pickle.loads(pickle.dumps(got))
     assert type(again) is MediaReadError and str(again) == str(got)
     with pytest.raises(MediaReadError, match=f"reading {img} failed: Input/output error"):
-        later.sample(0).items["images"]
-    assert pixels.abs().sum() > 0 and not any(later.bad_media.values())  # not zeros in its place, nor counted as bad
+        later.sample(0).items["images"]  # outside a trainer: raised where the item is taken
+    assert pixels.abs().sum() > 0 and not any(later.bad_media.values())  # not counted as a bad item
+    # In a trainer (decode failures deferred): zeros for the step, and the line that stops every rank after it.
+    later.defer_media_errors()
+    assert torch.equal(later.sample(0).items["images"], torch.zeros_like(pixels))
+    assert later.take_media_errors() == [f"error: data.path: record 'good1': [Errno 5] reading {img} failed: "
+                                         "Input/output error (a filesystem error, not a bad file; the run stops "
+                                         "rather than skip it on one rank)"]
     monkeypatch.setattr(images, "_open", real_open)
     monkeypatch.setattr(os, "stat", lambda p, *a, **k: eio() if p == img else real_stat(p, *a, **k))
     with pytest.raises(MediaReadError, match=f"reading {img} failed"):

@@ -73,7 +73,9 @@ def test_a_file_that_is_one_json_object_is_not_records(tmp_path):
 
     record = {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yes"}]}
     for name, text in (("one_line.json", json.dumps({"records": [record]})),
-                       ("pretty.json", json.dumps({"records": [record], "version": 2}, indent=2))):
+                       ("pretty.json", json.dumps({"records": [record], "version": 2}, indent=2)),
+                       # a line of it (`"train"`) is JSON alone, but no line is an object: not JSONL
+                       ("strings.json", json.dumps({"records": [record], "splits": ["train"]}, indent=2))):
         path = tmp_path / name
         path.write_text(text)
         with pytest.raises(DataError) as exc:

@@ -10,11 +10,10 @@ import pytest
 import torch
 import yaml
 
-from mimo.config import LANGUAGE, load_config
+from mimo.config import LANGUAGE, is_homogeneous, load_config
 from mimo.schedule.__main__ import main
 from mimo.schedule.check import check_plan
 from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
-from mimo.config import is_homogeneous
 from mimo.schedule.plan_nodes import Node, stage_nodes
 from tiny import TINY, tiny
 

@@ -1,6 +1,7 @@
 """`python -m mimo.config check FILE.yaml [--world-size N] [--set a.b=v ...]`."""
 
 import argparse
+import shlex
 import sys
 
 from . import ConfigError, load_config
@@ -12,26 +13,32 @@ def main(argv=None) -> int:
     check = sub.add_parser("check", help="validate a config without starting any process")
     check.add_argument("file")
     check.add_argument("--world-size", type=int, default=None,
-                       help="also check that the layout fills exactly this many ranks (under "
-                            "training.replan: auto, a job of another size re-plans the layout at start)")
+                       help="also check that the layout fills exactly this many ranks")
     check.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                        help="override a field, e.g. training.lr=1e-4")
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size: must be at least 1, got {args.world_size}")
     try:
-        cfg = load_config(args.file, args.set, world_size=args.world_size)
+        cfg = load_config(args.file, args.set)
+        if args.world_size is not None and cfg.training.replan == "auto" and args.world_size != cfg.world_size:
+            raise ConfigError([("--world-size", _replan_note(args, cfg.world_size))])
+        if args.world_size is not None:
+            load_config(args.file, args.set, world_size=args.world_size)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    if args.world_size is not None and args.world_size != cfg.world_size:  # only under training.replan: auto
-        print(f"ok (the layout is for {cfg.world_size} ranks; under training.replan: auto a job on {args.world_size} "
-              f"re-plans it at start: `WORLD_SIZE={args.world_size} python examples/pretrain_mimo.py --config "
-              f"{args.file} --check` shows the layout it takes)")
-        return 0
     print("ok")
     return 0
 
+
+def _replan_note(args, layout_ranks: int) -> str:
+    """Under training.replan: auto a job of another size re-plans the layout at start, which needs the
+    planner and the checkpoint: the training script's --check decides that, with the same overrides."""
+    sets = "".join(f" --set {shlex.quote(s)}" for s in args.set)
+    return (f"the layout is for {layout_ranks} ranks, not {args.world_size}; under training.replan: auto a job on "
+            f"{args.world_size} ranks re-plans it at start, which this check cannot do: `WORLD_SIZE={args.world_size} "
+            f"python examples/pretrain_mimo.py --config {shlex.quote(args.file)}{sets} --check` checks that")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -160,9 +160,6 @@ def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]
         if problem:
             add(f"training.{key}", problem)
 
-    if world_size is not None and cfg.training.replan == "auto" and _layout_sizes_ok(cfg) \
-            and world_size != cfg.world_size:
-        world_size = None  # a job of another size re-plans the layout at start (mimo.checkpoint.replan)
     _check_parallelism(cfg, world_size, add)
     return problems
 
@@ -661,9 +658,6 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
                 pa, pb = cfg.parallelism[a], cfg.parallelism[b]
                 add(f"parallelism.{b}", f"ranks [{pb.ranks.start}, {pb.ranks.stop}) partially overlap "
                     f"parallelism.{a} ranks [{pa.ranks.start}, {pa.ranks.stop}); they must be identical or disjoint")
-    used = set()
-    for name in modules:
-        used.update(cfg.parallelism[name].ranks)
     # One line for a world size the layout does not fit: the first module past it.
     beyond = [n for n in modules if world_size is not None and cfg.parallelism[n].ranks.stop > world_size]
     if beyond:
@@ -672,12 +666,26 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
             f"{world_size}")
     # Without a world size, the ranks the layout spans: a gap in them is ranks that would run nothing.
     world = world_size if world_size is not None else max(p.ranks.stop for p in cfg.parallelism.values())
-    idle = sorted(set(range(world)) - used)
+    idle = _gaps([cfg.parallelism[n].ranks for n in modules], world)
     if idle and not beyond:
-        add("parallelism", f"ranks {_ranges(idle)} of world size {world} belong to no module")
-    _check_offload(cfg, add)
+        add("parallelism", f"ranks {', '.join(idle)} of world size {world} belong to no module")
+    if cfg.training.replan != "auto":  # re-planned layouts take the flag where they have the phase for it
+        _check_offload(cfg, add)
 
     _check_batch(cfg, add)
+
+
+def _gaps(ranges: List[range], world: int) -> List[str]:
+    """The ranks of [0, world) in none of `ranges`, as "a" or "a-b" spans (from the ranges' ends: a
+    layout's sizes may be large)."""
+    out, covered = [], 0
+    for r in sorted((r for r in ranges if len(r)), key=lambda r: r.start):
+        if r.start > covered:
+            out.append(str(covered) if r.start - covered == 1 else f"{covered}-{r.start - 1}")
+        covered = max(covered, r.stop)
+    if world > covered:
+        out.append(str(covered) if world - covered == 1 else f"{covered}-{world - 1}")
+    return out
 
 
 def _layout_sizes_ok(cfg: MimoConfig) -> bool:
@@ -839,12 +847,3 @@ def _check_batch(cfg: MimoConfig, add) -> None:
         add("training.global_batch_size", f"must be divisible by micro_batch_size * language dp ({m} * {dl} = {m * dl})")
     # Encoder DP divides a step's (colocated) or a microbatch's (non-colocated) items, not its
     # samples, so no rule ties an encoder's dp to the batch sizes or to the LLM's dp.
-
-
-def _ranges(xs: List[int]) -> str:
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)

@@ -28,7 +28,7 @@ import os
 import numpy as np
 import torch
 
-from .images import read_failure
+from .images import check_file, read_failure
 from .llava import DataError
 from .wav import WavError, read_header
 
@@ -69,6 +69,7 @@ class AudioLoader:
         Reads the header and the file's size only, so every rank can afford it and all ranks
         reach the same verdict on a record from the record alone.
         """
+        check_file(path, "audio", AudioError)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -77,8 +78,6 @@ class AudioLoader:
             raise _failure(path, exc) from None
         except WavError as exc:
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
-        except ValueError:  # a NUL character, or half an emoji (a lone surrogate), in the path
-            raise AudioError(f"audio path {path!r} is not a valid file name") from None
         if head.data_offset + head.data_bytes > size:  # the header promises more samples than the file holds
             raise AudioError(f"unreadable audio {path}: truncated (header says {head.frames} samples)")
         rate, n = head.rate, head.frames

@@ -42,8 +42,8 @@ _SAME_ON_EVERY_RANK = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, er
 
 def read_failure(path, exc: OSError) -> Optional[MediaReadError]:
     """A MediaReadError when `exc` is a failure of this rank's read (an errno such as EIO, ESTALE or
-    EMFILE), else None: the file's content is at fault (Pillow and `wave` raise errno-less errors for
-    bad data), or its path or permissions, which every rank sees alike."""
+    EMFILE), else None: the file's content is at fault (Pillow raises errno-less errors for bad data),
+    or its path or permissions, which every rank sees alike."""
     if exc.errno is None or exc.errno in _SAME_ON_EVERY_RANK:
         return None
     return MediaReadError(exc.errno, f"reading {media_name(path)} failed: {exc.strerror or exc} (a filesystem error, "
@@ -77,7 +77,7 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     from PIL import Image
 
     if isinstance(path, str):
-        _check_file(path)
+        check_file(path, "image", ImageError)
     try:
         with _open(path) as img:
             w, h = img.size
@@ -93,23 +93,25 @@ def check_image(path: Union[str, bytes]) -> Tuple[int, int]:
     return w, h
 
 
-def _check_file(path: str) -> None:
-    """ImageError unless `path` is a regular file; MediaReadError where this rank could not look (EIO...)."""
+def check_file(path: str, kind: str, bad: type) -> None:
+    """`bad(reason)` (the record's verdict) unless the media file `path` is a regular file; MediaReadError
+    where this rank could not look (EIO...). Looked up before it is opened: opening a named pipe would
+    wait for a writer, on every rank."""
     try:
         mode = os.stat(path).st_mode
     except ValueError:  # a NUL character, or half an emoji (a lone surrogate), in the path
-        raise ImageError(f"image path {path!r} is not a valid file name") from None
+        raise bad(f"{kind} path {path!r} is not a valid file name") from None
     except OSError as exc:
         failure = read_failure(path, exc)
         if failure is not None:
             raise failure from None
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise ImageError(f"image not found: {path}") from None
-        raise ImageError(f"unreadable image {path}: {exc.strerror or exc}") from None
+            raise bad(f"{kind} not found: {path}") from None
+        raise bad(f"unreadable {kind} {path}: {exc.strerror or exc}") from None
     if stat.S_ISDIR(mode):
-        raise ImageError(f"image is a directory: {path}")
+        raise bad(f"{kind} is a directory: {path}")
     if not stat.S_ISREG(mode):
-        raise ImageError(f"image is not a regular file: {path}")
+        raise bad(f"{kind} is not a regular file: {path}")
 
 
 def _decode_failure(path: Union[str, bytes], exc: Exception) -> Exception:

@@ -518,10 +518,14 @@ class LlavaDataset:
         got = self._decoded.get((name, path))
         if got is None:
             got = decode_or_reason(self.loaders[name], path)
-        if isinstance(got, MediaReadError):
-            raise got
         # A native-resolution item's zeros take its size from the header (its grid).
         shape = (grid_patches(grid),) + self.empty[name] if grid is not None else self.empty[name]
+        if isinstance(got, MediaReadError):  # this rank's read failed mid-step: the run stops, under any
+            # on_bad_record, every rank after this step (deferred, as `_bad_media` under `error`)
+            if self.media_errors is None:
+                raise got
+            self.media_errors.append(f"error: data.path: record {record!r}: {got}")
+            return torch.zeros(shape)
         if isinstance(got, str):
             return self._bad_media(name, record, got, shape)
         if grid is not None and got.shape[0] != shape[0]:  # the file changed since its header was read
@@ -531,7 +535,8 @@ class LlavaDataset:
         return got
 
     def defer_media_errors(self) -> None:
-        """Keep decode failures under `on_bad_record: error` in `media_errors` instead of raising them."""
+        """Keep decode failures under `on_bad_record: error`, and read failures while decoding under any
+        setting, in `media_errors` instead of raising them."""
         self.media_errors = []
 
     def take_media_errors(self) -> List[str]:

@@ -56,11 +56,13 @@ def read_records(path: str):
 
 def _maybe_one_object(records: "JsonLines", lines: int = 8) -> bool:
     """Whether a file read as JSONL may be one JSON object: it is one line, or none of its first `lines`
-    lines is JSON on its own (pretty-printed). Reads those lines only: a JSONL file with a valid line
-    among them is never read whole."""
+    lines is a JSON object on its own (a pretty-printed object's lines are fragments, or bare values such
+    as a list's `"train",`). Reads those lines only: a JSONL file with a record among them is never read
+    whole."""
     for i in range(min(len(records), lines)):
         try:
-            records[i]
+            if not isinstance(records[i], dict):
+                continue
         except BadRecord:
             continue
         return len(records) == 1

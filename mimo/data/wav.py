@@ -54,7 +54,7 @@ def read_header(f: BinaryIO, file_size: int) -> WavHeader:
         if cid == b"fmt ":
             if not 16 <= size <= MAX_FMT_BYTES:
                 raise WavError(f"a format chunk of {size} bytes")
-            body = f.read(size)
+            body = f.read(size + (size & 1))[:size]  # with its pad byte, if its size is odd
             if len(body) < size:
                 raise WavError("ends inside its header")
             fmt = _format(body)

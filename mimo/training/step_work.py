@@ -39,7 +39,7 @@ from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len, shard_sequence
 from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
                                 RELOAD, Action)
-from mimo.schedule.plan_build import trainable_edge
+from mimo.schedule.plan_build import stage_trainable, trainable_edge
 
 from .step_data import StepData
 from .windows import DEFERRED, KEPT, microbatch_offsets
@@ -266,8 +266,9 @@ class RankStep:
             y, x, g = self.y.pop(key), self.x.pop(key, None), self.gy.pop(key, None)
             if a.module == LANGUAGE:
                 self._set_aux_loss_scale(mb)
-                if not y.requires_grad:
-                    pass  # a frozen LLM's first stage, its microbatch without a trainable module's tokens
+                if self.cfg.model.language.frozen and not y.requires_grad:
+                    pass  # a frozen LLM's first stage (or its loss, at pp 1) in a microbatch without any
+                    # trainable encoder's tokens: nothing to differentiate
                 elif g is None:  # the last stage: y is the loss
                     y.backward()
                 else:
@@ -359,15 +360,24 @@ class RankStep:
                 shape[d] += self._stage_shape(a.module, self._item_ids(a.module, a.mb, DEFERRED))[d]
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
+    def _input_grad(self, module: str, stage: int) -> bool:
+        """Whether a stage's input needs a gradient: some earlier stage of its module trains. An LLM
+        stage's input always does (behind it are the LLM's earlier stages or trainable encoders: the
+        config refuses a model with nothing to train). An encoder whose only trainable part is its
+        projector (last stage) computes no input gradient through its frozen stages; its gradient
+        messages upstream carry zeros."""
+        return module == LANGUAGE or any(stage_trainable(self.cfg, module, s) for s in range(stage))
+
     def arrived(self, a: Action, t: torch.Tensor) -> None:
         key = (a.module, a.mb)
         if a.tensor == ACTIVATION:
+            grad = self._input_grad(a.module, a.stage)
             if self._defers(a.module, a.mb):  # encoder stages: split the kept and the deferred rows
                 d = self._rows_dim(a.module)
                 n = self._stage_shape(a.module, self._item_ids(a.module, a.mb))[d]
                 t, late = t.split([n, t.shape[d] - n], dim=d)
-                self.late_x[key] = late.contiguous().requires_grad_()
-            self.x[key] = t.contiguous().requires_grad_()
+                self.late_x[key] = late.contiguous().requires_grad_(grad)
+            self.x[key] = t.contiguous().requires_grad_(grad)
         else:
             if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
                 d = self._rows_dim(a.module)

@@ -59,13 +59,14 @@ def layout_problems(cfg: MimoConfig) -> List[str]:
 
 
 def check_media_errors(step: int, failed, own: List[str]) -> None:
-    """After a step, from its loss sum: under `on_bad_record: error`, `failed` items of the step failed
-    to decode over all ranks, `own` of them here (their lines). Every rank stops alike (the step is not
-    saved); the ranks that decoded them name the records."""
+    """After a step, from its loss sum: `failed` items of the step failed to decode over all ranks (under
+    `on_bad_record: error`, or the filesystem failed a rank's read), `own` of them here (their lines).
+    Every rank stops alike (the step is not saved); the ranks that decoded them name the records."""
     if int(failed):
         raise MediaError("\n".join(own), own=True) if own else MediaError(
-            f"error: data: step {step + 1}: {int(failed)} media item(s) failed to decode on other ranks under "
-            "data.on_bad_record: error (the ranks that decoded them name the records)", own=False)
+            f"error: data: step {step + 1}: {int(failed)} media item(s) failed to decode on other ranks (under "
+            "data.on_bad_record: error, or a filesystem read error; the ranks that decoded them name the records)",
+            own=False)
 
 
 def check_loss_tokens(step: int, n_tokens) -> None:
