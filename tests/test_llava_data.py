@@ -825,3 +825,26 @@ def test_the_global_order_is_each_epochs_seeded_permutation():
         order.append(plain.peek())
         plain.advance()
     assert order == [0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_energon_dataset_where_every_sample_fails_is_one_error_line(energon_dir, tmp_path, workers):
+    """Every caption missing: energon gives up after 100 failures in a row with a FatalSampleError whose
+    message holds a raw sample (a traceback before, from the loader or its worker); now one line naming
+    the dataset."""
+    import tarfile
+
+    from mimo.data import energon
+    from mimo.data.llava import DataError
+
+    with tarfile.open(os.path.join(energon_dir, "energon_captioning", "shard-000000.tar")) as tar:
+        captions = {m.name: None for m in tar.getmembers() if m.name.endswith(".txt")}
+    path = _energon_changed(energon_dir, tmp_path / "no_captions", captions)
+    expected = (f"error: data.path: {path}: energon could not load 100 samples in a row and gave up: the dataset "
+                "or its field map (.nv-meta/dataset.yaml) is broken (the samples it skipped are named above)")
+    src = energon.EnergonSource(path, 0, True, workers, None, "skip")
+    with pytest.raises(DataError) as exc:
+        src.peek()
+    src.close()
+    assert str(exc.value) == expected
+    assert list(src.share(0, 1)) == []  # indexing reads each sample once: none loads, and the stream says why

@@ -24,6 +24,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 import warnings
 from typing import Dict, Iterator, Optional
@@ -155,6 +156,15 @@ def worker_error_line(exc: DataError) -> str:
     return lines[0] if lines else "error: data.path: energon failed to load a sample"
 
 
+def gave_up_line(path: str, exc: Exception) -> str:
+    """The `error: ...` line for energon's FatalSampleError: it stops after too many samples in a row
+    failed to load (its message then holds one raw sample, of no use in a log line)."""
+    found = re.search(r"failed (\d+) times in a row", str(exc))
+    count = f"{found.group(1)} samples" if found else "too many samples"
+    return (f"error: data.path: {path}: energon could not load {count} in a row and gave up: the dataset or "
+            "its field map (.nv-meta/dataset.yaml) is broken (the samples it skipped are named above)")
+
+
 def _raw_bytes_encoder():
     from megatron.energon import DefaultTaskEncoder
 
@@ -191,8 +201,13 @@ class EnergonSource:
                           global_error_handler=functools.partial(_sample_failed, "quiet"))
         part = get_val_dataset(self.path, split_part="train", worker_config=wc, batch_size=None,
                                task_encoder=_raw_bytes_encoder())
-        for sample in get_loader(part):
-            yield to_record(sample)
+        from megatron.energon.errors import FatalSampleError
+
+        try:
+            for sample in get_loader(part):
+                yield to_record(sample)
+        except FatalSampleError as exc:
+            raise DataError(gave_up_line(self.path, exc)) from None
 
     def _open(self) -> None:
         from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
@@ -210,12 +225,16 @@ class EnergonSource:
         self._pending = None
 
     def _next(self):
+        from megatron.energon.errors import FatalSampleError
+
         if self._it is None:
             self._it = iter(self._loader)
         try:
             return next(self._it)
         except DataError as exc:  # `_sample_failed` under on_bad_record: error, perhaps from a worker
             raise DataError(worker_error_line(exc)) from None
+        except FatalSampleError as exc:  # energon gave up (perhaps in a worker): many samples in a row failed
+            raise DataError(gave_up_line(self.path, exc)) from None
 
     def peek(self) -> int:
         if self._pending is None:
