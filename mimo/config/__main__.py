@@ -5,6 +5,7 @@ import shlex
 import sys
 
 from . import ConfigError, load_config
+from .load import apply_overrides, read_yaml
 
 
 def main(argv=None) -> int:
@@ -20,11 +21,14 @@ def main(argv=None) -> int:
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size: must be at least 1, got {args.world_size}")
     try:
-        cfg = load_config(args.file, args.set)
-        if args.world_size is not None and cfg.training.replan == "auto" and args.world_size != cfg.world_size:
+        raw = apply_overrides(read_yaml(args.file), list(args.set))
+        # Under training.replan: auto a job of another size re-plans the layout, which this check cannot do:
+        # the layout is checked on its own (its span is the world size it fills), then compared with N.
+        training = raw.get("training")
+        replan = isinstance(training, dict) and training.get("replan") == "auto"
+        cfg = load_config(raw, world_size=None if replan else args.world_size)
+        if replan and args.world_size not in (None, cfg.world_size):
             raise ConfigError([("--world-size", _replan_note(args, cfg.world_size))])
-        if args.world_size is not None:
-            load_config(args.file, args.set, world_size=args.world_size)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -345,6 +345,13 @@ class MimoConfig:
                 for i, (name, e) in enumerate(self.model.encoders.items())}
 
     @property
+    def mock_text_ids(self) -> range:
+        """The token ids mock data draws text from: above the pad id 0 and below every placeholder id (the
+        top of the vocabulary, or an HF model's image_token_id)."""
+        ids = self.placeholder_ids
+        return range(1, min([self.model.language.vocab_size - len(ids)] + list(ids.values())))
+
+    @property
     def world_size(self) -> int:
         """Ranks the layout needs: the end of the furthest rank range."""
         return max(p.rank_offset + p.size for p in self.parallelism.values())

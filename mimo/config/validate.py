@@ -399,7 +399,7 @@ def _check_placeholders(cfg: MimoConfig, add) -> None:
     v = cfg.model.language.vocab_size
     if not isinstance(v, int) or v < 1:
         return  # reported by the integer check
-    owner: Dict[int, str] = {}
+    owner: Dict[int, str] = {}  # placeholder id -> its encoder
     for name, tok in cfg.placeholder_ids.items():
         path = f"model.encoders.{name}.placeholder_id"
         if cfg.model.encoders[name].placeholder_id is None:
@@ -413,9 +413,9 @@ def _check_placeholders(cfg: MimoConfig, add) -> None:
         if tok in owner:
             add(path, f"{tok} is model.encoders.{owner[tok]}.placeholder_id too; each encoder needs its own")
         owner[tok] = name
-    text_high = min([v - len(cfg.placeholder_ids)] + list(owner))
-    if cfg.data.kind == "mock" and text_high - 1 < 2:
-        add("model.language.vocab_size", f"{v} leaves mock data fewer than 2 text token ids (1 .. {text_high - 1}, "
+    text = cfg.mock_text_ids
+    if cfg.data.kind == "mock" and len(text) < 2:
+        add("model.language.vocab_size", f"{v} leaves mock data fewer than 2 text token ids (1 .. {text.stop - 1}, "
             "below every placeholder id)")
 
 

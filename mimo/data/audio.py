@@ -22,13 +22,12 @@ longer than the window or shorter than one token's frames is a bad record
 
 from __future__ import annotations
 
-import errno
 import os
 
 import numpy as np
 import torch
 
-from .images import check_file, read_failure
+from .images import check_file, file_failure
 from .llava import DataError
 from .wav import WavError, read_header
 
@@ -72,13 +71,12 @@ class AudioLoader:
         check_file(path, "audio", AudioError)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = read_header(f, size)
+                head = read_header(f)
         except OSError as exc:
-            raise _failure(path, exc) from None
+            raise file_failure(path, exc, "audio", AudioError) from None
         except WavError as exc:
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
-        if head.data_offset + head.data_bytes > size:  # the header promises more samples than the file holds
+        if not head.complete:  # the header promises more samples than the file holds
             raise AudioError(f"unreadable audio {path}: truncated (header says {head.frames} samples)")
         rate, n = head.rate, head.frames
         if rate != self.rate:
@@ -93,11 +91,11 @@ class AudioLoader:
     def __call__(self, path: str) -> torch.Tensor:
         try:
             with open(path, "rb") as f:
-                head = read_header(f, os.fstat(f.fileno()).st_size)
+                head = read_header(f)
                 f.seek(head.data_offset)
                 raw = f.read(head.data_bytes)
         except OSError as exc:
-            raise _failure(path, exc) from None
+            raise file_failure(path, exc, "audio", AudioError) from None
         except WavError as exc:  # the file changed since its header was checked
             raise AudioError(f"unreadable audio {path}: {exc} (PCM WAV expected)") from None
         if len(raw) < head.data_bytes:  # the data ends before the header's count
@@ -108,17 +106,6 @@ class AudioLoader:
         feats = self.fe(samples, sampling_rate=self.rate, max_length=self.max_samples, padding="max_length",
                         truncation=True, return_tensors="pt")["input_features"][0]
         return feats.transpose(0, 1).contiguous().float()  # [mels, frames] -> [frames, mels]
-
-
-def _failure(path: str, exc: OSError) -> Exception:
-    """What an OSError reading `path` means: this rank's read failed (MediaReadError: the run stops), or
-    the path is at fault, as on every rank (AudioError: a bad record)."""
-    failure = read_failure(path, exc)
-    if failure is not None:
-        return failure
-    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-        return AudioError(f"audio not found: {path}")
-    return AudioError(f"unreadable audio {path}: {exc.strerror or exc}")
 
 
 def _pcm_to_float(raw: bytes, width: int) -> np.ndarray:

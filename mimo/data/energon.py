@@ -162,7 +162,7 @@ def gave_up_line(path: str, exc: Exception) -> str:
     found = re.search(r"failed (\d+) times in a row", str(exc))
     count = f"{found.group(1)} samples" if found else "too many samples"
     return (f"error: data.path: {path}: energon could not load {count} in a row and gave up: the dataset or "
-            "its field map (.nv-meta/dataset.yaml) is broken (the samples it skipped are named above)")
+            "its field map (.nv-meta/dataset.yaml) is broken")
 
 
 def _raw_bytes_encoder():

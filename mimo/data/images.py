@@ -102,16 +102,22 @@ def check_file(path: str, kind: str, bad: type) -> None:
     except ValueError:  # a NUL character, or half an emoji (a lone surrogate), in the path
         raise bad(f"{kind} path {path!r} is not a valid file name") from None
     except OSError as exc:
-        failure = read_failure(path, exc)
-        if failure is not None:
-            raise failure from None
-        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            raise bad(f"{kind} not found: {path}") from None
-        raise bad(f"unreadable {kind} {path}: {exc.strerror or exc}") from None
+        raise file_failure(path, exc, kind, bad) from None
     if stat.S_ISDIR(mode):
         raise bad(f"{kind} is a directory: {path}")
     if not stat.S_ISREG(mode):
         raise bad(f"{kind} is not a regular file: {path}")
+
+
+def file_failure(path: str, exc: OSError, kind: str, bad: type) -> Exception:
+    """What an OSError looking up or opening the media file `path` means: this rank's read failed
+    (MediaReadError: the run stops), else the record's verdict `bad(reason)`, as on every rank."""
+    failure = read_failure(path, exc)
+    if failure is not None:
+        return failure
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return bad(f"{kind} not found: {path}")
+    return bad(f"unreadable {kind} {path}: {exc.strerror or exc}")
 
 
 def _decode_failure(path: Union[str, bytes], exc: Exception) -> Exception:

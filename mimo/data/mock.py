@@ -138,12 +138,8 @@ class MockMultimodalDataset:
         self.cfg = cfg
         self.seq_length = cfg.data.seq_length
         self.placeholders = cfg.placeholder_ids
-        # Text ids avoid the pad id and the placeholder ids (the top of the vocabulary, or an
-        # HF model's image_token_id: text stays below the lowest placeholder).
-        self.text_low = 1
-        self.text_high = min([cfg.model.language.vocab_size - len(self.placeholders)] + list(self.placeholders.values()))
-        if self.text_high - self.text_low < 2:
-            raise ValueError("model.language.vocab_size leaves no room for text tokens")
+        text = cfg.mock_text_ids  # the config check refuses fewer than 2
+        self.text_low, self.text_high = text.start, text.stop
         # index -> non-padding length of the samples made lately (the step metrics' packing figure,
         # without making a step's samples, pixels included, once more); a few steps' worth kept.
         self._lengths: Dict[int, int] = {}

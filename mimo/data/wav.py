@@ -8,6 +8,7 @@ read here, each failure as a WavError whose message is the reason.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -30,15 +31,22 @@ class WavHeader:
     rate: int            # samples per second
     frames: int          # samples per channel, as the header says
     data_offset: int     # where the samples start in the file
+    file_size: int
 
     @property
     def data_bytes(self) -> int:
         return self.frames * self.channels * self.width
 
+    @property
+    def complete(self) -> bool:
+        """Whether the file holds every sample the header says (a cut file does not)."""
+        return self.data_offset + self.data_bytes <= self.file_size
 
-def read_header(f: BinaryIO, file_size: int) -> WavHeader:
-    """The header of the WAV file `f` (at its start) of `file_size` bytes; reads the chunks before the
-    samples only. The samples may be fewer than the header says (the caller checks against the size)."""
+
+def read_header(f: BinaryIO) -> WavHeader:
+    """The header of the WAV file `f` (at its start); reads the chunks before the samples only. The
+    samples may be fewer than the header says (`WavHeader.complete`)."""
+    file_size = os.fstat(f.fileno()).st_size
     riff = f.read(12)
     if len(riff) < 12:
         raise WavError("ends inside its header")
@@ -64,7 +72,7 @@ def read_header(f: BinaryIO, file_size: int) -> WavHeader:
             channels, width, rate = fmt
             if size == UNKNOWN_SIZE:
                 size = max(0, file_size - pos)
-            return WavHeader(channels, width, rate, size // (channels * width), pos)
+            return WavHeader(channels, width, rate, size // (channels * width), pos, file_size)
         else:  # another chunk (LIST, fact, ...): skipped, with its pad byte
             f.seek(size + (size & 1), 1)
         pos += size + (size & 1)
