@@ -14,6 +14,7 @@ from mimo.config import LANGUAGE, is_homogeneous, load_config
 from mimo.schedule.__main__ import main
 from mimo.schedule.check import check_plan
 from mimo.schedule.plan import PlanError, RankActions, StepPlan, build_plan
+from mimo.schedule.plan_build import num_microbatches
 from mimo.schedule.plan_nodes import Node, stage_nodes
 from tiny import TINY, tiny
 
@@ -168,6 +169,47 @@ def test_island_join_takes_every_microbatch_first():
     got = [(a.module, a.mb) for a in before if a.op == "collective"]
     # both encoders share ranks 2-3 with different pp (an island): every microbatch, (mb, config) order
     assert got == [(name, mb) for mb in range(4) for name in ("images", "audio")]
+
+
+def _frozen_pipelined_images(frozen=True, **modules):
+    """TINY with 2-layer encoders, images' encoder frozen (its projector trains), per-module layouts."""
+    raw = copy.deepcopy(TINY)
+    raw["model"]["language"]["num_layers"] = 2
+    for name in ("images", "audio"):
+        raw["model"]["encoders"][name]["num_layers"] = 2
+        raw["model"]["encoders"][name]["frozen"] = False
+        raw["model"]["encoders"][name]["projector"]["frozen"] = False
+    raw["model"]["encoders"]["images"]["frozen"] = frozen
+    raw["parallelism"] = {m: dict(modules.get(m, {})) for m in ("language", "images", "audio")}
+    return raw
+
+
+@pytest.mark.parametrize("placement", ["non-colocated", "colocated", "island"])
+def test_a_frozen_encoders_stages_before_its_projector_run_forward_only(placement):
+    """images: a frozen 2-stage encoder under a trainable projector (its last stage). Its first stage runs
+    no backward and no gradient travels between its stages; the last stage runs backward (the projector).
+    Control: the same layout with the encoder trainable has both."""
+    modules = {"non-colocated": dict(language=dict(pp=2), images=dict(pp=2, rank_offset=2),
+                                     audio=dict(pp=2, rank_offset=4)),
+               "colocated": dict(language=dict(pp=2), images=dict(pp=2), audio=dict(pp=2)),
+               "island": dict(language=dict(pp=2), images=dict(pp=2, rank_offset=2),
+                              audio=dict(dp=2, rank_offset=2))}[placement]
+    for frozen in (True, False):
+        cfg = load_config(_frozen_pipelined_images(frozen, **modules))
+        plan = build_plan(cfg)
+        check_plan(plan)
+        M = num_microbatches(cfg)
+        acts = [a for rank in plan.actions for a in rank if a.module == "images"]
+        backward = {a.stage for a in acts if a.op == "backward"}
+        grads = [a for a in acts if a.op in ("send", "recv") and a.tensor == "gradient"]
+        audio_grads = [a for rank in plan.actions for a in rank if a.module == "audio" and a.tensor == "gradient"
+                       and a.op in ("send", "recv")]
+        if frozen:
+            assert backward == {1} and grads == [], (backward, grads)
+        else:
+            assert backward == {0, 1} and len(grads) == 2 * M  # a send and a receive per microbatch
+        # audio trains in both: a pipelined audio encoder still sends its gradients back.
+        assert bool(audio_grads) == (placement != "island")
 
 
 def test_offload_between_phases():

@@ -46,6 +46,19 @@ def stage_trainable(cfg: MimoConfig, name: str, stage: int) -> bool:
     return not enc.frozen or (not enc.projector.frozen and stage == cfg.parallelism[name].pp - 1)
 
 
+def stage_input_grad(cfg: MimoConfig, name: str, stage: int) -> bool:
+    """Whether a stage's backward computes the gradient of its input (and sends it to the stage before):
+    some earlier stage of its module trains. An LLM stage's input always needs one (behind it are the
+    LLM's earlier stages or trainable encoders: the config refuses a model with nothing to train)."""
+    return name == LANGUAGE or any(stage_trainable(cfg, name, s) for s in range(stage))
+
+
+def stage_backward(cfg: MimoConfig, name: str, stage: int) -> bool:
+    """Whether a pipeline stage runs backward at all: it trains, or an earlier stage of its module does.
+    A frozen encoder's stages before its trainable projector (last stage) run forward only."""
+    return name == LANGUAGE or any(stage_trainable(cfg, name, s) for s in range(stage + 1))
+
+
 def num_microbatches(cfg: MimoConfig) -> int:
     tr = cfg.training
     return tr.global_batch_size // (tr.micro_batch_size * cfg.parallelism[LANGUAGE].dp)
@@ -76,10 +89,10 @@ def build_plan(cfg: MimoConfig, num_microbatches: Optional[int] = None) -> StepP
     return plan
 
 
-def _link(out: RankActions, module: str, lay: Layout, rank: int) -> Link:
+def _link(cfg: MimoConfig, out: RankActions, module: str, lay: Layout, rank: int) -> Link:
     c = lay.coords(rank)
     at = lambda s: lay.rank(**{**c, "pp": s}) if 0 <= s < lay.pp else None  # noqa: E731
-    return Link(out, module, c["pp"], at(c["pp"] - 1), at(c["pp"] + 1))
+    return Link(out, module, c["pp"], at(c["pp"] - 1), at(c["pp"] + 1), stage_input_grad(cfg, module, c["pp"]))
 
 
 def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> None:
@@ -96,7 +109,7 @@ def _homogeneous(cfg: MimoConfig, lay: Layout, rank: int, out: RankActions) -> N
             for name in [LANGUAGE] + encoders:
                 out.local(BACKWARD, name, 0, mb)
         return
-    link = _link(out, LANGUAGE, lay, rank)
+    link = _link(cfg, out, LANGUAGE, lay, rank)
     stage = link.stage
     node_actions(M, lay.pp - 1 - stage, link, link, work(out, FORWARD, [(LANGUAGE, stage)]),
                  work(out, BACKWARD, [(LANGUAGE, stage)]))
@@ -143,10 +156,10 @@ def _heterogeneous(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, out: 
         members = []
         for n in names:
             lay = layouts[n]
-            link = _link(out, n, lay, rank)
+            link = _link(cfg, out, n, lay, rank)
             last = link.stage == lay.pp - 1
             members.append(Member(n, link.stage, link if link.stage > 0 else None,
-                                  Source(edge(n)) if last else link, trainable_edge(cfg, n)))
+                                  Source(edge(n)) if last else link, stage_backward(cfg, n, link.stage)))
         if not members:
             return
         level = {m.name: depth[Node(m.name, m.stage, layouts[m.name].pp)] for m in members}
@@ -154,7 +167,7 @@ def _heterogeneous(cfg: MimoConfig, layouts: Dict[str, Layout], rank: int, out: 
             return island_actions(out, M, members, level, {n: encoders.index(n) for n in names})
         return fused_node(out, M, level[names[0]], members)
 
-    link = _link(out, LANGUAGE, lang, rank)
+    link = _link(cfg, out, LANGUAGE, lang, rank)
     stage = link.stage
     join = None
     if stage == 0 and remote:
@@ -182,7 +195,7 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
     M = num_microbatches(cfg)
     for n in colocated:
         lay = layouts[n]
-        link = _link(out, n, lay, rank)
+        link = _link(cfg, out, n, lay, rank)
         if lay.pp == 1:
             out.local(FORWARD, n, 0)
         else:  # one chunk per LLM microbatch, GPipe order
@@ -204,10 +217,10 @@ def _three_phase(cfg: MimoConfig, layouts, colocated: List[str], rank: int, out:
         if rank in edge(n).ranks:
             edge(n).backward(None)
         lay = layouts[n]
-        link = _link(out, n, lay, rank)
+        link = _link(cfg, out, n, lay, rank)
         if lay.pp == 1:
             out.local(BACKWARD, n, 0)
-        else:
+        elif stage_backward(cfg, n, link.stage):  # a frozen encoder's stages before its projector: none
             for c in range(M):
                 link.recv_backward(c)
                 out.local(BACKWARD, n, link.stage, c)

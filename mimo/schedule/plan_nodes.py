@@ -90,10 +90,13 @@ class Link(Up, Down):
 
 No message tags: towards the next stage only activations travel and back only gradients, each in
 microbatch order, and encoders sharing ranks post in config order on both sides, so messages
-between two ranks match in the order both post them."""
+between two ranks match in the order both post them. `grads_up` False: the stages before this one
+train nothing (a frozen encoder's, in front of its projector), so no gradient goes back to them."""
 
-    def __init__(self, out: RankActions, module: str, stage: int, prev: Optional[int], next_: Optional[int]):
+    def __init__(self, out: RankActions, module: str, stage: int, prev: Optional[int], next_: Optional[int],
+                 grads_up: bool = True):
         self.out, self.module, self.stage, self.prev, self.next = out, module, stage, prev, next_
+        self.grad_peer = prev if grads_up else None
 
     def _x(self, *ops) -> None:
         self.out.p2p_group(self.module, self.stage, ops)
@@ -102,10 +105,10 @@ between two ranks match in the order both post them."""
         self._x((RECV, ACTIVATION, mb, self.prev))
 
     def send_backward(self, mb):
-        self._x((SEND, GRADIENT, mb, self.prev))
+        self._x((SEND, GRADIENT, mb, self.grad_peer))
 
     def send_backward_recv_forward(self, mb_b, mb_f):
-        self._x((SEND, GRADIENT, mb_b, self.prev), (RECV, ACTIVATION, mb_f, self.prev))
+        self._x((SEND, GRADIENT, mb_b, self.grad_peer), (RECV, ACTIVATION, mb_f, self.prev))
 
     def send_forward(self, mb):
         self._x((SEND, ACTIVATION, mb, self.next))
@@ -170,7 +173,8 @@ class Join(Up):
 
 
 class Member:
-    """One encoder stage of a rank that holds several; `with_backward` False: a frozen edge (no gradient)."""
+    """One encoder stage of a rank; `with_backward` False: the stage runs forward only (nothing at or
+    before it trains)."""
 
     def __init__(self, name: str, stage: int, up: Optional[Up], down: Down, with_backward: bool):
         self.name, self.stage, self.up, self.down, self.with_backward = name, stage, up, down, with_backward

@@ -39,7 +39,7 @@ from mimo.model.multimodal import embed_text
 from mimo.model.sequence_parallel import llm_input_layout, shard_len, shard_sequence
 from mimo.schedule.plan import (ACTIVATION, BOUNDARY, GRAD_NORM, GRAD_SYNC, LOSS, LOSS_TOKENS, OFFLOAD, OPTIMIZER,
                                 RELOAD, Action)
-from mimo.schedule.plan_build import stage_trainable, trainable_edge
+from mimo.schedule.plan_build import stage_backward, stage_input_grad, trainable_edge
 
 from .step_data import StepData
 from .windows import DEFERRED, KEPT, microbatch_offsets
@@ -157,7 +157,8 @@ class RankStep:
         """One forward of an encoder stage over one half (kept or deferred rows) of microbatch mb."""
         model, g = self.trainer.parts[name], self.trainer.topo.grid(name)
         key = (name, mb)
-        with torch.set_grad_enabled(self.trainable[name]):
+        # A stage without backward (a frozen encoder's, before its projector) keeps no graph.
+        with torch.set_grad_enabled(stage_backward(self.cfg, name, stage)):
             if g.layout.pp == 1:
                 ys[key] = encode(model, self._items(name, mb, part))
                 return
@@ -173,8 +174,8 @@ class RankStep:
             if stage == 0:
                 ys[key] = model(items)
                 return
-            # A frozen edge runs no backward: its input is not kept for one.
-            x = xs[key] if self.trainable[name] else xs.pop(key)
+            # Its input is kept only for the gradient its backward hands to the stage before.
+            x = xs[key] if stage_input_grad(self.cfg, name, stage) else xs.pop(key)
             # A native ViT's later stages make their masks and rotary table from the items' grids.
             ys[key] = model(x, self._grids(name, ids)) if is_native(self.cfg.model.encoders[name]) else model(x)
 
@@ -281,13 +282,13 @@ class RankStep:
                 ly, lx, lg = self.late_y.pop(late), self.late_x.pop(late, None), self.late_gy.pop(late)
                 if ly.requires_grad and ly.numel():
                     torch.autograd.backward(ly, grad_tensors=lg)
-                if a.stage > 0:
+                if lx is not None:
                     self.late_gx[late] = lx.grad if lx.grad is not None else torch.zeros_like(lx)
             if a.module == LANGUAGE:
                 self.views.pop(mb, None)
             if a.module == LANGUAGE and a.stage == 0:
                 self._route_boundary_grads(mb, x or {})
-            elif a.stage > 0:
+            elif x is not None:  # a later stage whose input gradient goes to the stage before
                 self.gx[key] = x.grad if x.grad is not None else torch.zeros_like(x)
 
     def _set_aux_loss_scale(self, mb: int) -> None:
@@ -328,7 +329,7 @@ class RankStep:
 
     def outgoing(self, a: Action) -> torch.Tensor:
         key = (a.module, a.mb)
-        keep = self._with_backward(a.module)
+        keep = stage_backward(self.cfg, a.module, a.stage)  # kept for this stage's backward
         if a.tensor == ACTIVATION:
             t = self.y[key] if keep else self.y.pop(key)
             if self._defers(a.module, a.mb):  # encoder stages: the deferred rows ride along, after the kept
@@ -338,9 +339,6 @@ class RankStep:
             if a.module != LANGUAGE and self._defers(a.module, a.mb - 1):
                 t = torch.cat([t, self.late_gx.pop((a.module, a.mb - 1))], dim=self._rows_dim(a.module))
         return t.detach().contiguous()
-
-    def _with_backward(self, module: str) -> bool:
-        return module == LANGUAGE or self.trainable[module]
 
     def incoming(self, a: Action) -> torch.Tensor:
         key = (a.module, a.mb)
@@ -360,18 +358,10 @@ class RankStep:
                 shape[d] += self._stage_shape(a.module, self._item_ids(a.module, a.mb, DEFERRED))[d]
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
 
-    def _input_grad(self, module: str, stage: int) -> bool:
-        """Whether a stage's input needs a gradient: some earlier stage of its module trains. An LLM
-        stage's input always does (behind it are the LLM's earlier stages or trainable encoders: the
-        config refuses a model with nothing to train). An encoder whose only trainable part is its
-        projector (last stage) computes no input gradient through its frozen stages; its gradient
-        messages upstream carry zeros."""
-        return module == LANGUAGE or any(stage_trainable(self.cfg, module, s) for s in range(stage))
-
     def arrived(self, a: Action, t: torch.Tensor) -> None:
         key = (a.module, a.mb)
         if a.tensor == ACTIVATION:
-            grad = self._input_grad(a.module, a.stage)
+            grad = stage_input_grad(self.cfg, a.module, a.stage)
             if self._defers(a.module, a.mb):  # encoder stages: split the kept and the deferred rows
                 d = self._rows_dim(a.module)
                 n = self._stage_shape(a.module, self._item_ids(a.module, a.mb))[d]
