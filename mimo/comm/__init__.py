@@ -13,13 +13,18 @@ gradient to the encoder's last-stage TP ranks.
     counts = comm.received_counts                   # destination shard's counts
     g = comm.backward(grad_or_None)                 # source-layout gradient, or None
 
-``build_communicator`` is collective over the whole world (it may create
-process groups): every rank calls it for every edge, in the same order.
+The communicator's local collectives (a leader's broadcast to its TP x CP
+ranks, the CP sum of gradients) run over groups the two modules' grids
+already have (`module_groups`: the encoder's `tp`, the LLM's `tp_cp` and
+`cp`), so an edge adds no process group, and on NCCL no communicator and no
+buffers. Without them ``build_communicator`` creates its own groups, which is
+collective over the whole world: every rank then calls it for every edge, in
+the same order.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,17 +38,26 @@ from .noncolocated import NonColocatedCommunicator
 from .plan import COLOCATED, EQUAL, FAN_IN, FAN_OUT, NON_COLOCATED, EdgePlan, Piece, RankRole, Route, make_plan
 from .traffic import Traffic
 
+# Which group of which module's grid each kind of edge group is (`EdgePlan.groups`): side 0 is the
+# source (encoder), side 1 the destination (LLM).
+_GRID_GROUP = {"src_tp": (0, "tp"), "dst_tpcp": (1, "tp_cp"), "dst_cp": (1, "cp")}
+
+
 def build_communicator(src_layout: Layout, dst_layout: Layout, batch_window: Optional[int], hidden: int,
                        dtype: torch.dtype = torch.float32, wire_dtype: Optional[torch.dtype] = None,
-                       plan: Optional[EdgePlan] = None, device: Optional[torch.device] = None) -> BoundaryCommunicator:
-    """Collective: build this rank's communicator for the edge src_layout -> dst_layout.
+                       plan: Optional[EdgePlan] = None, device: Optional[torch.device] = None,
+                       module_groups: Optional[Tuple[Dict, Dict]] = None) -> BoundaryCommunicator:
+    """Build this rank's communicator for the edge src_layout -> dst_layout.
 
     `batch_window`: samples moved per forward call (B above), or None when every
     call passes its own window plan (item-level encoder DP); `hidden`: the
     boundary tensor's last dim; `dtype`: compute dtype on both sides;
     `wire_dtype`: dtype on the wire (default `dtype`); `plan`: a precomputed
     plan (tests use it to inject deliberately broken routings); `device`: where
-    buffers live (default: the current CUDA device under NCCL, else CPU).
+    buffers live (default: the current CUDA device under NCCL, else CPU);
+    `module_groups`: this rank's groups of the source's and the destination's
+    grids (`ModuleGrid.groups`, empty where it holds no part), whose groups
+    the edge then uses. Without them the call is collective over the world.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_communicator needs torch.distributed to be initialised")
@@ -55,11 +69,27 @@ def build_communicator(src_layout: Layout, dst_layout: Layout, batch_window: Opt
         if lay.ranks.stop > world:
             raise ValueError(f"{name} layout needs ranks up to {lay.ranks.stop - 1} but the world has {world}")
     groups = {}
-    for _, rank_lists in sorted(plan.groups().items()):
+    rank = dist.get_rank()
+    for kind, rank_lists in sorted(plan.groups().items()):
         for ranks in rank_lists:
-            groups[tuple(ranks)] = get_group(ranks)
+            if module_groups is None:
+                groups[tuple(ranks)] = get_group(ranks)
+            elif rank in ranks:  # only a member calls a group
+                groups[tuple(ranks)] = _grid_group(module_groups, kind, ranks)
     cls = ColocatedCommunicator if plan.placement == COLOCATED else NonColocatedCommunicator
     return cls(plan, hidden, dtype, wire_dtype, groups, device)
+
+
+def _grid_group(module_groups: Tuple[Dict, Dict], kind: str, ranks: List[int]):
+    """The module grid's group that is the edge group `ranks` of `kind` (a bug if it is not)."""
+    side, key = _GRID_GROUP[kind]
+    group = module_groups[side].get(key)
+    held = None if group is None else sorted(dist.get_process_group_ranks(group))
+    if held != sorted(ranks):
+        raise RuntimeError(f"boundary group {kind} over ranks {list(ranks)}: the "
+                           f"{('source', 'destination')[side]} grid's {key!r} group of this rank is "
+                           f"{'missing' if held is None else held}")
+    return group
 
 
 __all__ = [

@@ -162,11 +162,12 @@ class Trainer:
         if cfg.training.offload_encoders and self.colocated:
             self.offload = ParameterOffload([p for n in self.colocated if n in self.parts
                                              for p in self.parts[n].parameters()], runtime)
-        # Collective: every rank builds every edge, in config order. Homogeneous plans have none:
-        # each rank feeds its own encoders' outputs to its LLM.
+        # Every edge's local collectives run over its modules' own groups (no new process group).
+        # Homogeneous plans have no edge: each rank feeds its own encoders' outputs to its LLM.
         self.comms = {} if self.homogeneous else {
             name: build_communicator(Layout.from_config(cfg.parallelism[name]), Layout.from_config(lang_par), None,
-                                     cfg.model.language.hidden_size, self.dtype, device=runtime.device)
+                                     cfg.model.language.hidden_size, self.dtype, device=runtime.device,
+                                     module_groups=(self.topo.grid(name).groups, self.topo.grid(LANGUAGE).groups))
             for name in cfg.model.encoders}
 
     @property

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mimo.comm import EdgePlan, boundary_transform, build_communicator, get_group, make_plan
 from mimo.topology import Layout
+from mimo.topology.grid import build_module_grid
 
 HIDDEN = 3
 WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -170,7 +171,26 @@ def run_case(c):
     src, dst = Layout(**c["src"]), Layout(**c["dst"])
     truth = make_plan(src, dst, c["B"])
     plan = BROKEN[c["broken"]](src, dst, c["B"]) if c["broken"] in BROKEN else truth
-    comm = build_communicator(src, dst, c["B"], HIDDEN, torch.float32, WIRE[c["wire"]], plan=plan)
+    module_groups = None
+    if c["mode"] == "known":  # as the trainer builds it: over the groups of the two modules' grids
+        module_groups = (build_module_grid("src", src).groups, build_module_grid("dst", dst).groups)
+    real_new_group, made = dist.new_group, []
+    dist.new_group = lambda *a, **k: made.append(a) or real_new_group(*a, **k)
+    try:
+        comm = build_communicator(src, dst, c["B"], HIDDEN, torch.float32, WIRE[c["wire"]], plan=plan,
+                                  module_groups=module_groups)
+    finally:
+        dist.new_group = real_new_group
+    errors = []
+    if module_groups is not None:  # the grids swapped: a rank in an edge group must refuse them
+        in_group = any(rank in g for gs in truth.groups().values() for g in gs)
+        try:
+            build_communicator(src, dst, c["B"], HIDDEN, module_groups=module_groups[::-1])
+            if in_group:
+                errors.append(f"rank {rank}: the other module's groups were taken for the edge's")
+        except RuntimeError as e:
+            if not in_group or "boundary group" not in str(e):
+                errors.append(f"rank {rank}: {e}")
     if c["broken"] == "extra_row":
         pad_one_row(comm)
     _WIRE.records = []
@@ -182,7 +202,6 @@ def run_case(c):
             for cc in range(dst.cp):
                 ranks = [dst.rank(tp=t, cp=cc, dp=j, pp=0) for t in range(dst.tp)]
                 tp_groups[tuple(ranks)] = get_group(ranks) if len(ranks) > 1 else None
-    errors = []
     data = [window_data(c, w) for w in range(c["windows"])]
 
     def src_part(w):
@@ -268,7 +287,8 @@ def run_case(c):
         check_grad(0, x.grad)
     elif c["mode"] == "megatron_tp":
         errors += _megatron_tp_case(c, comm, truth, role, data[0], src_part, dst_part, tp_groups)
-    return dict(name=c["name"], rank=rank, errors=errors, traffic=_snapshot(comm.traffic), wire=_WIRE.records)
+    return dict(name=c["name"], rank=rank, errors=errors, traffic=_snapshot(comm.traffic), wire=_WIRE.records,
+                new_groups=len(made))
 
 
 def _snapshot(traffic):
@@ -386,6 +406,7 @@ DEFAULT_CASES = [
     case("nc megatron tp4", lay(dp=2), lay(tp=4, off=2), B=4, windows=1, mode="megatron_tp"),
     case("nc known sizes fan-in tp2 cp2", lay(dp=4), lay(tp=2, cp=2, off=4), B=8, mode="known"),
     case("nc known sizes fan-out", lay(dp=1), lay(dp=2, off=1), B=4, mode="known"),
+    case("nc known sizes src tp2 pp2 -> cp2", lay(tp=2, pp=2), lay(cp=2, dp=2, off=4), B=6, mode="known"),
     # colocated
     case("c equal dp2", lay(dp=2), lay(dp=2), B=4),
     case("c fan-in 2:1 tp2", lay(dp=4), lay(tp=2, dp=2), B=8),
@@ -404,6 +425,7 @@ DEFAULT_CASES = [
     case("c autograd equal bf16", lay(dp=2), lay(dp=2), B=4, windows=1, mode="autograd", wire="bf16"),
     case("c megatron tp2", lay(dp=4), lay(tp=2, dp=2), B=8, windows=1, mode="megatron_tp"),
     case("c known sizes fan-in tp2", lay(dp=4), lay(tp=2, dp=2), B=8, mode="known"),
+    case("c known sizes tp2 cp2 fan-in", lay(dp=8), lay(tp=2, cp=2, dp=2), B=8, mode="known"),
 ]
 
 # Deliberately broken routings: the checker must report them.

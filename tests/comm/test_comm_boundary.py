@@ -195,6 +195,17 @@ def test_known_unit_sizes_send_no_counts(sweep, c):
     assert any(rec["op"] == "send" and rec["nbytes"] > 0 for rec in wire)
 
 
+def test_known_sizes_cases_use_the_module_grids_groups(sweep):
+    """The trainer's path ("known" cases): the edge's broadcasts and CP sums run over the two modules'
+    own grid groups, so building it creates no process group. Control: the cases that build their own
+    groups do create some (the count can see a new group)."""
+    known = [c["name"] for c in DEFAULT_CASES if c["mode"] == "known"]
+    assert len(known) >= 4
+    for name in known:
+        assert sum(r["new_groups"] for r in sweep[name]) == 0, name
+    assert sum(r["new_groups"] for c in DEFAULT_CASES if c["mode"] != "known" for r in sweep[c["name"]]) > 0
+
+
 def test_colocated_traffic_stays_in_range(sweep):
     """A colocated edge's messages never leave its ranks (the wire's peers and groups)."""
     for c in DEFAULT_CASES:
