@@ -3,6 +3,7 @@
 import copy
 import subprocess
 import sys
+from itertools import accumulate
 
 import pytest
 import yaml
@@ -35,6 +36,25 @@ def test_divide_items_is_contiguous_and_balanced():
     assert imbalance([0, 2, 4], [1] * 4) == 1.0 and imbalance([0, 3, 4], [1] * 4) == 1.5
     with pytest.raises(ValueError, match="parts"):
         divide_items([1], 0)
+
+
+def test_each_bound_is_the_closest_item_edge_lowest_on_a_tie():
+    """Against a brute force over every edge, with zero-token items (runs of equal prefixes) and
+    zero totals among random inputs."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.choice([0, 0, 1, 3, 9, 40]) for _ in range(rng.randint(0, 12))]
+        parts = rng.randint(1, 9)
+        prefix = [0] + list(accumulate(tokens))
+        total, n = prefix[-1], len(tokens)
+        if total == 0:
+            want = [(i * n) // parts for i in range(parts)] + [n]
+        else:
+            want = [min(range(n + 1), key=lambda k: (abs(parts * prefix[k] - i * total), k))
+                    for i in range(parts)] + [n]
+        assert divide_items(tokens, parts) == want, (tokens, parts)
 
 
 # -- validation: the paper's long-context colocated layouts (Table A3, C-E / C-L as printed) -------

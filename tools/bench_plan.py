@@ -2,6 +2,7 @@
 """Time building and checking one step's plan (in-process, interpreter start-up excluded).
 
     python tools/bench_plan.py [--repeats 5] [--wide 192,384,768,1536] [--boundary 256x64,1024x256]
+                               [--windows 1024x8]
 
 Cases: a text-only LLM with 8 pipeline stages and 64 microbatches (8 ranks,
 and the same on 32 ranks with tp 2, dp 2), a non-colocated graph with an
@@ -15,7 +16,11 @@ its own, N = 1.5 D ranks (the loss, norm and boundary meets span them all).
 encoder at dp S feeding an LLM at tp 2 cp 2 dp D, 8 samples of 2 items (576
 tokens each) per LLM shard: `EdgePlan.for_window` (mean of 10), the
 colocated forward and backward routes of every rank (mean of 3) and one
-rank's own moves, what its communicator lists (mean of 10).
+rank's own moves, what its communicator lists (mean of 10). `--windows DxM,...` times what every rank
+of a heterogeneous plan does per step to learn the step's boundary windows: an LLM at dp D with M
+microbatches of one sample, two non-colocated encoders (images, audio) at dp D / 2, one item of each
+per sample: `StepWindows` from the step's assignment, one encoder rank's item ids over the step and
+one LLM rank's rows per microbatch of both edges (best of --repeats).
 """
 
 from __future__ import annotations
@@ -114,13 +119,54 @@ def boundary(src_dp: int, dst_dp: int) -> str:
             f"(all ranks'), {own * 1e3:.3f} ms (one rank's own moves)")
 
 
+def windows(dp: int, microbatches: int, repeats: int) -> str:
+    from mimo.balance.assignment import contiguous
+    from mimo.comm import make_plan
+    from mimo.topology import Layout
+    from mimo.training.step_data import encoded_item_ids
+    from mimo.training.windows import StepWindows
+
+    G, half = dp * microbatches, max(dp // 2, 1)
+    raw = copy.deepcopy(TINY)
+    raw["training"].update(global_batch_size=G, micro_batch_size=1)
+    raw["parallelism"] = {"language": dict(dp=dp), "images": dict(dp=half, rank_offset=dp),
+                          "audio": dict(dp=half, rank_offset=dp + half)}
+    cfg = load_config(raw)
+    lang = Layout.from_config(cfg.parallelism["language"])
+
+    class Edge:  # what StepWindows reads of a communicator: its static plan
+        def __init__(self, name):
+            self.plan = make_plan(Layout.from_config(cfg.parallelism[name]), lang, None)
+
+    comms = {n: Edge(n) for n in ("images", "audio")}
+    counts = {n: [1] * G for n in comms}
+    assignment = contiguous(G, dp, microbatches)
+
+    def step():
+        w = StepWindows(cfg, comms, counts, [], assignment)
+        encoded_item_ids(w, "images", half // 2, [], microbatches)
+        for mb in range(microbatches):
+            for n in comms:
+                w.llm_tokens(n, dp // 2, mb)
+
+    _, s = best(step, repeats)
+    return (f"windows: LLM dp {dp} x {microbatches} microbatches ({G} samples), two encoders at dp {half}: "
+            f"{s * 1e3:.1f} ms per step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wide", default="", help="comma list of world sizes (multiples of 3) to add")
     parser.add_argument("--boundary", default="", help="comma list of SRCxDST encoder and LLM DP sizes: time "
                                                        "the per-window edge plan instead")
+    parser.add_argument("--windows", default="", help="comma list of DxM LLM DP sizes and microbatch counts: "
+                                                      "time the step's boundary windows instead")
     args = parser.parse_args()
+    if args.windows:
+        for pair in args.windows.split(","):
+            print(windows(*(int(x) for x in pair.split("x")), args.repeats), flush=True)
+        return
     if args.boundary:
         for pair in args.boundary.split(","):
             print(boundary(*(int(x) for x in pair.split("x"))), flush=True)

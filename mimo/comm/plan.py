@@ -38,8 +38,11 @@ destination's *first* PP stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
 
 from mimo.topology.layout import Layout
 
@@ -60,6 +63,28 @@ class Piece:
     @property
     def samples(self) -> int:
         return self.stop - self.start
+
+
+class Pieces(Sequence):
+    """A window's pieces in window order, made on demand from four arrays: a window's plan is built per
+    call on every rank of the edge, and a rank reads only its own shards' pieces."""
+
+    def __init__(self, starts: np.ndarray, stops: np.ndarray, i: np.ndarray, j: np.ndarray):
+        self.starts, self.stops, self.i, self.j = starts, stops, i, j
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[x] for x in range(*k.indices(len(self)))]
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"piece {k} of {len(self)}")
+        k %= len(self)
+        return Piece(k, int(self.i[k]), int(self.j[k]), int(self.starts[k]), int(self.stops[k]))
+
+    def run(self, a: int, b: int) -> List[Piece]:
+        return [self[k] for k in range(a, b)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +132,7 @@ class EdgePlan:
     placement: str = field(init=False)
     relation: str = field(init=False)
     ratio: int = field(init=False)
-    pieces: List[Piece] = field(init=False)
+    pieces: Pieces = field(init=False)
 
     def __post_init__(self):
         s, d, b = self.src, self.dst, self.batch_window
@@ -124,7 +149,7 @@ class EdgePlan:
                     raise ValueError(f"batch window {b} is not divisible by the {name} DP size {dp}")
                 setattr(self, attr, [k * (b // dp) for k in range(dp + 1)])
             elif (len(bounds) != dp + 1 or bounds[0] != 0 or bounds[-1] != b
-                  or any(x > y for x, y in zip(bounds, bounds[1:]))):
+                  or bool((np.diff(np.asarray(bounds, dtype=np.int64)) < 0).any())):
                 raise ValueError(f"{name} bounds {list(bounds)} must be {dp + 1} non-decreasing offsets "
                                  f"from 0 to the batch window {b}")
         if self.unit_tokens is not None and len(self.unit_tokens) != b:
@@ -137,11 +162,6 @@ class EdgePlan:
         else:
             self.relation, self.ratio = FAN_OUT, d.dp // s.dp
         self.pieces = self._pieces()
-        self._of_src: Dict[int, List[Piece]] = {}
-        self._of_dst: Dict[int, List[Piece]] = {}
-        for p in self.pieces:
-            self._of_src.setdefault(p.i, []).append(p)
-            self._of_dst.setdefault(p.j, []).append(p)
 
     # -- intervals ---------------------------------------------------------
     def src_interval(self, i: int) -> Tuple[int, int]:
@@ -157,27 +177,26 @@ class EdgePlan:
         return type(self)(self.src, self.dst, src_bounds[-1], list(src_bounds), list(dst_bounds),
                           None if unit_tokens is None else list(unit_tokens))
 
-    def _pieces(self) -> List[Piece]:
-        """The non-empty intersections of source and destination shards, in window order: one pass over
-        both sorted bound lists (per window and step on every rank, so linear in the DP sizes)."""
-        out: List[Piece] = []
-        i = j = 0
-        while i < self.src.dp and j < self.dst.dp:
-            (s0, s1), (d0, d1) = self.src_interval(i), self.dst_interval(j)
-            lo, hi = max(s0, d0), min(s1, d1)
-            if lo < hi:
-                out.append(Piece(len(out), i, j, lo, hi))
-            if s1 <= d1:
-                i += 1
-            if d1 <= s1:
-                j += 1
-        return out
+    def _pieces(self) -> Pieces:
+        """The non-empty intersections of source and destination shards, in window order. Every point
+        where a shard of either side starts cuts the window, and each stretch between two cuts lies in
+        exactly one shard of each side: the pieces are those stretches (built per window on every rank
+        of the edge, so done in numpy, linear in the DP sizes)."""
+        src = np.asarray(self.src_bounds, dtype=np.int64)
+        dst = np.asarray(self.dst_bounds, dtype=np.int64)
+        cuts = np.union1d(src, dst)
+        starts = cuts[:-1]
+        # The shard holding a piece: the last one starting at or before it (empty shards start there too).
+        return Pieces(starts, cuts[1:], np.searchsorted(src, starts, "right") - 1,
+                      np.searchsorted(dst, starts, "right") - 1)
 
     def pieces_of_src(self, i: int) -> List[Piece]:
-        return self._of_src.get(i, [])
+        p = self.pieces
+        return p.run(int(np.searchsorted(p.i, i, "left")), int(np.searchsorted(p.i, i, "right")))
 
     def pieces_of_dst(self, j: int) -> List[Piece]:
-        return self._of_dst.get(j, [])
+        p = self.pieces
+        return p.run(int(np.searchsorted(p.j, j, "left")), int(np.searchsorted(p.j, j, "right")))
 
     # -- where shards live ---------------------------------------------------
     def src_holders(self, i: int) -> List[int]:

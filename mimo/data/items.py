@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 
@@ -28,24 +29,24 @@ def divide_items(item_tokens: Sequence[int], parts: int) -> List[int]:
     """Bounds (``parts + 1`` item offsets) of a contiguous division balanced by tokens.
 
     Bound i is the item edge whose token prefix is closest to ``i / parts`` of
-    the total (the lower edge on a tie), so every part holds its fair share of
-    tokens up to one item; with equal-sized items the item counts differ by at
-    most one. Parts may be empty (fewer items than parts).
+    the total (the lowest such edge on a tie), so every part holds its fair share
+    of tokens up to one item; with equal-sized items the item counts differ by at
+    most one. Parts may be empty (fewer items than parts). Every rank divides
+    every window of the step this way, so it runs in numpy.
     """
     if parts < 1:
         raise ValueError(f"parts must be positive (got {parts})")
-    prefix = [0] + list(accumulate(int(t) for t in item_tokens))
-    total, bounds, k = prefix[-1], [0], 0
-    for i in range(1, parts):
-        target = i * total  # compare parts * prefix[k] with i * total: integers only, no rounding
-        while k + 1 < len(prefix) and abs(parts * prefix[k + 1] - target) < abs(parts * prefix[k] - target):
-            k += 1
-        # Equal prefixes (zero-token items) or a total of 0: spread the items by count instead.
-        if total == 0:
-            k = (i * (len(prefix) - 1)) // parts
-        bounds.append(max(k, bounds[-1]))
-    bounds.append(len(prefix) - 1)
-    return bounds
+    prefix = np.zeros(len(item_tokens) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(item_tokens, dtype=np.int64), out=prefix[1:])
+    n, total = len(prefix) - 1, int(prefix[-1])
+    if total == 0:  # no tokens to balance: spread the items by count
+        return [(i * n) // parts for i in range(parts)] + [n]
+    # Compare parts * prefix[k] with i * total: integers only, no rounding.
+    scaled, targets = parts * prefix, np.arange(1, parts, dtype=np.int64) * total
+    above = np.searchsorted(scaled, targets, "left")  # the first edge at or past each target
+    below = np.searchsorted(scaled, scaled[above - 1], "left")  # the first edge of the one before
+    take_below = targets - scaled[below] <= scaled[above] - targets
+    return [0] + np.where(take_below, below, above).tolist() + [n]
 
 
 def sample_item_bounds(items_per_sample: Sequence[int], sample_bounds: Sequence[int]) -> List[int]:

@@ -45,6 +45,10 @@ def split_deferred(a: StepAssignment) -> Tuple[List[List[List[int]]], List[List[
     overloaded microbatch hands LLM work to the partner that runs right after it)."""
     kept, late = [], []
     for d, (enc, llm) in enumerate(zip(a.encoder, a.llm)):
+        if enc == llm:  # nothing deferred on this DP rank (always so under none and mmscale)
+            kept.append([list(mb) for mb in llm])
+            late.append([[] for _ in llm])
+            continue
         k_rows, l_rows = [], []
         for k, mb in enumerate(llm):
             here, before = set(enc[k]), set(enc[k - 1]) if k else set()
@@ -71,13 +75,15 @@ class StepWindows:
     def __init__(self, cfg: MimoConfig, comms: Dict, item_counts: Dict[str, List[int]], colocated: List[str],
                  assignment: StepAssignment, item_tokens: Optional[Dict[str, List[int]]] = None):
         self.cfg, self.comms, self.item_counts, self.colocated = cfg, comms, item_counts, colocated
+        # Each sample's first step item id, per encoder (items are numbered in sample order).
+        self._first = {n: [0] + list(accumulate(int(c) for c in counts)) for n, counts in item_counts.items()}
         self.item_tokens = {n: list(item_tokens[n]) if item_tokens and n in item_tokens
-                            else [cfg.model.encoders[n].tokens_per_item] * sum(int(c) for c in counts)
-                            for n, counts in item_counts.items()}
-        for n, counts in item_counts.items():
-            if len(self.item_tokens[n]) != sum(int(c) for c in counts):
+                            else [cfg.model.encoders[n].tokens_per_item] * self._first[n][-1]
+                            for n in item_counts}
+        for n in item_counts:
+            if len(self.item_tokens[n]) != self._first[n][-1]:
                 raise ValueError(f"item_tokens[{n!r}]: {len(self.item_tokens[n])} sizes for "
-                                 f"{sum(int(c) for c in counts)} items")
+                                 f"{self._first[n][-1]} items")
         self.kept, self.late = split_deferred(assignment)
         self._cache: Dict[Tuple[str, int, str], Tuple[object, List[int]]] = {}
 
@@ -87,7 +93,7 @@ class StepWindows:
 
     def sample_tokens(self, name: str) -> List[int]:
         """LLM tokens of `name`'s items in each step sample."""
-        first = [0] + list(accumulate(int(c) for c in self.item_counts[name]))
+        first = self._first[name]
         prefix = [0] + list(accumulate(self.item_tokens[name]))
         return [prefix[b] - prefix[a] for a, b in zip(first, first[1:])]
 
@@ -109,11 +115,10 @@ class StepWindows:
         """(the edge's plan of this window, step item ids in window order); colocated edges: mb is 0."""
         key = (name, mb, part)
         if key not in self._cache:
-            counts = self.item_counts[name]
-            first = [0] + list(accumulate(int(c) for c in counts))
+            counts, first = self.item_counts[name], self._first[name]
             shards = self._shards(name, mb, part)
             samples = [i for s in shards for i in s]
-            ids = [first[s] + k for s in samples for k in range(int(counts[s]))]
+            ids = [i for s in samples for i in range(first[s], first[s + 1])]
             tokens = self.tokens(name, ids)
             src = divide_items(tokens, self.cfg.parallelism[name].dp)
             dst = sample_item_bounds([counts[s] for s in samples], [0] + list(accumulate(len(s) for s in shards)))
@@ -124,7 +129,12 @@ class StepWindows:
     def has_deferred(self, name: str, mb: int) -> bool:
         """Whether encoder microbatch mb hands items of `name` to the next LLM microbatch (the same
         answer on every rank: it depends on the step's data alone)."""
-        return name not in self.colocated and bool(self.window(name, mb, DEFERRED)[1])
+        if name in self.colocated:
+            return False
+        if (name, mb, DEFERRED) in self._cache:
+            return bool(self._cache[(name, mb, DEFERRED)][1])
+        counts = self.item_counts[name]  # most windows defer nothing: known without planning them
+        return any(counts[s] for shard in self._shards(name, mb, DEFERRED) for s in shard)
 
     def encoder_item_ids(self, name: str, dp_rank: int, mb: int = 0, part: str = KEPT) -> List[int]:
         """Step item ids encoder DP rank `dp_rank` encodes in a window."""

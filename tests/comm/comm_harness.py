@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mimo.comm import EdgePlan, boundary_transform, build_communicator, get_group, make_plan
+from mimo.comm.plan import Pieces
 from mimo.topology import Layout
 from mimo.topology.grid import build_module_grid
 
@@ -61,14 +63,33 @@ def shard_slice(counts, start, stop):
     return t0, t0 + int(counts[start:stop].sum())
 
 
-class SwappedDstPlan(EdgePlan):
+class _IntervalPlan(EdgePlan):
+    """A plan whose pieces come from its (overridden) shard intervals by brute force: the broken plans'
+    intervals are out of order, which the real plan's bounds cannot express."""
+
+    def _pieces(self):
+        found = sorted((max(s0, d0), min(s1, d1), i, j)
+                       for i, (s0, s1) in ((i, self.src_interval(i)) for i in range(self.src.dp))
+                       for j, (d0, d1) in ((j, self.dst_interval(j)) for j in range(self.dst.dp))
+                       if max(s0, d0) < min(s1, d1))
+        cols = [np.array([f[c] for f in found], dtype=np.int64) for c in range(4)]
+        return Pieces(*cols)
+
+    def pieces_of_src(self, i):
+        return [p for p in self.pieces if p.i == i]
+
+    def pieces_of_dst(self, j):
+        return [p for p in self.pieces if p.j == j]
+
+
+class SwappedDstPlan(_IntervalPlan):
     """Deliberately wrong: destination shards 0 and 1 trade batch intervals."""
 
     def dst_interval(self, j):
         return super().dst_interval({0: 1, 1: 0}.get(j, j))
 
 
-class SwappedSrcPlan(EdgePlan):
+class SwappedSrcPlan(_IntervalPlan):
     """Deliberately wrong: source shards 0 and 1 trade batch intervals."""
 
     def src_interval(self, i):
