@@ -180,6 +180,7 @@ def main(argv=None) -> int:
 
             time.sleep(10)
         print(str(exc), file=sys.stderr, flush=True)
+        _no_restart_fixes(str(exc))
         os._exit(2)
     except Exception as exc:  # one line naming the rank and cause; torchrun then stops the other ranks
         print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -205,6 +206,7 @@ def _stop(rank: int, line: str, code: int) -> int:
     before their exit makes torchrun stop the job."""
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
+        _no_restart_fixes(line)
         if os.environ.get("MIMO_DEBUG"):
             traceback.print_exc()
     else:
@@ -212,6 +214,19 @@ def _stop(rank: int, line: str, code: int) -> int:
 
         time.sleep(10)
     return code
+
+
+def _no_restart_fixes(line: str) -> None:
+    """An error that a restart would meet again (a checkpoint of another model, a damaged file, a bad
+    record): its line goes to the file `MIMO_ERROR_FILE` names, if set. torchrun reports every
+    worker's exit as 1, so a launcher script (examples/slurm) reads it there to not requeue the job."""
+    path = os.environ.get("MIMO_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(line.splitlines()[0] + "\n")
+        except OSError as exc:  # the error line is on stderr already
+            print(f"warning: MIMO_ERROR_FILE: cannot write {path} ({exc.strerror})", file=sys.stderr, flush=True)
 
 
 def describe(cfg, trainer, runtime) -> None:

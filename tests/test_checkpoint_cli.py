@@ -147,12 +147,36 @@ def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(saved):
                                           "is at step 2 and training.train_iters is 2 (raise it to train on)"], r.stdout
 
 
-def _run_cli(config, *sets, preexec_fn=None):
+def test_a_resume_at_another_precision_says_so(saved):
+    """An fp32 checkpoint resumed in bf16 loads (weights load at any precision) but does not continue the
+    saved run exactly: rank 0 says so once. Control: at the saved precision, no warning."""
+    r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null", "training.precision=bf16")
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: training.precision")]
+    assert len(warnings) == 1 and "saved by a fp32 run and this run trains in bf16" in warnings[0], r.stderr[-2000:]
+    r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null")
+    assert r.returncode == 0 and "warning: training.precision" not in r.stderr
+
+
+def _run_cli(config, *sets, preexec_fn=None, env=None):
     args = [sys.executable, SCRIPT, "--config", config, "--device", "cpu"]
     for s in sets:
         args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, env={**ENV, "MIMO_DEBUG": ""}, timeout=300,
-                          preexec_fn=preexec_fn)
+    return subprocess.run(args, capture_output=True, text=True, env={**ENV, "MIMO_DEBUG": "", **(env or {})},
+                          timeout=300, preexec_fn=preexec_fn)
+
+
+def test_an_error_no_restart_fixes_is_written_where_a_launcher_reads_it(saved, tmp_path):
+    """A checkpoint of another model is found only after the start (its shapes, at the load), so a
+    launcher that restarts failed jobs would meet it again: with MIMO_ERROR_FILE set, the trainer writes
+    its error line there (examples/slurm reads it and does not requeue)."""
+    marker = tmp_path / "error"
+    r = _run_cli(saved["config"], f"training.load={saved['dir']}", "training.save=null",
+                 "model.language.hidden_size=64", env={"MIMO_ERROR_FILE": str(marker)})
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = marker.read_text()
+    assert line.startswith("error: ") and "shape" in line and line.count("\n") == 1, line
+    assert line.strip() in r.stderr
 
 
 def _files_up_to(nbytes):

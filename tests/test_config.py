@@ -146,9 +146,10 @@ def test_encoder_offload_needs_a_phase_where_colocated_encoders_are_idle():
     apart = with_(with_(raw, "parallelism.images.rank_offset", 2), "parallelism.audio.rank_offset", 4)
     assert errors(apart) == [("training.offload_encoders",
                               "needs an encoder colocated with the LLM (on the LLM's ranks); here none is")]
-    # Under replan: auto the planner's layouts (which may put the encoders apart) take the flag where they
-    # have a phase for it, so the flag does not refuse them.
-    assert errors(with_(with_(apart, "training.replan", "auto"), "training.save", "/tmp/ckpt")) == []
+    # Under replan: auto too, for the configured layout (a re-planned one turns the flag off where it has
+    # no phase for it: tests/test_replan.py).
+    assert [p for p, _ in errors(with_(with_(apart, "training.replan", "auto"), "training.save", "/tmp/ckpt"))] \
+        == ["training.offload_encoders"]
 
 
 def test_ranks_no_module_uses_are_an_error_without_a_world_size():
@@ -251,7 +252,10 @@ def test_a_bare_off_in_yaml_is_the_word():
     assert raw["training"]["replan"] is False
     assert load_config(raw).training.replan == "off"
     raw["training"].update(yaml.safe_load("replan: on"))  # not a mode: named, not a type error
-    assert errors(raw) == [("training.replan", "must be one of off, auto, got 'on'")]
+    hint = " (YAML reads true/yes/on as 'on' and false/no/off as 'off')"
+    assert errors(raw) == [("training.replan", "must be one of off, auto, got 'on'" + hint)]
+    raw["training"].update(yaml.safe_load("replan: true"))  # the same word, and the message says why
+    assert errors(raw) == [("training.replan", "must be one of off, auto, got 'on'" + hint)]
 
 
 def _cli(tmp_path, raw, *args):

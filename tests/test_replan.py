@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from mimo.checkpoint.replan import TEMPLATES, load_for_world, read_templates, template_sizes, write_templates
-from mimo.config import ConfigError
+from mimo.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_mimo.py")
@@ -152,6 +152,37 @@ def test_fewer_ranks_than_any_layout_fits_is_one_error(tmp_path, monkeypatch):
     assert err.startswith("error: training.replan: no layout for 1 ranks of cpu: no layout fits on 1 x cpu"), err
 
 
+def test_a_model_without_bitfield_attention_is_replanned_without_context_parallelism(tmp_path):
+    """Context parallelism needs bitfield attention, which the re-plan does not switch on: no CP layout is
+    tried, and a size only CP could fill gets the planner's own reason. (On 7 ranks this config's only
+    layouts put the LLM at CP 3; the reason used to be "context parallelism needs bitfield attention".)"""
+    d = str(tmp_path / "ck")
+    _fake_checkpoint(d)
+    with pytest.raises(ConfigError) as err:
+        _quiet(load_for_world, CONFIG, _auto(d), 7, "cpu", 0, 6)
+    assert "no layout splits 7 GPUs" in str(err.value) and "bitfield" not in str(err.value), str(err.value)
+    cfg, _ = _quiet(load_for_world, CONFIG, _auto(d), 5, "cpu", 0, 6)
+    assert cfg.world_size == 5 and all(p.cp == 1 for p in cfg.parallelism.values())
+
+
+def test_a_replanned_layout_keeps_encoder_offload_only_where_it_has_the_phase_for_it():
+    """with_layout: the flag stays on for a layout whose colocated encoders are idle while the LLM runs
+    (their own dp), and is turned off for one without that phase (encoders apart, or every module on the
+    LLM's layout), so the written config passes the check that refuses a flag that does nothing."""
+    from mimo.checkpoint.replan import with_layout
+
+    raw = yaml.safe_load(open(CONFIG))
+    raw["training"]["offload_encoders"] = True
+    three_phase = {"language": {"tp": 2, "dp": 2}, "images": {"dp": 4}}
+    apart = {"language": {"tp": 2, "dp": 1}, "images": {"dp": 2, "rank_offset": 2}}
+    same = {"language": {"dp": 4}, "images": {"dp": 4}}
+    for par, kept in ((three_phase, True), (apart, False), (same, False)):
+        out = with_layout(raw, par, 1)
+        assert out["training"]["offload_encoders"] is kept, par
+        load_config(out)  # the check accepts it as written
+    assert raw["training"]["offload_encoders"] is True  # the user's config is not changed
+
+
 @pytest.mark.parametrize("damage", ["binary", "directory", "list_entry", "truncated"])
 def test_a_damaged_templates_file_is_planned_afresh_and_replaced(tmp_path, damage):
     """templates.json is a cache of a deterministic search: a file that cannot be used is ignored (a
@@ -230,13 +261,15 @@ def test_the_fingerprint_covers_the_gradient_reduction_precision():
     assert fingerprint(load_config(raw)) != a
 
 
-def _sbatch(tmp_path, nodes_gpus, ckpt, replan):
-    """examples/slurm/pretrain_mimo.sbatch with stand-ins for srun and scontrol that record their calls."""
+def _sbatch(tmp_path, nodes_gpus, ckpt, replan, trainer_error=None):
+    """examples/slurm/pretrain_mimo.sbatch with stand-ins for srun and scontrol that record their calls;
+    `trainer_error`: a line the stand-in srun writes where the trainer writes an error no restart fixes."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
     for tool, rc in (("srun", 1), ("scontrol", 0)):
-        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n"
+        error = f"echo '{trainer_error}' > \"$MIMO_ERROR_FILE\"\n" if tool == "srun" and trainer_error else ""
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {calls}\n{error}"
                                     f"[ \"$1\" = show ] && echo node0\nexit {rc}\n")
         (bin_dir / tool).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": ROOT,
@@ -264,6 +297,12 @@ def test_slurm_script_checks_the_replan_before_srun_and_never_requeues_an_error(
     assert calls.startswith("scontrol show hostnames") and "srun --kill-on-bad-exit=1 torchrun" in calls
     assert "--set training.exit_signal_handler=true" in calls  # with CKPT_DIR: a SIGTERM saves and stops
     assert calls.rstrip().endswith("scontrol requeue 7"), calls
+    # An error the trainer finds only after the start (a checkpoint of another model) is not requeued
+    # either: the trainer writes its line to MIMO_ERROR_FILE, which the script reads after srun.
+    os.remove(tmp_path / "calls")
+    r, calls = _sbatch(tmp_path, 6, d, "auto", trainer_error="error: a checkpoint of another model")
+    assert r.returncode == 2 and "srun --kill-on-bad-exit=1" in calls and "requeue" not in calls, (r.stderr, calls)
+    assert "mimo: not requeued, a restart would stop again: error: a checkpoint of another model" in r.stderr
 
 
 def _config_on_rank(layouts):

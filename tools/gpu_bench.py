@@ -46,6 +46,7 @@ It also writes the planner profile (`--profile-out`, default: next to --out as
 `<out stem>.profile.json`, else `gpu_profile.json`), one JSON object, schema `mimo.gpu_profile/1`:
 
     {"schema": "mimo.gpu_profile/1", "device": "NVIDIA H100 80GB HBM3", "torch": "...",
+     "memory_bytes": <the device's total memory>,         # null on the CPU smoke run
      "date": "YYYY-MM-DD", "peak_tflops": 989.0,          # table value; null when unknown
      "dtype": "bfloat16",
      "gemm": [{"name": "qkv", "m": tokens, "k": in, "n": out, "ms", "tflops"}, ...],
@@ -707,7 +708,9 @@ def build_profile(device_name, peak, dtype, gemm, attention_rows, step_rows, ext
     mine = [r for r in att if r["impl"] == attention_impl and r["mask"] == "causal" and r["bwd_tflops"]]
     fwd_rate = statistics.median([r["fwd_tflops"] for r in mine]) if mine else None
     bwd_rate = statistics.median([r["bwd_tflops"] for r in mine]) if mine else None
-    return {"schema": SCHEMA, "device": device_name, "torch": torch.__version__,
+    memory = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+              if torch.cuda.is_available() else None)
+    return {"schema": SCHEMA, "device": device_name, "torch": torch.__version__, "memory_bytes": memory,
             "date": datetime.date.today().isoformat(), "peak_tflops": peak, "dtype": str(dtype).replace("torch.", ""),
             "gemm": gemm, "gemm_tflops": gemm_tflops,
             "gemm_efficiency": round(gemm_tflops / peak, 4) if (peak and gemm_tflops) else None,

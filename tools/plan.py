@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mimo.config import ConfigError, apply_overrides, load_config  # noqa: E402
-from mimo.config.schema import DATA_KINDS  # noqa: E402
+from mimo.config.schema import DATA_KINDS, TrainingConfig  # noqa: E402
 from mimo.planner.api import load_raw, positive_int, section  # noqa: E402
 from mimo.planner.best import planned_config as _config, searcher as _searcher  # noqa: E402
 from mimo.planner.emit import to_yaml  # noqa: E402
@@ -59,6 +60,8 @@ def _load_samples(path: str):
     try:
         with open(path) as fh:
             data = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"--samples: {path}: cannot read ({exc.strerror or type(exc).__name__})") from None
     except json.JSONDecodeError as exc:  # e.g. tools/balance.py's JSONL records
         raise ValueError(f"{path}: invalid JSON ({exc.msg}); expected one JSON list of [text_tokens, images, "
                          "audio_clips]") from None
@@ -153,11 +156,43 @@ def _layout(c, order) -> str:
                       f"{_short(c.pars[n], c.llm_split if n == 'language' else ())}" for n in order)
 
 
+# The training settings a layout is costed with whose defaults differ between the trainer (fp32, no
+# distributed optimizer) and the planner (on a GPU: bf16, the distributed optimizer on).
+_TRAINER = {f.name: f.default for f in dataclasses.fields(TrainingConfig)
+            if f.name in ("precision", "use_distributed_optimizer", "grad_reduce_in_fp32")}
+
+
+def _trainer_settings(raw: dict, training: dict, evaluate: bool) -> list:
+    """The settings of `_TRAINER` the planner fills with its own defaults (named by `_notes`).
+
+    A search from a config the trainer runs (it has a `parallelism` section: the re-plan by hand of
+    docs/checkpoints.md) takes the trainer's defaults for what the config leaves out, so the layout is
+    costed and written with what the run trains with: resuming on the written config must not switch
+    an fp32 run to bf16. A model file, and `--evaluate` (which costs layouts the way the search
+    ranked them), take the planner's."""
+    if isinstance(raw.get("parallelism"), dict) and not evaluate:
+        for key, value in _TRAINER.items():
+            training.setdefault(key, value)
+        return []
+    return [key for key in _TRAINER if key not in training]
+
+
+def _notes(filled: list, searcher: LayoutSearch, evaluate: bool) -> None:
+    """One stderr line per setting the planner chose where the trainer would choose another."""
+    used = {"precision": searcher.precision, "use_distributed_optimizer": searcher.distributed_optimizer,
+            "grad_reduce_in_fp32": searcher.grad_reduce_in_fp32}
+    for key in filled:
+        if used[key] != _TRAINER[key]:
+            print(f"note: training.{key} is not in --config: {'costed' if evaluate else 'planned and written'} "
+                  f"as {json.dumps(used[key])} (the trainer's default is {json.dumps(_TRAINER[key])}); set it "
+                  "there to plan for another", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     p = _Parser(description=__doc__.splitlines()[1])
     p.add_argument("--config", required=True, help="model YAML (parallelism needed only for --evaluate)")
     p.add_argument("--gpus", type=int, help="GPU budget (search)")
-    p.add_argument("--gpu", default="h100", help="h100 | h200 | a100 | cpu")
+    p.add_argument("--gpu", help="h100 | h200 | a100 | cpu (default h100; with --profile, the profile's device)")
     p.add_argument("--profile", help="a measured profile from tools/gpu_bench.py (schema mimo.gpu_profile/1): "
                                      "its device and rates replace --gpu's defaults")
     p.add_argument("--no-calibrate", action="store_true",
@@ -194,6 +229,9 @@ def main(argv=None) -> int:
             raise ValueError("--gpus: required unless --evaluate")
         if args.gpus is not None and args.gpus < 1:
             raise ValueError(f"--gpus: expected a positive integer, got {args.gpus}")
+        if args.gpu is not None and args.profile is not None:
+            raise ValueError("--gpu: not with --profile (the profile names the device and its rates)")
+        args.gpu = args.gpu or "h100"
         try:
             get_gpu(args.gpu)
         except ValueError as exc:
@@ -213,6 +251,7 @@ def main(argv=None) -> int:
         if args.micro_batch is not None:
             training["micro_batch_size"] = args.micro_batch
         raw["training"] = training
+        filled = _trainer_settings(raw, training, args.evaluate)
         samples = _load_samples(args.samples) if args.samples else None
         gpu = args.gpu
         if args.no_calibrate and args.profile is None:
@@ -259,6 +298,7 @@ def main(argv=None) -> int:
                 print(f"warning: predicted peak {_gb(est.peak_memory)} GB per GPU exceeds the "
                       f"{limit / GB:.1f} GB of a {args.gpu}{_split_hint(searcher, pars, args.homogeneous)}",
                       file=sys.stderr)
+            _notes(filled, searcher, True)
             return 0
         t0 = time.perf_counter()
         found = searcher.search(args.gpus)
@@ -294,6 +334,7 @@ def main(argv=None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    _notes(filled, searcher, False)
     if args.json:
         print(json.dumps({"gpus": args.gpus, "gpu": args.gpu, "search_time_s": round(search_time, 4),
                           "candidates": [c.as_dict(order) for c in found[:args.top]]}))

@@ -61,7 +61,7 @@ def _check_format_record(ckpt: str) -> None:
         raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FNAME)}: missing (not a distributed checkpoint)")
 
 
-def _get(d: dict, path: str):
+def saved_value(d: dict, path: str):
     for part in path.split("."):
         d = d.get(part, {}) if isinstance(d, dict) else {}
     return d if d != {} else None
@@ -81,7 +81,7 @@ def config_problems(saved_cfg: dict, cfg, load_optimizer: bool) -> List[str]:
         fields.append("data.num_workers")
     out = []
     for f in fields:
-        before, after = _get(saved_cfg, f), _get(now, f)
+        before, after = saved_value(saved_cfg, f), saved_value(now, f)
         if before != after:
             out.append(f"{f}: the checkpoint was saved with {before!r}, this run has {after!r} (resuming needs the "
                        "same; training.load_optimizer: false loads the weights only)")

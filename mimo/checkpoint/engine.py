@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import threading
 from typing import Optional
 
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo.runtime import checkpoint_scope, cuda_available
 
-from .checks import META, check_resumable, resume_target, shape_problems
+from .checks import META, check_resumable, resume_target, saved_value, shape_problems
 from .manifest import gather_checksums, verify_share, write_manifest
 from .optimizer_state import PREFIX, assign_optimizer, optimizer_request, optimizer_state
 from .paths import CheckpointError, delete_pruned, discard_leftovers, partial_dir, prune, publish
@@ -93,6 +94,12 @@ class Checkpointer:
                 found = ((0, 0, 0), f"{extra[0]}: in the checkpoint (shape {list(saved[extra[0]].global_shape)}) but "
                                     "not in this model; the checkpoint is of a different architecture")
         _stop_on(found, ckpt)
+        before = saved_value(meta["config"], "training.precision")
+        if self.rank == 0 and before not in (None, tr.precision):
+            # Allowed (weights load at any precision), but the run does not continue exactly as saved.
+            print(f"warning: training.precision: {ckpt} was saved by a {before} run and this run trains in "
+                  f"{tr.precision}; it continues from the saved weights, not as the saved run would have "
+                  f"(set training.precision: {before} to continue it)", file=sys.stderr, flush=True)
 
         request = {"weights": weights_request(self.shards)}
         if tr.load_optimizer:

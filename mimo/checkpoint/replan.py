@@ -19,45 +19,29 @@ ConfigError, so the CLI reports it as one `error:` line and exits 2 before any c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from mimo.config import ConfigError, MimoConfig, apply_overrides, load_config, read_yaml
-from mimo.config.schema import LANGUAGE
+from mimo.config.schema import LANGUAGE, ParallelConfig
+from mimo.config.validate import offload_problem
+from mimo.planner.hardware import gpu_kind
 
 from .paths import _ITER, complete_steps, iter_dir, read_latest
 
+_PARALLEL_FIELDS = {f.name for f in dataclasses.fields(ParallelConfig)}
 TEMPLATES = "templates.json"
 PATH = "training.replan"
 
 
 def layout_file(home: str, world: int) -> str:
     return os.path.join(home, f"layout_{world}.yaml")
-
-
-def gpu_kind(device_name: str) -> Optional[str]:
-    """The planner's hardware profile for a device name ("cpu" for CPU ranks), or None when it has
-    none. The kind must be a word of the name ("NVIDIA GH200 480GB" is not an H200), and a memory
-    size the name gives must be the profile's ("NVIDIA A100-SXM4-40GB" is not the 80 GB profile):
-    a layout planned for more memory than the GPU has would run out of it after the restart."""
-    from mimo.planner.hardware import GIB, GPUS
-
-    name = device_name.lower()
-    if name == "cpu":
-        return "cpu"
-    for kind, spec in GPUS.items():
-        if kind != "cpu" and re.search(rf"(?<![a-z0-9]){kind}(?![0-9])", name):
-            size = re.search(r"(\d+)\s*gb\b", name)
-            if size and abs(int(size.group(1)) * GIB - spec.memory_bytes) > 0.1 * spec.memory_bytes:
-                return None
-            return kind
-    return None
 
 
 def _no_profile(device_name: str) -> str:
@@ -154,6 +138,12 @@ def with_layout(raw: Dict[str, Any], parallelism: Dict[str, Any], micro: int) ->
     # It bounds the sizes planned ahead at a start on the configured layout, which this is not; kept,
     # it would refuse every layout for fewer ranks than it names.
     out["training"].pop("replan_min_ranks", None)
+    if out["training"].get("offload_encoders"):
+        # Kept where this layout has the phase it works in (colocated encoders idle while the LLM runs).
+        pars = {n: ParallelConfig(**{k: v for k, v in p.items() if k in _PARALLEL_FIELDS})
+                for n, p in parallelism.items()}
+        if offload_problem(pars, [n for n in pars if n != LANGUAGE]):
+            out["training"]["offload_encoders"] = False
     return out
 
 
@@ -184,6 +174,10 @@ def search(raw: Dict[str, Any], cfg: MimoConfig, world: int, kind: str) -> Tuple
                                 "grad_reduce_in_fp32": tr.grad_reduce_in_fp32}
         try:
             s, spec = searcher(plan_raw, kind, None)
+            if cfg.model.language.attention != "bitfield":
+                # Context parallelism runs on the bitfield kernel only, and a re-plan keeps the model
+                # as configured: no CP layouts (the planner's own configs would switch the kernel).
+                s.max_cp = 1
             found = s.search(world)
         except ValueError as exc:  # the planner's own one-line reason (no layout fits, none divides)
             problem = str(exc)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .hf_files import processor_dir, tokenizer_dir
 from .kernel import field_problems, resolve_problem
@@ -58,11 +58,28 @@ def placement(a: ParallelConfig, b: ParallelConfig) -> str:
 def is_homogeneous(cfg: MimoConfig) -> bool:
     """Whether the step plan is of the homogeneous family (every module on the language's layout, one
     forward and backward through all modules per microbatch: `mimo.schedule.plan_build`)."""
-    lang = cfg.parallelism[LANGUAGE]
+    return _homogeneous(cfg.parallelism, bool(cfg.model.encoders))
+
+
+def _homogeneous(parallelism: Dict[str, ParallelConfig], has_encoders: bool) -> bool:
+    lang = parallelism[LANGUAGE]
     # The LLM's ep / etp re-divide its own ranks (docs/moe.md): not part of the dense layout compared here.
     shape = lambda p: (p.tp, p.cp, p.pp, p.dp, p.rank_offset)  # noqa: E731
-    same = all(shape(p) == shape(lang) for p in cfg.parallelism.values())
-    return same and (not cfg.model.encoders or (lang.pp == 1 and lang.cp == 1))
+    same = all(shape(p) == shape(lang) for p in parallelism.values())
+    return same and (not has_encoders or (lang.pp == 1 and lang.cp == 1))
+
+
+def offload_problem(parallelism: Dict[str, ParallelConfig], encoders: Sequence[str]) -> Optional[str]:
+    """Why `training.offload_encoders` would have no effect on this layout, or None. It moves colocated
+    encoders' weights off the device while the LLM runs alone (phase 2 of the three-phase plan): a
+    layout without that phase would ignore it."""
+    lang = parallelism[LANGUAGE]
+    if not any(placement(parallelism[n], lang) == "colocated" for n in encoders):
+        return "needs an encoder colocated with the LLM (on the LLM's ranks); here none is"
+    if _homogeneous(parallelism, bool(encoders)):
+        return ("has no effect when every module has the LLM's layout (the encoders run in every microbatch, "
+                "never idle): give the colocated encoders their own tp / dp, or leave it out")
+    return None
 
 
 def validate(cfg: MimoConfig, world_size: Optional[int] = None) -> List[Problem]:
@@ -455,7 +472,9 @@ def _check_energon_split(path: str, add) -> None:
 
 def _check_choice(value, choices, path, add) -> None:
     if value not in choices:
-        add(path, f"must be one of {', '.join(choices)}, got {value!r}")
+        # The loader reads a YAML boolean in a text field as the word (`off`: YAML 1.1's false).
+        hint = " (YAML reads true/yes/on as 'on' and false/no/off as 'off')" if value in ("on", "off") else ""
+        add(path, f"must be one of {', '.join(choices)}, got {value!r}{hint}")
 
 
 def _check_heads(m, path: str, add) -> None:
@@ -669,8 +688,10 @@ def _check_parallelism(cfg: MimoConfig, world_size: Optional[int], add) -> None:
     idle = _gaps([cfg.parallelism[n].ranks for n in modules], world)
     if idle and not beyond:
         add("parallelism", f"ranks {', '.join(idle)} of world size {world} belong to no module")
-    if cfg.training.replan != "auto":  # re-planned layouts take the flag where they have the phase for it
-        _check_offload(cfg, add)
+    if cfg.training.offload_encoders:
+        problem = offload_problem(cfg.parallelism, list(cfg.model.encoders))
+        if problem:
+            add("training.offload_encoders", problem)
 
     _check_batch(cfg, add)
 
@@ -691,19 +712,6 @@ def _gaps(ranges: List[range], world: int) -> List[str]:
 def _layout_sizes_ok(cfg: MimoConfig) -> bool:
     """Whether every module's sizes are positive integers (else the layout is reported, not sized)."""
     return all(isinstance(p.size, int) and p.size > 0 for p in cfg.parallelism.values()) and bool(cfg.parallelism)
-
-
-def _check_offload(cfg: MimoConfig, add) -> None:
-    """`offload_encoders` moves colocated encoders' weights off the device while the LLM runs alone (phase 2
-    of the three-phase plan): a layout without that phase would ignore it."""
-    if not cfg.training.offload_encoders:
-        return
-    lang = cfg.parallelism[LANGUAGE]
-    if not any(placement(cfg.parallelism[n], lang) == "colocated" for n in cfg.model.encoders):
-        add("training.offload_encoders", "needs an encoder colocated with the LLM (on the LLM's ranks); here none is")
-    elif is_homogeneous(cfg):
-        add("training.offload_encoders", "has no effect when every module has the LLM's layout (the encoders run in "
-            "every microbatch, never idle): give the colocated encoders their own tp / dp, or leave it out")
 
 
 def _check_module_layout(name, par: ParallelConfig, mod, path: str, add) -> None:

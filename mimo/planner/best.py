@@ -94,6 +94,10 @@ def planned_config(raw: dict, searcher: LayoutSearch, planned, order) -> dict:
     training = {**TRAINING_DEFAULTS, **dict(raw.get("training") or {})}
     training["global_batch_size"] = searcher.g
     training["micro_batch_size"] = searcher.m
+    if isinstance(training.get("replan_min_ranks"), int) and training["replan_min_ranks"] > planned.estimate.gpus:
+        # The floor of the world sizes a re-plan prepares for, below this layout's own size: the config
+        # check refuses it, and a job re-planned down to here has gone below it already.
+        del training["replan_min_ranks"]
     # What the layout was costed with (the trainer's own defaults are fp32 and no
     # distributed optimizer, the planner's bf16 with it on a GPU).
     training.setdefault("precision", searcher.precision)

@@ -7,7 +7,9 @@ the remaining gap against measured layer timings.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 GIB = 1024**3
 
@@ -83,3 +85,20 @@ def get_gpu(name) -> GpuSpec:
     if key not in GPUS:
         raise ValueError(f"unknown gpu type {name!r} (known: {', '.join(sorted(GPUS))})")
     return GPUS[key]
+
+
+def gpu_kind(device_name: str) -> Optional[str]:
+    """The planner's spec for a device name ("cpu" for CPU ranks), or None when it has none. The kind
+    must be a word of the name ("NVIDIA GH200 480GB" is not an H200), and a memory size the name
+    gives must be the spec's ("NVIDIA A100-SXM4-40GB" is not the 80 GB spec): a layout planned for
+    more memory than the GPU has runs out of it."""
+    name = device_name.strip().lower()
+    if name == "cpu":
+        return "cpu"
+    for kind, spec in GPUS.items():
+        if kind != "cpu" and re.search(rf"(?<![a-z0-9]){kind}(?![0-9])", name):
+            size = re.search(r"(\d+)\s*gb\b", name)
+            if size and abs(int(size.group(1)) * GIB - spec.memory_bytes) > 0.1 * spec.memory_bytes:
+                return None
+            return kind
+    return None

@@ -24,13 +24,11 @@ import json
 import math
 import statistics
 
-from .hardware import GPUS, GpuSpec
+from .hardware import GPUS, GpuSpec, gpu_kind
 from .megatron import Par, StepModel, Work
 from .spec import read_model
 
 SCHEMA = "mimo.gpu_profile/1"
-# Device-name fragments -> the planner's spec (first match wins: "H200" before "H100").
-DEVICE_SPECS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("cpu", "cpu"))
 
 
 def load_profile(path: str) -> dict:
@@ -63,7 +61,7 @@ def _shape_problems(data: dict) -> list:
     if data.get("dtype") not in (None, "bfloat16", "float32"):  # the rates are read against this dtype's peak
         out.append(f"dtype: expected bfloat16 or float32 (what tools/gpu_bench.py measures in), "
                    f"got {data['dtype']!r}")
-    for key in ("peak_tflops", "gemm_tflops", "memory_bandwidth"):
+    for key in ("peak_tflops", "gemm_tflops", "memory_bandwidth", "memory_bytes"):
         if data.get(key) is not None and not _ok(data[key]):
             out.append(f"{key}: expected a positive number, got {data[key]!r}")
     peak, gemm = data.get("peak_tflops"), data.get("gemm_tflops")
@@ -92,11 +90,14 @@ def _shape_problems(data: dict) -> list:
 
 
 def spec_name(device: str) -> str:
-    low = device.lower()
-    for frag, name in DEVICE_SPECS:
-        if frag in low:
-            return name
-    raise ValueError(f"profile device {device!r}: no planner GPU spec for it (known: {', '.join(sorted(GPUS))})")
+    """The planner's spec of the profiled device (`hardware.gpu_kind`: a whole word of its name, and
+    the memory size the name gives, if any, must be the spec's)."""
+    kind = gpu_kind(device)
+    if kind is None:
+        known = ", ".join(f"{k} ({GPUS[k].memory_bytes / 2**30:.0f} GiB)" for k in GPUS if k != "cpu")
+        raise ValueError(f"profile device {device!r}: no planner GPU spec for it (known: {known}, cpu); "
+                         f"a GPU of another memory size would be planned for memory it does not have")
+    return kind
 
 
 def _rate(value, what: str) -> float | None:
@@ -145,6 +146,9 @@ def measured_gpu(profile: dict) -> GpuSpec:
     bw = _rate(profile.get("memory_bandwidth"), "memory_bandwidth")
     if bw:
         changes["memory_bandwidth"] = bw
+    memory = _rate(profile.get("memory_bytes"), "memory_bytes")
+    if memory:  # the device's own size (a name need not give it: "NVIDIA H100 NVL" has 94 GB)
+        changes["memory_bytes"] = memory
     return dataclasses.replace(base, **changes)
 
 

@@ -404,3 +404,49 @@ def test_an_out_path_that_cannot_be_written_is_refused_before_the_search(tmp_pat
     out = tmp_path / "not" / "made" / "best.yaml"  # a directory not made yet is made
     assert plan_cli.main(["--config", TINY, "--gpus", "4", "--gpu", "cpu", "--out", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["parallelism"]
+
+
+def test_a_run_configs_settings_left_out_are_the_trainers(tmp_path, capsys):
+    """Re-planning a run config by hand (it has a parallelism section) writes what the run trains with:
+    the trainer's fp32 and no distributed optimizer where it sets none, so resuming on the written
+    config does not switch the run to bf16. A model file takes the planner's GPU defaults, and each
+    one the trainer would not choose is named on stderr."""
+    run = os.path.join(ROOT, "examples", "configs", "cpu_demo.yaml")
+    out = tmp_path / "new.yaml"
+    assert plan_cli.main(["--config", run, "--gpus", "1", "--gpu", "h100", "--out", str(out)]) == 0
+    training = yaml.safe_load(out.read_text())["training"]
+    assert (training["precision"], training["use_distributed_optimizer"]) == ("fp32", False)
+    assert "note:" not in capsys.readouterr().err
+    model = load_raw(run)
+    del model["parallelism"]
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(model))
+    assert plan_cli.main(["--config", str(path), "--gpus", "1", "--gpu", "h100", "--out", str(out)]) == 0
+    training = yaml.safe_load(out.read_text())["training"]
+    assert (training["precision"], training["use_distributed_optimizer"]) == ("bf16", True)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert [n.split()[1] for n in notes] == ["training.precision", "training.use_distributed_optimizer"], notes
+    assert "the trainer's default is \"fp32\"" in notes[0]
+
+
+def test_a_replan_floor_above_the_planned_size_is_dropped(tmp_path, capsys):
+    """training.replan_min_ranks bounds the sizes a re-plan prepares for; a layout planned for fewer
+    ranks drops it (the config check would refuse it), one planned for more keeps it."""
+    run = os.path.join(ROOT, "examples", "configs", "cpu_noncolocated.yaml")
+    out = tmp_path / "new.yaml"
+    common = ["--config", run, "--gpu", "cpu", "--out", str(out), "--set", "training.replan=auto",
+              "--set", f"training.save={tmp_path / 'ckpt'}"]
+    for gpus, floor, kept in ((3, 5, False), (4, 2, True)):
+        assert plan_cli.main([*common, "--gpus", str(gpus), "--set", f"training.replan_min_ranks={floor}"]) == 0
+        assert ("replan_min_ranks" in yaml.safe_load(out.read_text())["training"]) == kept
+    capsys.readouterr()
+
+
+def test_gpu_and_profile_are_exclusive_and_a_missing_samples_file_names_the_flag(tmp_path, capsys):
+    profile = os.path.join(ROOT, "examples", "profiles", "h200_2026-11-29.profile.json")
+    assert plan_cli.main(["--config", LLAVA, "--gpus", "8", "--gpu", "a100", "--profile", profile]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: --gpu: not with --profile (the profile names the device and its rates)"
+    missing = str(tmp_path / "none.json")
+    assert plan_cli.main(["--config", LLAVA, "--gpus", "8", "--samples", missing]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --samples: {missing}: cannot read (No such file or directory)"

@@ -273,7 +273,7 @@ def test_evaluate_names_a_split_that_would_fit(tmp_path, capsys):
     cfg["language"]["max_sequence_length"] = 131072
     raw = {"model": cfg, "data": {"kind": "mock", "seq_length": 131072},
            "training": {"global_batch_size": 4, "micro_batch_size": 1, "precision": "bf16",
-                        "grad_reduce_in_fp32": False},
+                        "use_distributed_optimizer": True, "grad_reduce_in_fp32": False},
            "parallelism": {"language": {"tp": 2, "cp": 8, "pp": 4, "dp": 1, "sp": True},
                            "images": {"tp": 2, "dp": 32, "sp": True}}}
     path = _write(tmp_path, raw)

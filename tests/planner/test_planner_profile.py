@@ -42,7 +42,8 @@ def _step_s(gpu) -> float:
     return search.evaluate({"language": Par()}).step_time
 
 
-def _profile(gemm=600.0, attn_fwd=400.0, attn_bwd=340.0, bandwidth=3.0e12, layer=None, device="NVIDIA H100 80GB HBM3"):
+def _profile(gemm=600.0, attn_fwd=400.0, attn_bwd=340.0, bandwidth=3.0e12, layer=None, device="NVIDIA H100 80GB HBM3",
+             memory_bytes=None):
     prof = {"schema": SCHEMA, "device": device, "peak_tflops": 989.0, "dtype": "bfloat16",
             "gemm_tflops": gemm, "memory_bandwidth": bandwidth, "attention_impl": "sdpa",
             "attention": [{"tokens": t, "mask": m, "impl": i, "fwd_tflops": attn_fwd * (1 if i == "sdpa" else 0.5),
@@ -50,6 +51,8 @@ def _profile(gemm=600.0, attn_fwd=400.0, attn_bwd=340.0, bandwidth=3.0e12, layer
                           for i in ("sdpa", "flex")]}
     if layer is not None:
         prof["layer"] = dict(layer, model=dict(MODEL, attention="sdpa"), micro_batch=MB, seq_length=SEQ)
+    if memory_bytes is not None:
+        prof["memory_bytes"] = memory_bytes
     return prof
 
 
@@ -60,6 +63,18 @@ def test_device_names_map_to_the_planner_specs():
     assert spec_name("cpu") == "cpu"
     with pytest.raises(ValueError, match="no planner GPU spec"):
         spec_name("Some Other Accelerator")
+    # Another memory size, or another chip whose name holds a known one, is not planned as the spec.
+    for name in ("NVIDIA A100-SXM4-40GB", "NVIDIA GH200 480GB"):
+        with pytest.raises(ValueError, match="memory it does not have"):
+            spec_name(name)
+
+
+def test_the_profiled_memory_size_replaces_the_specs():
+    assert measured_gpu(_profile()).memory_bytes == GPUS["h100"].memory_bytes  # none recorded: the spec's
+    gpu = measured_gpu(_profile(device="NVIDIA H100 NVL", memory_bytes=94 * 10**9))
+    assert gpu.name == "h100" and gpu.memory_bytes == 94 * 10**9
+    with pytest.raises(ValueError, match="memory_bytes"):
+        measured_gpu(_profile(memory_bytes=-1))
 
 
 def test_measured_rates_replace_the_defaults():
