@@ -164,6 +164,37 @@ def test_pixel_bounds_come_from_preprocessor_config(tmp_path, extra, pixels):
     assert (enc.min_pixels, enc.max_pixels) == pixels
 
 
+def test_pixel_bounds_of_a_processor_transformers_5_saved(tmp_path):
+    """transformers 5 saves a processor as processor_config.json with the image processor's settings in
+    its `image_processor` entry, and reads that entry before any preprocessor_config.json: so does
+    mimo. Before, mimo read preprocessor_config.json only, and took the defaults (and CLIP's mean / std)
+    where transformers took 784 / 12544 and 0.5."""
+    from transformers import AutoImageProcessor
+
+    directory = _write(tmp_path / "q", qwen25_flat())
+    nested = {"image_processor": {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14,
+                                  "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3,
+                                  "image_std": [0.5] * 3, "size": {"shortest_edge": 784, "longest_edge": 12544}},
+              "processor_class": "Qwen2_5_VLProcessor"}
+    (tmp_path / "q" / "processor_config.json").write_text(json.dumps(nested))
+    # A stale preprocessor_config.json beside it: transformers does not read it, and neither may mimo.
+    (tmp_path / "q" / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 1003520}))
+    hf = AutoImageProcessor.from_pretrained(directory)
+    assert (hf.size["shortest_edge"], hf.size["longest_edge"]) == (784, 12544)
+    enc = load_config(raw_config(directory)).model.encoders["images"]
+    assert (enc.min_pixels, enc.max_pixels) == (784, 12544)
+    from mimo.config.hf_files import qwen_processor_settings
+
+    settings = qwen_processor_settings(directory)
+    assert settings["image_mean"] == list(hf.image_mean) and settings["file"] == "processor_config.json: image_processor"
+    # The nested patch size must agree with the ViT too, and the message names where it was read.
+    nested["image_processor"]["patch_size"] = 16
+    (tmp_path / "q" / "processor_config.json").write_text(json.dumps(nested))
+    assert errors(raw_config(directory)) == [("model.hf", "processor_config.json: image_processor patch_size (16) "
+                                                          "disagrees with config.json vision_config (14)")]
+
+
 def test_yaml_may_lower_max_pixels_but_not_change_the_architecture(tmp_path):
     directory = _write(tmp_path / "q", qwen25_flat())
     cfg = load_config(raw_config(directory, max_pixels=28 * 28 * 64, min_pixels=28 * 28 * 4))
@@ -347,3 +378,22 @@ def test_real_data_checks_the_native_processor_settings(tmp_path):
     bad = _write(tmp_path / "bad", qwen25_flat(), {**pre, "image_std": [0.5, 0.5]})
     raw["model"]["hf"] = bad
     assert [p for p, _ in errors(raw)] == ["model.encoders.images", "data.tokenizer"]
+
+
+def test_sequence_parallel_native_vit_needs_tp_dividing_a_merge_block(tmp_path):
+    """A native ViT's images hold whole 2 x 2 merge blocks (36 patches for an 84 x 84 image), which
+    splits over tp 2 or 4 but not 8: refused at the check (before: at the first step with such an image)."""
+    config = qwen25_flat()
+    config["vision_config"]["num_heads"] = 8  # (so that tp 8 divides the heads)
+    directory = _write(tmp_path / "q", config)
+    raw = raw_config(directory)
+    for tp, ok in ((2, True), (4, True), (8, False)):
+        raw["parallelism"] = {"language": {"dp": tp}, "images": {"tp": tp, "sp": True}}
+        raw["training"]["global_batch_size"] = tp
+        got = errors(raw)
+        assert (got == []) == ok, (tp, got)
+    assert got == [("parallelism.images.sp", "needs tp (8) dividing spatial_merge_size^2 (4): an image holds a multiple "
+                                             "of 4 patches, which 8 shards may not split (use tp <= 4 dividing it, or "
+                                             "sp: false)")]
+    raw["parallelism"]["images"]["sp"] = False
+    assert errors(raw) == []

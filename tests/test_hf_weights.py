@@ -91,6 +91,22 @@ def test_architecture_comes_from_the_hf_config(clip_llama):
     assert cfg.placeholder_ids == {"images": IMAGE} and enc.projector.activation == "gelu"
 
 
+def test_tied_embeddings_follow_transformers_either_flag(siglip_qwen2, tmp_path):
+    """transformers' LlavaConfig ties the output layer when the top-level flag or text_config's says so
+    (a transformers 4 save of a tied LLM: top level false, text_config true). mimo used the top-level
+    flag alone: an untied model that then missed lm_head.weight."""
+    from transformers import AutoConfig
+
+    d = tmp_path / "tie"
+    shutil.copytree(siglip_qwen2, d)
+    c = json.loads((d / "config.json").read_text())
+    for top, text in ((False, True), (True, False), (False, False)):
+        c["tie_word_embeddings"], c["text_config"]["tie_word_embeddings"] = top, text
+        (d / "config.json").write_text(json.dumps(c))
+        want = AutoConfig.from_pretrained(str(d)).tie_word_embeddings
+        assert load_config(llava_config(str(d))).model.language.tie_embeddings == want == (top or text)
+
+
 def test_yaml_field_that_disagrees_is_a_config_error(clip_llama, tmp_path):
     import yaml
 
@@ -580,6 +596,14 @@ def test_quantized_weights_and_a_stale_index_are_one_error_line(clip_llama, tmp_
         check_hf_weights(cfg)
     assert str(exc.value) == (f"error: {os.path.join(sharded, wrong)}: {norm}: listed in "
                               "model.safetensors.index.json but not in this file (a stale index?)")
+    # A malformed index is one line naming it (before: AttributeError / TypeError tracebacks).
+    for bad in ({"weight_map": list(weight_map)}, [weight_map], {"weight_map": {norm: None}}, {"metadata": {}}):
+        with open(index, "w") as f:
+            json.dump(bad, f)
+        with pytest.raises(HFWeightsError) as exc:
+            check_hf_weights(cfg)
+        assert str(exc.value) == (f"error: {index}: not a shard index: expected "
+                                  "{\"weight_map\": {tensor name: file name}}"), bad
 
 
 def test_tokenizer_and_processor_are_located_in_model_hf(clip_llama, tmp_path):

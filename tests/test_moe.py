@@ -94,6 +94,8 @@ def _lang(raw, **fields):
            add_bias_linear=True), "parallelism.language.etp", "add_bias_linear"),
     (_lang(moe(dp=2, etp=2), moe_ffn_hidden_size=15), "parallelism.language.etp", "FFN width (15)"),
     (_lang(moe(), moe_router_topk=9), "model.language.moe_router_topk", "<= num_moe_experts"),
+    # (megatron-core refuses it at the model build, after the check said ok)
+    (_lang(moe(), moe_router_topk=1), "model.language.moe_router_topk", "1 needs moe_router_pre_softmax: true"),
     (_lang(moe(), moe_layer_freq=[1, 2]), "model.language.moe_layer_freq", "0 (dense) or 1 (MoE)"),
     (_lang(moe(), moe_layer_freq=[1]), "model.language.moe_layer_freq", "one 0 (dense) or 1"),
     (_lang(moe(), moe_layer_freq="every"), "model.language.moe_layer_freq", "positive integer or a list"),

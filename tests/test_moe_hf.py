@@ -166,6 +166,56 @@ def test_a_config_without_its_architecture_keys_builds_what_transformers_builds(
     assert got["moe_router_pre_softmax"] == (model_type != "mixtral" and not ref.norm_topk_prob)
 
 
+def test_top1_routing_with_renormalised_weights_is_refused_and_without_is_imported():
+    """transformers' renormalised top-1 (Mixtral, norm_topk_prob) weighs every token 1.0, which megatron-core's
+    router cannot express: a config error naming the field, not a crash at the model build. Top-1 without
+    renormalisation is megatron's pre-softmax top-1, which the config check then accepts."""
+    from mimo.config.hf_arch import HFConfigProblem, moe_fields
+
+    base = {"num_hidden_layers": 2, "num_experts": 8, "num_local_experts": 8, "moe_intermediate_size": 16,
+            "intermediate_size": 16, "num_experts_per_tok": 1}
+    for tc in ({"model_type": "mixtral"}, {"model_type": "qwen3_moe", "norm_topk_prob": True}):
+        with pytest.raises(HFConfigProblem, match="num_experts_per_tok 1 and renormalised"):
+            moe_fields({**base, **tc}, "model.language.hf")
+    got = moe_fields({**base, "model_type": "qwen2_moe", "norm_topk_prob": False}, "model.language.hf")
+    assert (got["moe_router_topk"], got["moe_router_pre_softmax"]) == (1, True)
+
+
+@pytest.mark.parametrize("model_type,keys", [
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),  # every layer slides
+    ("qwen3_moe", dict(use_sliding_window=True)),  # the window left out: transformers' 4096
+    ("qwen3_moe", dict(sliding_window=16)),  # no use_sliding_window: none
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),  # layer 0 of 2
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0)),  # none below 0
+    ("mixtral", dict(sliding_window=16)),  # Mixtral: every layer, whenever it is set
+    ("mixtral", dict()),
+])
+def test_the_sliding_window_is_the_one_transformers_applies(model_type, keys):
+    """The window mimo checks data.seq_length against, against the windows of transformers' own
+    attention layers built from the same config.json (the rules differ by model type: Qwen2-MoE slides
+    every other layer below max_window_layers, Qwen3-MoE every layer; mimo used Qwen2's rule for all)."""
+    from transformers import AutoModelForCausalLM
+
+    from mimo.config.hf_arch import sliding_window
+
+    config = _text_config(model_type)
+    for k, v in keys.items():
+        setattr(config, k, v)
+    tc = {k: v for k, v in config.to_dict().items() if k not in ("layer_types", "sliding_window")}
+    tc.update(keys)  # as a config.json that names only these
+    config = type(config)(**{k: v for k, v in tc.items() if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(config)
+    # Each layer's window as transformers' forward picks it: by its layer type where the config has
+    # them (Qwen2-MoE's mask per layer type), else its attention's own (Qwen3-MoE), else the config's,
+    # which Mixtral's attention hands to the kernel.
+    types = getattr(config, "layer_types", None)
+    windows = {(config.sliding_window if types[i] == "sliding_attention" else None) if types else
+               getattr(layer.self_attn, "sliding_window", config.sliding_window)
+               for i, layer in enumerate(model.model.layers)} - {None, 0}
+    got = sliding_window(tc)
+    assert ({got} if got is not None else set()) == windows, (tc, windows)
+
+
 def test_causal_moe_logits_single_rank_and_negative_control(models, tmp_path):
     """Qwen3-MoE, Qwen2-MoE and Mixtral at 1 rank within tolerance; one Qwen3-MoE expert 2% off
     in mimo's copy moves the logits outside it."""

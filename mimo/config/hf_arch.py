@@ -167,6 +167,11 @@ def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
         pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     if not any(pattern):
         raise HFConfigProblem(field, f"{mt} config.json makes no layer a mixture-of-experts layer")
+    if int(tc["num_experts_per_tok"]) == 1 and renorm:
+        # transformers renormalises the one chosen expert's probability to 1.0, which megatron-core's
+        # router cannot express (its top-1 keeps the probability over all experts).
+        raise HFConfigProblem(field, f"{mt} with num_experts_per_tok 1 and renormalised top-k weights "
+                                     "(norm_topk_prob, or Mixtral's router) is not supported")
     out = {
         "num_moe_experts": int(n),
         "moe_router_topk": int(tc["num_experts_per_tok"]),
@@ -188,20 +193,24 @@ def moe_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
 def sliding_window(tc: Dict[str, Any]):
     """The attention window transformers applies to some layer of this LLM config, or None.
 
-    Mistral slides whenever `sliding_window` is set; Qwen2 only with `use_sliding_window`, on
-    the layers `layer_types` (or, in older configs, `max_window_layers`) marks; Llama never.
+    Read from transformers' own config of the model type, which fills the defaults a config.json
+    leaves out (Qwen's `sliding_window` is 4096 when absent) and decides which layers slide: its
+    `layer_types` where the type has them (Qwen2: the layers from `max_window_layers` on; Qwen2-MoE:
+    every other layer below it), else every layer (Mistral, Mixtral, Qwen3-MoE), and only with
+    `use_sliding_window` for the Qwen types. Llama has none.
     """
-    window, mt = tc.get("sliding_window"), tc.get("model_type")
-    if window is None or mt == "llama":
+    from transformers import AutoConfig
+
+    mt = tc.get("model_type")
+    if mt not in ("mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe"):
         return None
-    if mt in ("qwen2", "qwen2_moe", "qwen3_moe"):
-        if not tc.get("use_sliding_window"):
-            return None
-        n = tc.get("num_hidden_layers", 0)
-        types = tc.get("layer_types") or ["sliding_attention" if i >= tc.get("max_window_layers", n) else
-                                          "full_attention" for i in range(n)]
-        if "sliding_attention" not in types:
-            return None
+    keys = {k: v for k, v in tc.items() if k in ("sliding_window", "use_sliding_window", "max_window_layers",
+                                                   "layer_types", "num_hidden_layers")}
+    cfg = AutoConfig.for_model(mt, **keys)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
     return int(window)
 
 
@@ -289,8 +298,8 @@ def llava_fields(lc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any], Dict[s
     if lc.get("model_type") not in LLAVA_TYPES:
         raise _unsupported(field, "multimodal", lc.get("model_type"), MULTIMODAL_TYPES)
     tc = dict(lc["text_config"])
-    if "tie_word_embeddings" in lc:
-        tc["tie_word_embeddings"] = lc["tie_word_embeddings"]
+    # transformers' LlavaConfig ties when either flag says so (pre-v5 saves kept it in text_config).
+    tc["tie_word_embeddings"] = bool(lc.get("tie_word_embeddings") or tc.get("tie_word_embeddings"))
     lang = language_fields(tc, field)
     enc = vision_fields(lc["vision_config"], field, lc.get("vision_feature_layer", -2),
                         lc.get("vision_feature_select_strategy", "default"))
@@ -403,11 +412,11 @@ def _processor_pixels(directory: str, enc: Dict[str, Any], field: str) -> Dict[s
     try:
         pc = qwen_processor_settings(directory)
     except (OSError, ValueError, RecursionError) as exc:
-        raise HFConfigProblem(field, f"{os.path.join(directory, 'preprocessor_config.json')}: unreadable ({exc})")
+        raise HFConfigProblem(field, f"the image processor settings in {directory}: unreadable ({exc})")
     for key, ours in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                       ("merge_size", "spatial_merge_size")):
         if pc[key] is not None and pc[key] != enc[ours]:
-            raise HFConfigProblem(field, f"preprocessor_config.json {key} ({pc[key]}) disagrees with "
+            raise HFConfigProblem(field, f"{pc['file']} {key} ({pc[key]}) disagrees with "
                                          f"config.json vision_config ({enc[ours]})")
     return {"min_pixels": pc["min_pixels"], "max_pixels": pc["max_pixels"]}
 

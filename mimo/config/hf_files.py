@@ -37,20 +37,33 @@ QWEN_MAX_PIXELS = 28 * 28 * 1280
 
 
 def qwen_processor_settings(directory: str) -> dict:
-    """The Qwen2-VL image processor settings of an HF directory's preprocessor_config.json, as
-    transformers resolves them: `min_pixels` / `max_pixels` keys over `size` {shortest_edge,
-    longest_edge} over the class defaults. Also patch_size, temporal_patch_size, merge_size
-    (None when the file does not say) and image_mean / image_std (None: the processor's
-    default, OpenAI CLIP's). No file: all defaults. Raises ValueError for a malformed file."""
+    """The Qwen2-VL image processor settings of an HF directory, as transformers resolves them.
+
+    The file: the `image_processor` entry of processor_config.json (what transformers 5 saves),
+    else preprocessor_config.json (the hub's files), in transformers' order. Its `min_pixels` /
+    `max_pixels` keys over `size` {shortest_edge, longest_edge} over the class defaults. Also
+    patch_size, temporal_patch_size, merge_size (None when the file does not say), image_mean /
+    image_std (None: the processor's default, OpenAI CLIP's) and `file`, the file they come from
+    (for messages). No file: all defaults. Raises ValueError for a malformed file."""
     import json
 
-    path = os.path.join(directory, "preprocessor_config.json")
-    pc = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            pc = json.load(f)
-        if not isinstance(pc, dict):
-            raise ValueError(f"{path}: expected a JSON object")
+    pc, path = {}, os.path.join(directory, "preprocessor_config.json")
+    for name, entry in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        here = os.path.join(directory, name)
+        if not os.path.isfile(here):
+            continue
+        with open(here) as f:
+            found = json.load(f)
+        if not isinstance(found, dict):
+            raise ValueError(f"{here}: expected a JSON object")
+        if entry is not None:
+            if entry not in found:
+                continue  # a processor file without the image processor's settings (older saves)
+            found, here = found[entry], f"{here}: {entry}"
+            if not isinstance(found, dict):
+                raise ValueError(f"{here}: expected a JSON object")
+        pc, path = found, here
+        break
     size = pc.get("size")
     if size is not None and not isinstance(size, dict):
         raise ValueError(f"{path}: size must be a mapping, got {size!r}")
@@ -65,4 +78,5 @@ def qwen_processor_settings(directory: str) -> dict:
         out[key] = value
     for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
         out[key] = pc.get(key)
+    out["file"] = os.path.basename(path.split(": ")[0]) + (": image_processor" if ": " in path else "")
     return out

@@ -630,8 +630,8 @@ def _check_native_fits(enc: EncoderConfig, path: str, seq_length: int, add) -> N
 
 def _check_native_processor(enc: EncoderConfig, path: str, where: str, add) -> None:
     """A native encoder's images are cut by mimo.data.native_images with the encoder's own sizes;
-    the HF processor's preprocessor_config.json contributes image_mean / image_std and must cut
-    the same patches."""
+    the HF image processor's settings (`qwen_processor_settings`) contribute image_mean / image_std
+    and must cut the same patches."""
     from .hf_files import qwen_processor_settings
 
     try:
@@ -643,7 +643,7 @@ def _check_native_processor(enc: EncoderConfig, path: str, where: str, add) -> N
                       ("merge_size", "spatial_merge_size")):
         if pc[key] is not None and pc[key] != getattr(enc, ours):
             add(f"{path}.{ours}", f"{getattr(enc, ours)}, but the image processor in {where} uses {key} {pc[key]} "
-                                  "(preprocessor_config.json)")
+                                  f"({pc['file']})")
     for key in ("image_mean", "image_std"):
         v = pc[key]
         if v is not None and (not isinstance(v, list) or len(v) != enc.num_channels):
@@ -797,6 +797,10 @@ def _check_moe(lang: LanguageConfig, add) -> None:
     n, k = lang.num_moe_experts, lang.moe_router_topk
     if isinstance(n, int) and isinstance(k, int) and n > 0 and k > n:
         add(f"{path}.moe_router_topk", f"must be <= num_moe_experts ({n}), got {k}")
+    if k == 1 and not lang.moe_router_pre_softmax:
+        # A softmax over the one chosen expert weighs every token 1.0; megatron-core's router refuses it.
+        add(f"{path}.moe_router_topk", "1 needs moe_router_pre_softmax: true (the chosen expert weighted by its "
+                                       "probability over all experts)")
     freq = lang.moe_layer_freq
     if isinstance(freq, list):
         if len(freq) != lang.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
@@ -839,6 +843,13 @@ def _check_sequence_parallel(cfg: MimoConfig, name: str, par: ParallelConfig, mo
         n, what = cfg.data.seq_length, "data.seq_length"
         if isinstance(n, int) and isinstance(par.cp, int) and par.cp >= 1 and n % (par.tp * par.cp):
             add(path, f"needs {what} ({n}) divisible by tp * cp ({par.tp} * {par.cp})")
+    elif _native(mod):
+        # A native ViT splits its packed patches: every image holds a whole number of merge blocks of
+        # spatial_merge_size^2 patches (times its frames), and only that is sure to split into tp shards.
+        block = mod.spatial_merge_size ** 2 if isinstance(mod.spatial_merge_size, int) else 0
+        if block > 0 and block % par.tp:
+            add(path, f"needs tp ({par.tp}) dividing spatial_merge_size^2 ({block}): an image holds a multiple of "
+                      f"{block} patches, which {par.tp} shards may not split (use tp <= {block} dividing it, or sp: false)")
     elif _tokens_ok(mod):
         # A vision class token (CLIP) is part of the sequence the encoder's layers see.
         tokens = mod.tokens_per_item + (1 if mod.class_token else 0)

@@ -28,9 +28,13 @@ def weight_files(directory: str) -> Dict[str, str]:
     if os.path.isfile(index):
         try:
             with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise HFWeightsError(index, f"unreadable shard index ({exc})")
+                data = json.load(f)
+        except (OSError, ValueError, RecursionError) as exc:
+            raise HFWeightsError(index, f"unreadable shard index ({type(exc).__name__}: {exc})")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                       for k, v in weight_map.items()):
+            raise HFWeightsError(index, "not a shard index: expected {\"weight_map\": {tensor name: file name}}")
         files = {k: os.path.join(directory, v) for k, v in weight_map.items()}
         for path in sorted(set(files.values())):
             if not os.path.isfile(path):
