@@ -397,3 +397,19 @@ def test_sequence_parallel_native_vit_needs_tp_dividing_a_merge_block(tmp_path):
                                              "sp: false)")]
     raw["parallelism"]["images"]["sp"] = False
     assert errors(raw) == []
+
+
+@pytest.mark.parametrize("flat", [qwen25_flat, qwen2_flat])
+def test_key_value_heads_left_out_are_transformers_default(tmp_path, flat):
+    """A config.json without num_key_value_heads: transformers' Qwen-VL text model takes its own default
+    (8), where mimo took the query heads (before: 16 here, a model of another shape)."""
+    from transformers import AutoConfig
+
+    from mimo.config.hf_arch import multimodal_fields
+
+    config = flat()
+    del config["num_key_value_heads"]
+    directory = _write(tmp_path / "q", config)
+    want = AutoConfig.from_pretrained(directory).text_config.num_key_value_heads
+    assert want == 8 != config["num_attention_heads"]
+    assert multimodal_fields(config, "model.hf", directory)[0]["num_query_groups"] == want

@@ -92,6 +92,15 @@ def _rope(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     return out
 
 
+def default_kv_heads(model_type: str, heads: int) -> int:
+    """transformers' key/value head count for a config that names none: its model type's own default
+    (Qwen2: 32, Mistral and the Qwen-VL text models: 8), or the query heads where the type falls back
+    to them (Llama)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.for_model(model_type, num_attention_heads=heads).num_key_value_heads or heads)
+
+
 def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
     mt = tc.get("model_type")
     if mt not in LLM_TYPES:
@@ -105,7 +114,7 @@ def language_fields(tc: Dict[str, Any], field: str) -> Dict[str, Any]:
         "num_layers": tc["num_hidden_layers"],
         "hidden_size": tc["hidden_size"],
         "num_attention_heads": heads,
-        "num_query_groups": tc.get("num_key_value_heads") or heads,
+        "num_query_groups": tc.get("num_key_value_heads") or default_kv_heads(mt, heads),
         "ffn_hidden_size": tc["intermediate_size"],
         "vocab_size": tc["vocab_size"],
         "max_sequence_length": tc["max_position_embeddings"],
@@ -335,6 +344,9 @@ def qwen_vl_text_config(hc: Dict[str, Any], field: str) -> Tuple[Dict[str, Any],
     section = params.get("mrope_section", QWEN_VL_MROPE_SECTION)
     if not isinstance(section, list) or len(section) != 3 or not all(isinstance(x, int) for x in section):
         raise HFConfigProblem(field, f"mrope_section must be three integers (time, height, width), got {section!r}")
+    if not tc.get("num_key_value_heads") and isinstance(tc.get("num_attention_heads"), int):
+        # The default of the Qwen-VL text model (8), not Qwen2's (32), which the type becomes below.
+        tc["num_key_value_heads"] = default_kv_heads(f"{hc.get('model_type')}_text", tc["num_attention_heads"])
     tc.update(model_type="qwen2", rope_scaling=None,
               rope_parameters={"rope_theta": params.get("rope_theta", tc.get("rope_theta", QWEN_VL_TEXT_THETA))},
               tie_word_embeddings=bool(hc.get("tie_word_embeddings") or tc.get("tie_word_embeddings")))

@@ -253,7 +253,7 @@ def measured_run(path: str, warmup: int) -> dict:
                     break
                 raise ValueError(f"{path}:{n}: not a step row of --log-json (JSON with step and step_time_s)") \
                     from None
-            if not isinstance(step, int) or not math.isfinite(t) or t <= 0:
+            if isinstance(step, bool) or not isinstance(step, int) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"{path}:{n}: step {step!r} with step_time_s {t!r}")
             rows[step] = (t, row.get("mfu"))
     except OSError as exc:

@@ -300,6 +300,7 @@ def test_a_last_line_cut_short_by_a_killed_run_is_left_out(tmp_path):
 @pytest.mark.parametrize("content,args,message", [
     ("{}\n", [], "steps.jsonl:1: not a step row of --log-json"),
     ('{"step": 1, "step_time_s": -1}\n', [], "steps.jsonl:1: step 1 with step_time_s -1.0"),
+    ('{"step": true, "step_time_s": 1}\n', [], "steps.jsonl:1: step True with step_time_s 1.0"),
     ('{"step": 1, "step_time_s": 0.5}\n', [], "1 steps logged, none after the 3 warm-up steps (--warmup)"),
     ('{"step": 1, "step_time_s": 0.5}\n', ["--warmup", "-1"], "--warmup: expected a non-negative integer, got -1"),
     ("[" * 100000 + "\n", [], "steps.jsonl:1: not a step row of --log-json"),  # a RecursionError traceback before
