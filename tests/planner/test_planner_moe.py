@@ -101,6 +101,7 @@ def _few_big_experts(example, bias=False):
     cfg = copy.deepcopy(example)
     cfg["model"]["language"].update(num_layers=8, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                                     ffn_hidden_size=14336, vocab_size=32000, num_moe_experts=2, moe_router_topk=1,
+                                    moe_router_pre_softmax=True,  # (top 1 needs it)
                                     moe_ffn_hidden_size=65536, add_bias_linear=bias)
     del cfg["parallelism"]
     return cfg
