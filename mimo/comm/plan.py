@@ -75,9 +75,7 @@ class Pieces(Sequence):
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return [self[x] for x in range(*k.indices(len(self)))]
+    def __getitem__(self, k: int) -> Piece:
         if not -len(self) <= k < len(self):
             raise IndexError(f"piece {k} of {len(self)}")
         k %= len(self)

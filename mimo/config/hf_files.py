@@ -47,23 +47,21 @@ def qwen_processor_settings(directory: str) -> dict:
     (for messages). No file: all defaults. Raises ValueError for a malformed file."""
     import json
 
-    pc, path = {}, os.path.join(directory, "preprocessor_config.json")
+    pc, source = {}, "preprocessor_config.json"
     for name, entry in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
-        here = os.path.join(directory, name)
-        if not os.path.isfile(here):
+        if not os.path.isfile(os.path.join(directory, name)):
             continue
-        with open(here) as f:
+        with open(os.path.join(directory, name)) as f:
             found = json.load(f)
-        if not isinstance(found, dict):
-            raise ValueError(f"{here}: expected a JSON object")
-        if entry is not None:
+        if entry is not None and isinstance(found, dict):
             if entry not in found:
                 continue  # a processor file without the image processor's settings (older saves)
-            found, here = found[entry], f"{here}: {entry}"
-            if not isinstance(found, dict):
-                raise ValueError(f"{here}: expected a JSON object")
-        pc, path = found, here
+            found, name = found[entry], f"{name}: {entry}"
+        if not isinstance(found, dict):
+            raise ValueError(f"{os.path.join(directory, name)}: expected a JSON object")
+        pc, source = found, name
         break
+    path = os.path.join(directory, source)
     size = pc.get("size")
     if size is not None and not isinstance(size, dict):
         raise ValueError(f"{path}: size must be a mapping, got {size!r}")
@@ -78,5 +76,5 @@ def qwen_processor_settings(directory: str) -> dict:
         out[key] = value
     for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
         out[key] = pc.get(key)
-    out["file"] = os.path.basename(path.split(": ")[0]) + (": image_processor" if ": " in path else "")
+    out["file"] = source
     return out

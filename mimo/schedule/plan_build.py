@@ -56,7 +56,7 @@ def stage_input_grad(cfg: MimoConfig, name: str, stage: int) -> bool:
 def stage_backward(cfg: MimoConfig, name: str, stage: int) -> bool:
     """Whether a pipeline stage runs backward at all: it trains, or an earlier stage of its module does.
     A frozen encoder's stages before its trainable projector (last stage) run forward only."""
-    return name == LANGUAGE or any(stage_trainable(cfg, name, s) for s in range(stage + 1))
+    return stage_input_grad(cfg, name, stage + 1)
 
 
 def num_microbatches(cfg: MimoConfig) -> int:
